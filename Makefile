@@ -1,0 +1,20 @@
+# Both targets do all set-up first (idempotent): Debian packages, kernel headers for bcc, .venv.
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup test demo lint typecheck bench-quick
+
+setup:
+	@bash scripts/setup.sh
+
+lint: setup
+	$(VENV)/bin/ruff check agent trainer tui tests bench
+
+typecheck: setup
+	$(VENV)/bin/mypy agent trainer tui
+
+test: setup lint typecheck
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup tests
+
+demo: setup
+	$(VENV)/bin/trainguard demo

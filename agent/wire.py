@@ -1,0 +1,258 @@
+"""Message formats shared by the agent and the trainer.
+
+This module is the whole contract between a training rank and its node agent, so it must stay
+small and free of torch (the agent never imports torch) and of anything else heavy.
+
+* Telemetry, rank -> agent: one JSON object per rank per step, sent as one datagram on the unix
+  socket named by ``$TRAINGUARD_SOCKET``. Fire-and-forget; the agent validates every field and
+  drops (and counts) what does not fit.
+* Plan, agent -> ranks: a versioned JSON object per job, written atomically by the agent to the
+  file named by ``$TRAINGUARD_PLAN``. Rank 0 reads it at a step boundary (a ``stat`` per step, a
+  read only when it changed) and broadcasts it, so every rank applies one version at one step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+SCHEMA_VERSION = 1
+MAX_DATAGRAM_BYTES = 4096
+
+ENV_SOCKET = "TRAINGUARD_SOCKET"
+ENV_PLAN = "TRAINGUARD_PLAN"
+ENV_JOB = "TRAINGUARD_JOB"
+ENV_JOB_SPEC = "TRAINGUARD_JOB_SPEC"
+
+
+class WireError(ValueError):
+    """A message that does not fit the contract. ``reason`` is a short label used as a metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+# name -> (type, lower bound, upper bound); None means unbounded on that side.
+_NUM = (int, float)
+_TELEMETRY_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]] = {
+    "rank": ((int,), 0, 1 << 20),
+    "local_rank": ((int,), 0, 1 << 16),
+    "pid": ((int,), 1, 1 << 31),
+    "step": ((int,), 0, 1 << 53),
+    "wall_time": (_NUM, 0, None),
+    "step_s": (_NUM, 0, 86400),
+    "data_s": (_NUM, 0, 86400),
+    "fwd_bwd_s": (_NUM, 0, 86400),
+    "comm_s": (_NUM, 0, 86400),
+    "opt_s": (_NUM, 0, 86400),
+    "samples": ((int,), 0, 1 << 40),
+    "tokens": ((int,), 0, 1 << 50),
+    "loss": (_NUM, None, None),  # NaN/inf allowed: the agent must see a diverging loss
+    "grad_norm": (_NUM, None, None),
+    "local_grad_sq": (_NUM, None, None),
+    "lr": (_NUM, 0, 1e3),
+    "batch_size": ((int,), 0, 1 << 30),
+    "mem_bytes": ((int,), 0, 1 << 60),
+    "plan_version": ((int,), 0, 1 << 53),
+}
+_OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]] = {
+    "flops_per_s": (_NUM, 0, None),
+    "mfu": (_NUM, 0, 1.5),
+    "comm_bytes": ((int,), 0, 1 << 60),
+    "bubble_frac": (_NUM, 0, 1),
+    "mem_frag": (_NUM, 0, 1),
+    "val_loss": (_NUM, None, None),
+    "dp_rank": ((int,), 0, 1 << 20),
+    "world_size": ((int,), 1, 1 << 20),
+    "compress_ratio": (_NUM, 0, None),
+}
+_NONFINITE_OK = {"loss", "grad_norm", "local_grad_sq", "val_loss"}
+
+
+@dataclass(slots=True)
+class Telemetry:
+    """One step of one rank. Times are seconds; ``comm_s`` is time spent waiting on collectives,
+    so compute time is ``fwd_bwd_s + opt_s`` (what straggler detection compares)."""
+
+    job: str
+    rank: int
+    local_rank: int
+    pid: int
+    step: int
+    wall_time: float
+    step_s: float
+    data_s: float
+    fwd_bwd_s: float
+    comm_s: float
+    opt_s: float
+    samples: int
+    tokens: int
+    loss: float
+    grad_norm: float
+    local_grad_sq: float
+    lr: float
+    batch_size: int
+    mem_bytes: int
+    plan_version: int
+    flops_per_s: float | None = None
+    mfu: float | None = None
+    comm_bytes: int | None = None
+    bubble_frac: float | None = None
+    mem_frag: float | None = None
+    val_loss: float | None = None
+    dp_rank: int | None = None
+    world_size: int | None = None
+    compress_ratio: float | None = None
+
+    @property
+    def compute_s(self) -> float:
+        return self.fwd_bwd_s + self.opt_s
+
+    def encode(self) -> bytes:
+        body = {k: v for k, v in asdict(self).items() if v is not None}
+        body["v"] = SCHEMA_VERSION
+        # allow_nan: a NaN loss is information, not an encoding error.
+        return json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
+
+
+_JOB_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def valid_job_id(job: object) -> bool:
+    return isinstance(job, str) and 0 < len(job) <= 64 and set(job) <= _JOB_ID_CHARS and job[0] != "."
+
+
+def _check_number(name: str, value: Any, spec: tuple[tuple[type, ...], float | None, float | None]) -> None:
+    types, lo, hi = spec
+    # bool is an int subclass; a True step number is a bug in the sender, not a step.
+    if isinstance(value, bool) or not isinstance(value, types):
+        if float in types and isinstance(value, int) and not isinstance(value, bool):
+            return
+        raise WireError("type", f"{name} must be {'/'.join(t.__name__ for t in types)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        if name in _NONFINITE_OK:
+            return
+        raise WireError("range", f"{name} is not finite")
+    number = float(value)
+    if (lo is not None and number < lo) or (hi is not None and number > hi):
+        raise WireError("range", f"{name}={value} outside [{lo}, {hi}]")
+
+
+def decode_telemetry(data: bytes) -> Telemetry:
+    """Parse and validate one datagram. Raises WireError with a reason label on any defect."""
+    if len(data) > MAX_DATAGRAM_BYTES:
+        raise WireError("size", f"{len(data)} bytes > {MAX_DATAGRAM_BYTES}")
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise WireError("json", str(exc)[:80]) from None
+    if not isinstance(body, dict):
+        raise WireError("schema", "not an object")
+    if body.get("v") != SCHEMA_VERSION:
+        raise WireError("version", f"schema version {body.get('v')!r}")
+    job = body.get("job")
+    if not valid_job_id(job):
+        raise WireError("schema", "job id missing or malformed")
+    values: dict[str, Any] = {"job": job}
+    for name, spec in _TELEMETRY_FIELDS.items():
+        if name not in body:
+            raise WireError("schema", f"missing {name}")
+        _check_number(name, body[name], spec)
+        values[name] = body[name]
+    for name, spec in _OPTIONAL_FIELDS.items():
+        value = body.get(name)
+        if value is not None:
+            _check_number(name, value, spec)
+            values[name] = value
+    unknown = set(body) - set(values) - {"v"}
+    if unknown:
+        raise WireError("schema", f"unknown field {sorted(unknown)[0]}")
+    return Telemetry(**values)
+
+
+@dataclass(slots=True)
+class Plan:
+    """What the agent wants the ranks of one job to do from the step they apply it.
+
+    ``lr_scale`` multiplies the trainer's own schedule; ``lr`` (when set) overrides it.
+    ``batch_sizes`` maps dp rank -> samples per step (None: the trainer's even split).
+    ``checkpoint_id`` asks for a checkpoint when it grows; ``stop`` asks the ranks to exit cleanly.
+    """
+
+    version: int = 0
+    lr_scale: float = 1.0
+    lr: float | None = None
+    batch_sizes: list[int] | None = None
+    checkpoint_id: int = 0
+    stop: bool = False
+    reason: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_dict(cls, body: object) -> Plan:
+        if not isinstance(body, dict):
+            raise WireError("schema", "plan must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = set(body) - known
+        if unknown:
+            raise WireError("schema", f"unknown plan field {sorted(unknown)[0]}")
+        plan = cls(**body)
+        plan.validate()
+        return plan
+
+    @classmethod
+    def decode(cls, data: bytes) -> Plan:
+        try:
+            body = json.loads(data)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise WireError("json", str(exc)[:80]) from None
+        return cls.from_dict(body)
+
+    def validate(self) -> None:
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
+            raise WireError("schema", "version must be an integer >= 0")
+        if not isinstance(self.lr_scale, (int, float)) or not (0 < self.lr_scale <= 1e3):
+            raise WireError("range", "lr_scale must be in (0, 1000]")
+        if self.lr is not None and (not isinstance(self.lr, (int, float)) or not (0 < self.lr <= 1e3)):
+            raise WireError("range", "lr must be in (0, 1000]")
+        if self.batch_sizes is not None:
+            if not isinstance(self.batch_sizes, list) or not self.batch_sizes:
+                raise WireError("schema", "batch_sizes must be a non-empty list")
+            for b in self.batch_sizes:
+                if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+                    raise WireError("range", "batch_sizes entries must be integers >= 0")
+            if sum(self.batch_sizes) == 0:
+                raise WireError("range", "batch_sizes must not all be zero")
+        if isinstance(self.checkpoint_id, bool) or not isinstance(self.checkpoint_id, int):
+            raise WireError("schema", "checkpoint_id must be an integer")
+        if not isinstance(self.stop, bool):
+            raise WireError("schema", "stop must be a boolean")
+        if not isinstance(self.extra, dict):
+            raise WireError("schema", "extra must be an object")
+
+
+def write_plan_file(path: str, plan: Plan) -> None:
+    """Atomically replace the plan file, so a reader never sees half a plan."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.write(plan.encode())
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_plan_file(path: str) -> Plan | None:
+    """The plan in ``path``, or None when there is none or it does not parse."""
+    try:
+        with open(path, "rb") as fh:
+            return Plan.decode(fh.read())
+    except (OSError, WireError, TypeError):
+        return None
