@@ -138,7 +138,7 @@ def _check_number(name: str, value: Any, spec: tuple[tuple[type, ...], float | N
         if name in _NONFINITE_OK:
             return
         raise WireError("range", f"{name} is not finite")
-    number = float(value)
+    number = float(value)  # type: ignore[arg-type]  # checked numeric above
     if (lo is not None and number < lo) or (hi is not None and number > hi):
         raise WireError("range", f"{name}={value} outside [{lo}, {hi}]")
 
