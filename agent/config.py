@@ -1,0 +1,243 @@
+"""Agent configuration: typed dataclasses loaded from TOML and validated at load.
+
+Every defect is reported as one ``ConfigError`` naming the dotted key (``detection.window: must be
+>= 3``), which the CLI prints as one line with exit code 2. Built-in defaults let the agent run with
+no file at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DEFAULT_CONFIG_PATH = "/etc/trainguard/agent.toml"
+DEFAULT_STATE_DIR = "/var/lib/trainguard"
+DEFAULT_RUN_DIR = "/run/trainguard"
+DEFAULT_METRICS_PORT = 9478
+
+
+class ConfigError(ValueError):
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(f"{key}: {why}")
+        self.key = key
+        self.why = why
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(key, f"must be > 0, got {value}")
+
+
+def _host_port(key: str, value: str, allow_empty: bool) -> None:
+    if not value and allow_empty:
+        return
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not (0 <= int(port) <= 65535):
+        raise ConfigError(key, f"expected HOST:PORT, got {value!r}")
+
+
+@dataclass
+class AgentSection:
+    node: str = field(default_factory=socket.gethostname)
+    """Name of this node in events, metrics and the cluster."""
+    state_dir: str = DEFAULT_STATE_DIR
+    """Event log, disk checkpoint tier and job state live here."""
+    run_dir: str = DEFAULT_RUN_DIR
+    """Runtime sockets (agent.sock, telemetry.sock) and plan files."""
+    interval_s: float = 1.0
+    """Main loop period: collectors are read and detectors run once per interval."""
+    on_stop: Literal["stop_ranks", "leave_ranks"] = "stop_ranks"
+    """On SIGTERM: stop the ranks cleanly, or leave them running for the next agent to adopt."""
+
+    def validate(self, key: str) -> None:
+        _positive(f"{key}.interval_s", self.interval_s)
+        if not self.node:
+            raise ConfigError(f"{key}.node", "must not be empty")
+
+
+@dataclass
+class ApiSection:
+    tcp: str = ""
+    """HOST:PORT of the cross-node API (empty: unix socket only). Every request needs a token."""
+    token_file: str = ""
+    """File of bearer tokens (`token [read|admin]` per line); required when tcp is set."""
+    unix_requires_token: bool = False
+    """Local clients are gated by the socket's 0660 mode unless this is set."""
+
+    def validate(self, key: str) -> None:
+        _host_port(f"{key}.tcp", self.tcp, allow_empty=True)
+        if self.tcp and not self.token_file:
+            raise ConfigError(f"{key}.token_file", "required when api.tcp is set")
+
+
+@dataclass
+class MetricsSection:
+    addr: str = f"0.0.0.0:{DEFAULT_METRICS_PORT}"
+    """HOST:PORT for the read-only Prometheus /metrics endpoint (empty: off)."""
+
+    def validate(self, key: str) -> None:
+        _host_port(f"{key}.addr", self.addr, allow_empty=True)
+
+
+@dataclass
+class EventLogSection:
+    max_bytes: int = 16 * 1024 * 1024
+    """Rotate the JSON-lines event log when it grows past this size."""
+    keep: int = 5
+    """Rotated files kept besides the live one."""
+
+    def validate(self, key: str) -> None:
+        if self.max_bytes < 4096:
+            raise ConfigError(f"{key}.max_bytes", "must be >= 4096")
+        if self.keep < 1:
+            raise ConfigError(f"{key}.keep", "must be >= 1")
+
+
+@dataclass
+class TelemetrySection:
+    ring: int = 512
+    """Recent steps kept per rank."""
+    accept_unknown_jobs: bool = True
+    """Keep telemetry from jobs this agent did not launch (e.g. torchrun jobs pointed at the socket)."""
+
+    def validate(self, key: str) -> None:
+        if self.ring < 16:
+            raise ConfigError(f"{key}.ring", "must be >= 16")
+
+
+@dataclass
+class CollectorsSection:
+    host: bool = True
+    ebpf: bool = True
+    gpu: bool = True
+
+    def validate(self, key: str) -> None:
+        return None
+
+
+@dataclass
+class LauncherSection:
+    python: str = ""
+    """Interpreter for rank processes (empty: the agent's own)."""
+    user: str = ""
+    """Run ranks as this user (empty: same user, with capabilities dropped)."""
+    master_addr: str = "127.0.0.1"
+    stop_grace_s: float = 10.0
+    """SIGTERM -> SIGKILL grace period when stopping ranks."""
+
+    def validate(self, key: str) -> None:
+        _positive(f"{key}.stop_grace_s", self.stop_grace_s)
+
+
+@dataclass
+class AgentConfig:
+    agent: AgentSection = field(default_factory=AgentSection)
+    api: ApiSection = field(default_factory=ApiSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    eventlog: EventLogSection = field(default_factory=EventLogSection)
+    telemetry: TelemetrySection = field(default_factory=TelemetrySection)
+    collectors: CollectorsSection = field(default_factory=CollectorsSection)
+    launcher: LauncherSection = field(default_factory=LauncherSection)
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate(f.name)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(key, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(key, args[0], value)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected a list, got {type(value).__name__}")
+        return [_coerce(f"{key}[{i}]", item, v) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a table, got {type(value).__name__}")
+        return _build(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"expected true or false, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"expected an integer, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {value!r}")
+        return value
+    raise ConfigError(key, f"unsupported type {_type_name(tp)}")
+
+
+def _build(cls: Any, table: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in table:
+        if key not in names:
+            where = f"{prefix}.{key}" if prefix else key
+            raise ConfigError(where, f"unknown key (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in table.items():
+        kwargs[name] = _coerce(f"{prefix}.{name}" if prefix else name, hints[name], value)
+    return cls(**kwargs)
+
+
+def config_from_dict(table: dict[str, Any]) -> AgentConfig:
+    cfg: AgentConfig = _build(AgentConfig, table, "")
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: str | None, *, must_exist: bool = False) -> AgentConfig:
+    """Load and validate. ``path`` None or a missing default file gives the built-in defaults."""
+    if path is None or (not must_exist and not os.path.exists(path)):
+        cfg = AgentConfig()
+        cfg.validate()
+        return cfg
+    try:
+        with open(path, "rb") as fh:
+            table = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError("config", f"no such file {path}") from None
+    except PermissionError:
+        raise ConfigError("config", f"cannot read {path}: permission denied") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+    return config_from_dict(table)
+
+
+def apply_state_dir(cfg: AgentConfig, state_dir: str) -> AgentConfig:
+    """``--state-dir``: every file and socket of this agent under one directory."""
+    cfg.agent.state_dir = state_dir
+    cfg.agent.run_dir = os.path.join(state_dir, "run")
+    return cfg
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return (host or "0.0.0.0"), int(port)

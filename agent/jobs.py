@@ -1,0 +1,111 @@
+"""Jobs as the agent sees them: the submitted spec and the lifecycle state machine.
+
+The trainer's own configuration travels as an opaque JSON object (the agent never imports the
+trainer, which imports torch); the agent only needs the process layout.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.wire import valid_job_id
+
+
+class JobSpecError(ValueError):
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(f"{key}: {why}")
+        self.key = key
+
+
+@dataclass
+class JobSpec:
+    job: str
+    nproc: int
+    trainer: dict[str, Any] = field(default_factory=dict)
+    """TrainConfig as a dict (trainer/config.py), handed to every rank in $TRAINGUARD_JOB_SPEC."""
+    command: list[str] = field(default_factory=list)
+    """Rank command (empty: the embedded trainer, `python -m trainer.worker`)."""
+    env: dict[str, str] = field(default_factory=dict)
+    faults: list[str] = field(default_factory=list)
+    """Fault specs injected into the ranks (tests and the demo)."""
+    max_restarts: int = 3
+
+    @classmethod
+    def from_dict(cls, body: Any) -> JobSpec:
+        if not isinstance(body, dict):
+            raise JobSpecError("job", "spec must be an object")
+        known = {"job", "nproc", "trainer", "command", "env", "faults", "max_restarts"}
+        for key in body:
+            if key not in known:
+                raise JobSpecError(key, "unknown key")
+        job = body.get("job") or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        if not valid_job_id(job):
+            raise JobSpecError("job", "1-64 characters of [A-Za-z0-9._-], not starting with '.'")
+        nproc = body.get("nproc")
+        if isinstance(nproc, bool) or not isinstance(nproc, int) or not (1 <= nproc <= 1024):
+            raise JobSpecError("nproc", "an integer in [1, 1024]")
+        trainer = body.get("trainer", {})
+        if not isinstance(trainer, dict):
+            raise JobSpecError("trainer", "must be an object")
+        command = body.get("command", [])
+        if not isinstance(command, list) or not all(isinstance(c, str) for c in command):
+            raise JobSpecError("command", "must be a list of strings")
+        env = body.get("env", {})
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise JobSpecError("env", "must map strings to strings")
+        faults = body.get("faults", [])
+        if not isinstance(faults, list) or not all(isinstance(f, str) for f in faults):
+            raise JobSpecError("faults", "must be a list of strings")
+        max_restarts = body.get("max_restarts", 3)
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise JobSpecError("max_restarts", "an integer >= 0")
+        return cls(job, nproc, trainer, command, env, faults, max_restarts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "nproc": self.nproc,
+            "trainer": self.trainer,
+            "command": self.command,
+            "env": self.env,
+            "faults": self.faults,
+            "max_restarts": self.max_restarts,
+        }
+
+
+class JobState(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    @property
+    def finished(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
+
+
+_ALLOWED: dict[JobState, set[JobState]] = {
+    JobState.STARTING: {JobState.RUNNING, JobState.FAILED, JobState.STOPPING, JobState.RESTARTING},
+    JobState.RUNNING: {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPING, JobState.RESTARTING},
+    JobState.RESTARTING: {JobState.STARTING, JobState.FAILED, JobState.STOPPING},
+    JobState.STOPPING: {JobState.STOPPED, JobState.FAILED, JobState.SUCCEEDED},
+    JobState.SUCCEEDED: set(),
+    JobState.FAILED: set(),
+    JobState.STOPPED: set(),
+}
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+def check_transition(old: JobState, new: JobState) -> None:
+    if new not in _ALLOWED[old]:
+        raise InvalidTransition(f"job cannot go from {old.value} to {new.value}")

@@ -1,0 +1,184 @@
+"""Starts a job's local ranks as the agent's own children, watches them, stops them.
+
+Each start attempt gets a fresh rendezvous port, so restarted ranks never read a dead attempt's
+addresses from the store (FACTS.md pitfall 1). Ranks never inherit the agent's capabilities: they
+run as a configured user, or through ``setpriv`` with every capability set cleared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from agent.jobs import JobSpec
+from agent.wire import ENV_JOB, ENV_JOB_SPEC, ENV_PLAN, ENV_SOCKET
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    local_rank: int
+    popen: subprocess.Popen[bytes]
+    started: float
+    log_path: str
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    ended: float | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.exit_code is None and self.exit_signal is None
+
+
+@dataclass
+class LaunchContext:
+    """Where a job's ranks find the agent."""
+
+    telemetry_socket: str
+    plan_path: str
+    log_dir: str
+    master_addr: str = "127.0.0.1"
+    python: str = ""
+    user: str = ""
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def _privilege_wrapper(user: str) -> tuple[list[str], dict[str, object]]:
+    """argv prefix and Popen kwargs that start a rank without the agent's privileges."""
+    if user:
+        entry = pwd.getpwnam(user)
+        return [], {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+    if os.geteuid() == 0 and shutil.which("setpriv"):
+        return [
+            "setpriv",
+            "--bounding-set=-all",
+            "--inh-caps=-all",
+            "--ambient-caps=-all",
+            "--no-new-privs",
+            "--",
+        ], {}
+    return [], {}
+
+
+class Launcher:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+
+    def rank_command(self, spec: JobSpec, ctx: LaunchContext) -> list[str]:
+        if spec.command:
+            return list(spec.command)
+        return [ctx.python or sys.executable, "-m", "trainer.worker"]
+
+    def start(self, spec: JobSpec, ctx: LaunchContext, attempt: int, env_overrides: dict[str, str] | None = None) -> list[RankProcess]:
+        os.makedirs(ctx.log_dir, exist_ok=True)
+        port = free_port(ctx.master_addr)
+        prefix, popen_kwargs = _privilege_wrapper(ctx.user)
+        argv = prefix + self.rank_command(spec, ctx)
+        base_env = dict(os.environ)
+        # Ranks must not inherit the agent's systemd plumbing.
+        for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID"):
+            base_env.pop(key, None)
+        pythonpath = base_env.get("PYTHONPATH", "")
+        base_env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + pythonpath if pythonpath else "")
+        base_env.update(ctx.extra_env)
+        base_env.update(spec.env)
+        if spec.faults:
+            base_env["TRAINGUARD_FAULTS"] = ";".join(spec.faults)
+        ranks: list[RankProcess] = []
+        for rank in range(spec.nproc):
+            env = dict(base_env)
+            env.update(
+                {
+                    "MASTER_ADDR": ctx.master_addr,
+                    "MASTER_PORT": str(port),
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(spec.nproc),
+                    "LOCAL_WORLD_SIZE": str(spec.nproc),
+                    "TRAINGUARD_ATTEMPT": str(attempt),
+                    ENV_SOCKET: ctx.telemetry_socket,
+                    ENV_PLAN: ctx.plan_path,
+                    ENV_JOB: spec.job,
+                    ENV_JOB_SPEC: json.dumps(spec.trainer),
+                }
+            )
+            if env_overrides:
+                env.update(env_overrides)
+            log_path = os.path.join(ctx.log_dir, f"rank{rank}.log")
+            log = open(log_path, "ab")
+            try:
+                popen = subprocess.Popen(  # type: ignore[call-overload]
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO_ROOT,
+                    start_new_session=True,
+                    **popen_kwargs,
+                )
+            finally:
+                log.close()
+            ranks.append(RankProcess(rank, rank, popen, self.clock(), log_path))
+        return ranks
+
+    def reap(self, ranks: list[RankProcess]) -> list[RankProcess]:
+        """Collect exit statuses without blocking; returns the ranks that ended since the last call."""
+        ended = []
+        for r in ranks:
+            if not r.alive:
+                continue
+            code = r.popen.poll()
+            if code is None:
+                continue
+            if code < 0:
+                r.exit_signal = -code
+                r.exit_code = 128 - code
+            else:
+                r.exit_code = code
+            r.ended = self.clock()
+            ended.append(r)
+        return ended
+
+    def stop(self, ranks: list[RankProcess], grace_s: float, *, hard: bool = False) -> None:
+        """SIGTERM (or SIGKILL when hard), wait up to grace_s, then SIGKILL what is left."""
+        first = signal.SIGKILL if hard else signal.SIGTERM
+        for r in ranks:
+            if r.popen.poll() is None:
+                try:
+                    os.killpg(r.pid, first)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for r in ranks:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                r.popen.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(r.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                r.popen.wait()
+        self.reap(ranks)

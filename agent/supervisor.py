@@ -1,0 +1,299 @@
+"""Supervises the jobs this agent launched: start, watch every rank, restart, stop.
+
+Rank exits are seen the instant they happen: a monitor thread waits on a pidfd per rank (the
+eBPF exit event, where available, arrives through ``on_exit_event`` at the same moment), so a
+dead rank never waits for the next main-loop tick. What to do about a failure (restart, restore,
+shrink) is decided by the ``recovery`` policy hook, which later healing code replaces.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.collectors.base import TrackedProcess
+from agent.eventlog import EventLog
+from agent.jobs import JobSpec, JobState, check_transition
+from agent.launcher import LaunchContext, Launcher, RankProcess
+from agent.plans import PlanStore
+
+
+@dataclass
+class JobRecord:
+    spec: JobSpec
+    state: JobState = JobState.STARTING
+    attempt: int = 0
+    ranks: list[RankProcess] = field(default_factory=list)
+    submitted: float = field(default_factory=time.time)
+    restarts: int = 0
+    restarts_without_progress: int = 0
+    progress_step: int = -1
+    """Highest step any rank reported (telemetry), for the crash-loop guard."""
+    step_at_last_restart: int = -1
+    reason: str = ""
+    exit_codes: dict[int, int | None] = field(default_factory=dict)
+
+    @property
+    def job(self) -> str:
+        return self.spec.job
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "state": self.state.value,
+            "attempt": self.attempt,
+            "restarts": self.restarts,
+            "nproc": self.spec.nproc,
+            "progress_step": self.progress_step,
+            "reason": self.reason,
+            "submitted": self.submitted,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "pid": r.pid,
+                    "alive": r.alive,
+                    "exit_code": r.exit_code,
+                    "exit_signal": r.exit_signal,
+                    "log": r.log_path,
+                }
+                for r in self.ranks
+            ],
+            "spec": self.spec.to_dict(),
+        }
+
+
+class Supervisor:
+    def __init__(
+        self,
+        events: EventLog,
+        plans: PlanStore,
+        launcher: Launcher,
+        context_for: Callable[[JobSpec], LaunchContext],
+        *,
+        stop_grace_s: float = 10.0,
+        on_ranks_changed: Callable[[dict[int, TrackedProcess]], None] | None = None,
+    ) -> None:
+        self.events = events
+        self.plans = plans
+        self.launcher = launcher
+        self.context_for = context_for
+        self.stop_grace_s = stop_grace_s
+        self.on_ranks_changed = on_ranks_changed
+        self.jobs: dict[str, JobRecord] = {}
+        self.restart_total = 0
+        self._lock = threading.RLock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._monitor, name="rank-monitor", daemon=True)
+        self._thread.start()
+
+    # --- jobs -------------------------------------------------------------------------------
+    def submit(self, spec: JobSpec) -> JobRecord:
+        with self._lock:
+            old = self.jobs.get(spec.job)
+            if old is not None and not old.state.finished:
+                raise ValueError(f"job {spec.job} is already {old.state.value}")
+            record = JobRecord(spec)
+            self.jobs[spec.job] = record
+            self.plans.reset(spec.job)
+            self.events.emit("job_submitted", f"job {spec.job} submitted with {spec.nproc} ranks", job=spec.job, nproc=spec.nproc)
+            self._launch(record)
+            return record
+
+    def _launch(self, record: JobRecord) -> None:
+        ctx = self.context_for(record.spec)
+        record.attempt += 1
+        record.ranks = self.launcher.start(record.spec, ctx, record.attempt)
+        if record.state == JobState.RESTARTING:
+            self._set_state(record, JobState.STARTING)
+        self._set_state(record, JobState.RUNNING)
+        self.events.emit(
+            "ranks_started",
+            f"job {record.job} attempt {record.attempt}: started {len(record.ranks)} ranks",
+            job=record.job,
+            attempt=record.attempt,
+            pids=[r.pid for r in record.ranks],
+        )
+        self._ranks_changed()
+        os.write(self._wake_w, b"x")
+
+    def _set_state(self, record: JobRecord, new: JobState) -> None:
+        if record.state == new:
+            return
+        check_transition(record.state, new)
+        record.state = new
+
+    def stop(self, job: str, reason: str = "requested", *, hard: bool = False) -> JobRecord:
+        with self._lock:
+            record = self.jobs.get(job)
+            if record is None:
+                raise KeyError(job)
+            if record.state.finished:
+                return record
+            self._set_state(record, JobState.STOPPING)
+            record.reason = reason
+        self.events.emit("job_stopping", f"stopping job {job}: {reason}", job=job, cause=reason)
+        self.launcher.stop(record.ranks, self.stop_grace_s, hard=hard)
+        with self._lock:
+            self._set_state(record, JobState.STOPPED)
+        self.events.emit("job_stopped", f"job {job} stopped", job=job, cause=reason)
+        self._ranks_changed()
+        return record
+
+    def stop_all(self, reason: str) -> None:
+        for job in list(self.jobs):
+            if not self.jobs[job].state.finished:
+                self.stop(job, reason)
+
+    def note_progress(self, job: str, step: int) -> None:
+        record = self.jobs.get(job)
+        if record is not None and step > record.progress_step:
+            record.progress_step = step
+
+    def tracked(self) -> dict[int, TrackedProcess]:
+        with self._lock:
+            return {
+                r.pid: TrackedProcess(r.pid, rec.job, r.rank, r.local_rank)
+                for rec in self.jobs.values()
+                for r in rec.ranks
+                if r.alive
+            }
+
+    def find_rank(self, pid: int) -> tuple[JobRecord, RankProcess] | None:
+        with self._lock:
+            for rec in self.jobs.values():
+                for r in rec.ranks:
+                    if r.pid == pid:
+                        return rec, r
+        return None
+
+    def _ranks_changed(self) -> None:
+        if self.on_ranks_changed is not None:
+            self.on_ranks_changed(self.tracked())
+
+    # --- failure handling --------------------------------------------------------------------
+    def on_exit_event(self, pid: int, fields: dict[str, Any]) -> None:
+        """Fast path from the eBPF exit event: wake the monitor so it reaps now."""
+        if self.find_rank(pid) is not None:
+            os.write(self._wake_w, b"x")
+
+    def restart(self, job: str, cause: str) -> None:
+        """Stop what is left of the job and start every rank again (same world size)."""
+        with self._lock:
+            record = self.jobs.get(job)
+            if record is None or record.state.finished or record.state == JobState.STOPPING:
+                return
+            no_progress = record.progress_step <= record.step_at_last_restart
+            record.restarts_without_progress = record.restarts_without_progress + 1 if no_progress else 1
+            if record.restarts_without_progress > record.spec.max_restarts:
+                self._set_state(record, JobState.STOPPING)
+                self.launcher.stop(record.ranks, self.stop_grace_s, hard=True)
+                self._set_state(record, JobState.FAILED)
+                record.reason = f"crash loop: {record.restarts_without_progress - 1} restarts without progress"
+                self.events.emit(
+                    "crash_loop",
+                    f"job {job}: giving up after {record.restarts_without_progress - 1} restarts without progress",
+                    severity="critical",
+                    job=job,
+                    cause=cause,
+                )
+                self._ranks_changed()
+                return
+            self._set_state(record, JobState.RESTARTING)
+            record.step_at_last_restart = record.progress_step
+            self.launcher.stop(record.ranks, min(self.stop_grace_s, 2.0), hard=True)
+            record.restarts += 1
+            self.restart_total += 1
+            self.events.emit(
+                "job_restart",
+                f"job {job}: restarting all ranks (attempt {record.attempt + 1})",
+                severity="warning",
+                job=job,
+                cause=cause,
+                action="restart",
+            )
+            self._launch(record)
+
+    def _handle_exits(self, record: JobRecord, ended: list[RankProcess]) -> None:
+        for r in ended:
+            record.exit_codes[r.rank] = r.exit_code
+            failed = r.exit_code != 0
+            how = f"signal {r.exit_signal}" if r.exit_signal else f"code {r.exit_code}"
+            self.events.emit(
+                "rank_exit",
+                f"job {record.job} rank {r.rank} (pid {r.pid}) exited with {how}",
+                severity="error" if failed else "info",
+                job=record.job,
+                rank=r.rank,
+                pid=r.pid,
+                exit_code=r.exit_code,
+                signal=r.exit_signal,
+                cause="rank_crash" if failed else "",
+            )
+        if record.state in (JobState.STOPPING, JobState.RESTARTING):
+            return
+        if any(r.exit_code not in (0, None) for r in ended):
+            dead = [r.rank for r in ended if r.exit_code != 0]
+            self.restart(record.job, cause=f"rank {dead[0]} died")
+        elif all(not r.alive for r in record.ranks) and all(r.exit_code == 0 for r in record.ranks):
+            self._set_state(record, JobState.SUCCEEDED)
+            self.events.emit("job_succeeded", f"job {record.job} finished", job=record.job)
+            self._ranks_changed()
+
+    def _monitor(self) -> None:
+        while not self._stopping.is_set():
+            with self._lock:
+                fds: dict[int, tuple[JobRecord, RankProcess]] = {}
+                for rec in self.jobs.values():
+                    for r in rec.ranks:
+                        if r.alive:
+                            fd = getattr(r, "_pidfd", None)
+                            if fd is None:
+                                try:
+                                    fd = os.pidfd_open(r.pid)
+                                except OSError:
+                                    fd = -1
+                                r._pidfd = fd  # type: ignore[attr-defined]
+                            if fd >= 0:
+                                fds[fd] = (rec, r)
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            ready = poller.poll(500)
+            if any(fd == self._wake_r for fd, _ in ready):
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            self.reap_all()
+
+    def reap_all(self) -> None:
+        with self._lock:
+            for rec in list(self.jobs.values()):
+                ended = self.launcher.reap(rec.ranks)
+                for r in ended:
+                    fd = getattr(r, "_pidfd", -1)
+                    if fd >= 0:
+                        os.close(fd)
+                        r._pidfd = -1  # type: ignore[attr-defined]
+                if ended:
+                    self._handle_exits(rec, ended)
+
+    def close(self) -> None:
+        self._stopping.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout=2)
+
+    def status(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [rec.to_dict() for rec in self.jobs.values()]
