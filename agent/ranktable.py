@@ -1,0 +1,323 @@
+"""Recent telemetry per (job, rank), and the per-rank figures derived from it.
+
+The receiver thread writes here for every datagram, so ``add_many`` does as little as it can: a
+dict lookup, a deque append and a few integer sums under one lock per batch. Everything derived
+(medians, rates) is computed at ``snapshot`` time, outside the lock, and cached per rank until
+that rank sends again; a snapshot is immutable plain data that the exporter, the control API and
+the detectors can keep and read from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from statistics import median
+from types import MappingProxyType
+from typing import Any
+
+from agent.wire import Telemetry
+
+
+@dataclass(frozen=True)
+class RankTableConfig:
+    ring: int = 512
+    """Recent steps kept per rank (the ring buffer behind ``window``)."""
+    window: int = 32
+    """Steps the medians and rates in a snapshot are computed over."""
+    accept_unknown_jobs: bool = True
+    """Keep telemetry from jobs nobody registered (e.g. torchrun jobs pointed at the socket)."""
+    max_ranks: int = 65536
+    """Upper bound on (job, rank) entries, so a sender inventing ids cannot grow the agent without end."""
+
+    def __post_init__(self) -> None:
+        for key in ("ring", "window", "max_ranks"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"telemetry.{key}: must be an integer >= 1, got {value!r}")
+        if self.window > self.ring:
+            raise ValueError(f"telemetry.window: {self.window} exceeds telemetry.ring ({self.ring})")
+        if not isinstance(self.accept_unknown_jobs, bool):
+            raise ValueError("telemetry.accept_unknown_jobs: must be true or false")
+
+
+@dataclass(frozen=True, slots=True)
+class RankView:
+    """One rank as of a snapshot: its latest message plus figures over the recent window.
+
+    Medians and rates are None until there are enough steps to compute them.
+    """
+
+    job: str
+    rank: int
+    local_rank: int
+    pid: int
+    step: int
+    plan_version: int
+    wall_time: float
+    """The rank's clock at its latest step."""
+    last_seen: float
+    """The agent's clock when the latest message arrived."""
+    step_s: float
+    data_s: float
+    fwd_bwd_s: float
+    comm_s: float
+    opt_s: float
+    compute_s: float
+    loss: float
+    grad_norm: float
+    lr: float
+    batch_size: int
+    mem_bytes: int
+    dp_rank: int | None
+    world_size: int | None
+    messages: int
+    """Messages stored for this rank since the agent first saw it."""
+    samples_total: int
+    tokens_total: int
+    window_len: int
+    median_step_s: float | None
+    median_compute_s: float | None
+    median_comm_s: float | None
+    median_data_s: float | None
+    steps_per_s: float | None
+    samples_per_s: float | None
+    tokens_per_s: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    taken_at: float
+    jobs: Mapping[str, Mapping[int, RankView]] = field(default_factory=lambda: MappingProxyType({}))
+
+    def ranks(self) -> Iterator[RankView]:
+        for ranks in self.jobs.values():
+            yield from ranks.values()
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form: {"taken_at": t, "jobs": {job: {"rank": {...}}}} (JSON keys are strings)."""
+        return {
+            "taken_at": self.taken_at,
+            "jobs": {job: {str(r): v.as_dict() for r, v in ranks.items()} for job, ranks in self.jobs.items()},
+        }
+
+
+@dataclass(frozen=True)
+class AddResult:
+    accepted: list[Telemetry]
+    rejected: dict[str, int]
+
+
+class _RankState:
+    __slots__ = ("ring", "last_seen", "messages", "samples_total", "tokens_total", "view")
+
+    def __init__(self, ring: int) -> None:
+        self.ring: deque[Telemetry] = deque(maxlen=ring)
+        self.last_seen = 0.0
+        self.messages = 0
+        self.samples_total = 0
+        self.tokens_total = 0
+        self.view: RankView | None = None  # cache, valid while view.messages == messages
+
+
+def _rates(recent: list[Telemetry]) -> tuple[float | None, float | None, float | None]:
+    """Steps, samples and tokens per second over the newest run of increasing steps.
+
+    A restarted rank goes back to its checkpoint's step; mixing its old and new steps would give
+    nonsense, so the rate only spans the run since the last step went backwards.
+    """
+    start = len(recent) - 1
+    while start > 0 and recent[start - 1].step < recent[start].step:
+        start -= 1
+    first, last = recent[start], recent[-1]
+    span = last.wall_time - first.wall_time
+    if start == len(recent) - 1 or span <= 0:
+        return None, None, None
+    samples = sum(m.samples for m in recent[start + 1 :])
+    tokens = sum(m.tokens for m in recent[start + 1 :])
+    return (last.step - first.step) / span, samples / span, tokens / span
+
+
+def _view(job: str, rank: int, state: _RankState, recent: list[Telemetry]) -> RankView:
+    last = recent[-1]
+    enough = len(recent) >= 2
+    steps_per_s, samples_per_s, tokens_per_s = _rates(recent) if enough else (None, None, None)
+    return RankView(
+        job=job,
+        rank=rank,
+        local_rank=last.local_rank,
+        pid=last.pid,
+        step=last.step,
+        plan_version=last.plan_version,
+        wall_time=float(last.wall_time),
+        last_seen=state.last_seen,
+        step_s=float(last.step_s),
+        data_s=float(last.data_s),
+        fwd_bwd_s=float(last.fwd_bwd_s),
+        comm_s=float(last.comm_s),
+        opt_s=float(last.opt_s),
+        compute_s=float(last.compute_s),
+        loss=float(last.loss),
+        grad_norm=float(last.grad_norm),
+        lr=float(last.lr),
+        batch_size=last.batch_size,
+        mem_bytes=last.mem_bytes,
+        dp_rank=last.dp_rank,
+        world_size=last.world_size,
+        messages=state.messages,
+        samples_total=state.samples_total,
+        tokens_total=state.tokens_total,
+        window_len=len(recent),
+        median_step_s=float(median(m.step_s for m in recent)),
+        median_compute_s=float(median(m.fwd_bwd_s + m.opt_s for m in recent)),
+        median_comm_s=float(median(m.comm_s for m in recent)),
+        median_data_s=float(median(m.data_s for m in recent)),
+        steps_per_s=steps_per_s,
+        samples_per_s=samples_per_s,
+        tokens_per_s=tokens_per_s,
+    )
+
+
+class RankTable:
+    """Thread-safe store of recent telemetry per (job, rank).
+
+    ``samples`` and ``tokens`` in a message are per step; the table sums them into totals.
+    """
+
+    def __init__(self, config: RankTableConfig | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.config = config or RankTableConfig()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._jobs: dict[str, dict[int, _RankState]] = {}
+        self._registered: set[str] = set()
+        self._count = 0
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def add(self, msg: Telemetry, now: float | None = None) -> str | None:
+        """Store one message; returns None, or the reason it was rejected."""
+        result = self.add_many((msg,), now)
+        return next(iter(result.rejected), None)
+
+    def add_many(self, msgs: Iterable[Telemetry], now: float | None = None) -> AddResult:
+        """Store a batch under one lock. ``now`` is the arrival time (default: the table's clock)."""
+        if now is None:
+            now = self._clock()
+        accepted: list[Telemetry] = []
+        rejected: dict[str, int] = {}
+        ring = self.config.ring
+        with self._lock:
+            jobs = self._jobs
+            for msg in msgs:
+                ranks = jobs.get(msg.job)
+                if ranks is None:
+                    if not self.config.accept_unknown_jobs and msg.job not in self._registered:
+                        rejected["unknown_job"] = rejected.get("unknown_job", 0) + 1
+                        continue
+                    ranks = jobs[msg.job] = {}
+                state = ranks.get(msg.rank)
+                if state is None:
+                    if self._count >= self.config.max_ranks:
+                        rejected["table_full"] = rejected.get("table_full", 0) + 1
+                        continue
+                    state = ranks[msg.rank] = _RankState(ring)
+                    self._count += 1
+                state.ring.append(msg)
+                state.last_seen = now
+                state.messages += 1
+                state.samples_total += msg.samples
+                state.tokens_total += msg.tokens
+                accepted.append(msg)
+        return AddResult(accepted, rejected)
+
+    def register_job(self, job: str) -> None:
+        """Mark a job as known, so its telemetry is kept even when unknown jobs are rejected."""
+        with self._lock:
+            self._registered.add(job)
+
+    def forget_job(self, job: str) -> None:
+        """Drop everything about a job (it ended or was cleaned up); it is unregistered too."""
+        with self._lock:
+            self._registered.discard(job)
+            ranks = self._jobs.pop(job, None)
+            if ranks:
+                self._count -= len(ranks)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def jobs(self) -> list[str]:
+        with self._lock:
+            return sorted(self._jobs)
+
+    def window(self, job: str, rank: int, n: int | None = None) -> list[Telemetry]:
+        """The newest ``n`` messages of one rank (all kept ones when n is None), oldest first."""
+        with self._lock:
+            state = self._jobs.get(job, {}).get(rank)
+            if state is None:
+                return []
+            ring = state.ring
+            if n is None or n >= len(ring):
+                return list(ring)
+            if n <= 0:
+                return []
+            # Index from the right end: a deque is cheap to index near its ends.
+            return [ring[i] for i in range(len(ring) - n, len(ring))]
+
+    def latest(self, job: str, rank: int) -> Telemetry | None:
+        with self._lock:
+            state = self._jobs.get(job, {}).get(rank)
+            return state.ring[-1] if state is not None and state.ring else None
+
+    def snapshot(self) -> TableSnapshot:
+        """Immutable figures for every rank. Medians are computed outside the lock so a large
+        table does not stall the receiver thread."""
+        w = self.config.window
+        todo: list[tuple[str, int, _RankState, list[Telemetry]]] = []
+        cached: list[tuple[str, int, RankView]] = []
+        with self._lock:
+            taken_at = self._clock()
+            for job, ranks in self._jobs.items():
+                for rank, state in ranks.items():
+                    view = state.view
+                    if view is not None and view.messages == state.messages:
+                        cached.append((job, rank, view))
+                        continue
+                    ring = state.ring
+                    n = min(w, len(ring))
+                    recent = [ring[i] for i in range(len(ring) - n, len(ring))]
+                    # Copy the counters: the live state keeps changing once the lock is released.
+                    frozen = _RankState(1)
+                    frozen.last_seen = state.last_seen
+                    frozen.messages = state.messages
+                    frozen.samples_total = state.samples_total
+                    frozen.tokens_total = state.tokens_total
+                    todo.append((job, rank, frozen, recent))
+        out: dict[str, dict[int, RankView]] = {}
+        for job, rank, view in cached:
+            out.setdefault(job, {})[rank] = view
+        fresh: list[tuple[str, int, RankView]] = []
+        for job, rank, frozen, recent in todo:
+            view = _view(job, rank, frozen, recent)
+            out.setdefault(job, {})[rank] = view
+            fresh.append((job, rank, view))
+        if fresh:
+            with self._lock:
+                for job, rank, view in fresh:
+                    live = self._jobs.get(job, {}).get(rank)
+                    if live is not None and live.messages == view.messages:
+                        live.view = view
+        return TableSnapshot(
+            taken_at=taken_at,
+            jobs=MappingProxyType(
+                {job: MappingProxyType(dict(sorted(ranks.items()))) for job, ranks in sorted(out.items())}
+            ),
+        )
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._count
