@@ -1,0 +1,29 @@
+"""The agent's control API: HTTP/1.1 + JSON on a unix socket (local CLI/TUI) and TCP (peers).
+
+* ``handler``: the ``ApiHandler`` protocol the daemon implements, ``ApiError``, ``Blob``.
+* ``routes``: the route table (method, path, role -> handler method).
+* ``server``: ``ApiServer`` (listeners, auth, limits); ``config``: ``ApiConfig``.
+* ``auth``: the token file and ``TokenStore``; ``client``: ``ApiClient``.
+"""
+
+from agent.api.auth import Role, TokenFileError, TokenStore
+from agent.api.client import ApiClient, ApiClientError
+from agent.api.config import ApiConfig
+from agent.api.handler import ApiError, ApiHandler, Blob, BlobReader
+from agent.api.server import ApiServer, ApiServerError, ApiStats
+
+__all__ = [
+    "ApiClient",
+    "ApiClientError",
+    "ApiConfig",
+    "ApiError",
+    "ApiHandler",
+    "ApiServer",
+    "ApiServerError",
+    "ApiStats",
+    "Blob",
+    "BlobReader",
+    "Role",
+    "TokenFileError",
+    "TokenStore",
+]

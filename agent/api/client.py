@@ -1,0 +1,260 @@
+"""Client of the control API, for the CLI, the TUI and peer agents.
+
+::
+
+    client = ApiClient.local(Path("/run/trainguard/agent.sock"))          # local CLI/TUI
+    client = ApiClient.remote("node2", 9479, token_file=Path("token"))   # peer agent, remote TUI
+    client.status()["jobs"]
+
+Every failure is an ``ApiClientError(status, message)``: ``status`` is the HTTP status, or 0 when
+no answer came (no agent, refused, timed out); ``message`` is one line fit to show a user.
+A new connection per call keeps the client free of stale keep-alive state; on a unix socket
+that costs tens of microseconds.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+from urllib.parse import quote, urlencode
+
+from agent.api.auth import TokenFileError, read_client_token
+
+DEFAULT_TIMEOUT_S = 10.0
+_CHUNK = 1 << 20
+
+
+class ApiClientError(Exception):
+    """A call that failed; ``status`` 0 means the agent could not be reached or did not answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message if self.status == 0 else f"{self.message} (HTTP {self.status})"
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """``HTTPConnection`` over a unix stream socket (the Host header says "localhost")."""
+
+    def __init__(self, path: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.unix_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class ApiClient:
+    """One method per route; results are the decoded JSON the agent sent."""
+
+    def __init__(self, connect: Callable[[], http.client.HTTPConnection], where: str,
+                 token: str | None, *, unix: bool) -> None:
+        self._connect = connect
+        self.where = where
+        self._token = token
+        self._unix = unix
+
+    @classmethod
+    def local(cls, socket_path: Path | str, token: str | None = None,
+              timeout: float = DEFAULT_TIMEOUT_S) -> ApiClient:
+        path = os.fspath(socket_path)
+        return cls(lambda: UnixHTTPConnection(path, timeout=timeout), path, token, unix=True)
+
+    @classmethod
+    def remote(cls, host: str, port: int, token_file: Path | str | None = None, *,
+               token: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> ApiClient:
+        if token is None and token_file is not None:
+            try:
+                token = read_client_token(Path(token_file))
+            except TokenFileError as e:
+                raise ApiClientError(0, str(e)) from None
+        return cls(lambda: http.client.HTTPConnection(host, port, timeout=timeout),
+                   f"{host}:{port}", token, unix=False)
+
+    # -- routes ----------------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/health")
+
+    def status(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/status")
+
+    def events(self, since: int = 0, limit: int = 100, kind: str | None = None) -> dict[str, Any]:
+        query: dict[str, Any] = {"since": since, "limit": limit}
+        if kind:
+            query["kind"] = kind
+        return self._json("GET", "/v1/events?" + urlencode(query))
+
+    def jobs(self) -> Any:
+        return self._json("GET", "/v1/jobs")
+
+    def job(self, job: str) -> dict[str, Any]:
+        return self._json("GET", f"/v1/jobs/{_seg(job)}")
+
+    def submit_job(self, spec: dict[str, Any]) -> str:
+        """Start a job; returns its id."""
+        return str(self._json("POST", "/v1/jobs", spec)["job"])
+
+    def stop_job(self, job: str, **options: Any) -> dict[str, Any]:
+        return self._json("POST", f"/v1/jobs/{_seg(job)}/stop", options)
+
+    def get_plan(self, job: str) -> dict[str, Any]:
+        return self._json("GET", f"/v1/jobs/{_seg(job)}/plan")
+
+    def put_plan(self, job: str, fields: dict[str, Any]) -> dict[str, Any]:
+        return self._json("PUT", f"/v1/jobs/{_seg(job)}/plan", fields)
+
+    def checkpoints(self, job: str | None = None) -> Any:
+        return self._json("GET", "/v1/checkpoints" + (f"?{urlencode({'job': job})}" if job else ""))
+
+    def checkpoint_now(self, job: str, **options: Any) -> dict[str, Any]:
+        return self._json("POST", f"/v1/jobs/{_seg(job)}/checkpoint", options)
+
+    def drain(self, job: str, *, rank: int | None = None, node: str | None = None) -> dict[str, Any]:
+        if (rank is None) == (node is None):
+            raise ValueError("drain: give exactly one of rank= or node=")
+        return self._json("POST", f"/v1/jobs/{_seg(job)}/drain",
+                          {"rank": rank} if rank is not None else {"node": node})
+
+    def detection_config(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/config/detection")
+
+    def put_detection_config(self, fields: dict[str, Any]) -> dict[str, Any]:
+        return self._json("PUT", "/v1/config/detection", fields)
+
+    def put_blob(self, namespace: str, path: str, data: bytes | BinaryIO,
+                 size: int | None = None) -> dict[str, Any]:
+        """Upload ``data`` (bytes, or a binary file read in chunks; ``size`` defaults to what is
+        left in the file)."""
+        if isinstance(data, bytes | bytearray | memoryview):
+            size = len(data)
+        elif size is None:
+            size = os.fstat(data.fileno()).st_size - data.tell()
+        return self._request("PUT", _blob_url(namespace, path), raw=data, raw_size=size)
+
+    def get_blob(self, namespace: str, path: str, dst: BinaryIO | None = None) -> bytes | int:
+        """Download a blob: into ``dst`` in chunks (returns the byte count), or as bytes."""
+        return self._request("GET", _blob_url(namespace, path), sink=dst, want_bytes=dst is None)
+
+    def delete_blob(self, namespace: str, path: str) -> dict[str, Any]:
+        return self._json("DELETE", _blob_url(namespace, path))
+
+    # -- transport -------------------------------------------------------------------------------
+
+    def _json(self, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
+        return self._request(method, url, body=body)
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        return headers
+
+    def _request(self, method: str, url: str, *, body: dict[str, Any] | None = None,
+                 raw: bytes | BinaryIO | None = None, raw_size: int = 0,
+                 sink: BinaryIO | None = None, want_bytes: bool = False) -> Any:
+        headers = self._headers()
+        conn = self._connect()
+        try:
+            try:
+                if raw is not None:
+                    headers["Content-Type"] = "application/octet-stream"
+                    headers["Content-Length"] = str(raw_size)
+                    conn.putrequest(method, url, skip_accept_encoding=True)
+                    for k, v in headers.items():
+                        conn.putheader(k, v)
+                    conn.endheaders()
+                    _send_body(conn, raw, raw_size)
+                else:
+                    payload = None if body is None else json.dumps(body).encode()
+                    if payload is not None:
+                        headers["Content-Type"] = "application/json"
+                    conn.request(method, url, body=payload, headers=headers)
+                resp = conn.getresponse()
+                if resp.status != 200:
+                    raise ApiClientError(resp.status, _error_message(resp, method, url))
+                if sink is not None or want_bytes:
+                    return _receive_blob(resp, sink)
+                data = resp.read()
+            except ApiClientError:
+                raise
+            except (FileNotFoundError, ConnectionRefusedError):
+                raise ApiClientError(0, f"no agent at {self.where}: is `trainguard agent` running?") from None
+            except PermissionError:
+                raise ApiClientError(0, f"permission denied on {self.where}: run as root or as a member "
+                                        "of the socket's group") from None
+            except TimeoutError:
+                raise ApiClientError(0, f"agent at {self.where} did not answer in time") from None
+            except (OSError, http.client.HTTPException) as e:
+                raise ApiClientError(0, f"lost the connection to the agent at {self.where}: "
+                                        f"{type(e).__name__}: {e}") from None
+        finally:
+            conn.close()
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise ApiClientError(200, f"agent at {self.where} sent a reply that is not JSON") from None
+
+
+def _seg(value: str) -> str:
+    return quote(value, safe="")
+
+
+def _blob_url(namespace: str, path: str) -> str:
+    return f"/v1/blobs/{_seg(namespace)}/" + "/".join(_seg(s) for s in path.split("/"))
+
+
+def _send_body(conn: http.client.HTTPConnection, raw: bytes | BinaryIO, size: int) -> None:
+    if isinstance(raw, bytes | bytearray | memoryview):
+        view = memoryview(raw)
+        for off in range(0, len(view), _CHUNK):
+            conn.send(view[off:off + _CHUNK])
+        return
+    left = size
+    while left > 0:
+        chunk = raw.read(min(_CHUNK, left))
+        if not chunk:
+            raise ApiClientError(0, f"blob source ended {left} bytes short of the {size} announced")
+        conn.send(chunk)
+        left -= len(chunk)
+
+
+def _receive_blob(resp: http.client.HTTPResponse, sink: BinaryIO | None) -> bytes | int:
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        chunk = resp.read(_CHUNK)
+        if not chunk:
+            break
+        total += len(chunk)
+        if sink is not None:
+            sink.write(chunk)
+        else:
+            parts.append(chunk)
+    if resp.length not in (None, 0):  # http.client counts down what is left of Content-Length
+        raise ApiClientError(0, "the agent closed the connection in the middle of the blob")
+    return total if sink is not None else b"".join(parts)
+
+
+def _error_message(resp: http.client.HTTPResponse, method: str, url: str) -> str:
+    raw = resp.read(64 * 1024)
+    try:
+        message = json.loads(raw)["error"]
+    except (ValueError, KeyError, TypeError):
+        message = resp.reason or "error"
+    return f"{method} {url.split('?', 1)[0]}: {message}"
