@@ -98,7 +98,7 @@ class EventLog:
         self._lock = threading.Lock()
         self._recent: deque[dict[str, Any]] = deque(maxlen=memory)
         self._listeners: list[Callable[[Event], None]] = []
-        self.counts: dict[str, int] = {}
+        self.counts: dict[tuple[str, str], int] = {}
         self.write_errors = 0
         self._seq = self._recover()
         self._fh = open(self.path, "ab")
@@ -163,7 +163,7 @@ class EventLog:
                 # A full disk must not take the agent down; the event still reaches memory and listeners.
                 self.write_errors += 1
             self._recent.append(body)
-            self.counts[kind] = self.counts.get(kind, 0) + 1
+            self.counts[(kind, severity)] = self.counts.get((kind, severity), 0) + 1
         for listener in list(self._listeners):
             try:
                 listener(event)

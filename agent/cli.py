@@ -1,0 +1,264 @@
+"""`trainguard` command line (the contract in SPEC.md). Imports nothing heavy at module level:
+the agent never loads torch, and `trainguard status` must answer in a blink."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from agent.config import ConfigError
+
+EXIT_USAGE = 2
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", help="talk to the agent whose files are under DIR")
+    p.add_argument("--agent", metavar="HOST:PORT", help="talk to a remote agent over TCP")
+    p.add_argument("--token-file", help="bearer token file for --agent")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainguard", description="Keeps distributed PyTorch training healthy.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser("agent", help="run the node agent daemon")
+    a.add_argument("--config", help="TOML config (default /etc/trainguard/agent.toml if present)")
+    a.add_argument("--state-dir", help="put every file and socket of this agent under DIR")
+    a.add_argument("--metrics-addr", metavar="HOST:PORT", help="Prometheus /metrics address (port 0: any)")
+    a.add_argument("--check-config", metavar="FILE", help="validate FILE and exit (0 ok, 2 with the bad key)")
+    a.add_argument("--print-bpf", action="store_true", help="print the generated eBPF programs and exit")
+
+    t = sub.add_parser("train", help="run the embedded trainer (through the local agent, or --standalone)")
+    t.add_argument("--nproc", type=int, required=True)
+    t.add_argument("--dp", type=int)
+    t.add_argument("--tp", type=int, default=1)
+    t.add_argument("--pp", type=int, default=1)
+    t.add_argument("--steps", type=int, default=100)
+    t.add_argument("--standalone", action="store_true", help="run without an agent")
+    t.add_argument("--state-dir")
+    t.add_argument("--fault", action="append", default=[], metavar="SPEC", help="e.g. kill:rank=1,step=40")
+    t.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
+    t.add_argument("--job", help="job id (default: generated)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="trainer config override, e.g. model.layers=4")
+    t.add_argument("--detach", action="store_true", help="submit to the agent and return at once")
+
+    for name, help_text in (("status", "agent, jobs and ranks"), ("events", "the event log"), ("checkpoints", "checkpoints per tier")):
+        p = sub.add_parser(name, help=help_text)
+        _add_target(p)
+        if name == "events":
+            p.add_argument("--since", type=int, default=0)
+            p.add_argument("--limit", type=int, default=100)
+            p.add_argument("--kind")
+            p.add_argument("--follow", "-f", action="store_true")
+        if name == "checkpoints":
+            p.add_argument("--job")
+
+    top = sub.add_parser("top", help="live terminal dashboard")
+    _add_target(top)
+
+    d = sub.add_parser("demo", help="agent + a multi-rank job with a fault and a straggler, healed")
+    d.add_argument("--tui", action="store_true", help="show the dashboard while the demo runs")
+    d.add_argument("--quick", action="store_true", help="fewer steps")
+    return parser
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"trainguard: {message}", file=sys.stderr)
+    return code
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from agent.config import DEFAULT_CONFIG_PATH, apply_state_dir, load_config
+
+    if args.check_config:
+        try:
+            load_config(args.check_config, must_exist=True)
+        except ConfigError as exc:
+            print(f"trainguard: config error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"{args.check_config}: ok")
+        return 0
+    if args.print_bpf:
+        try:
+            from agent.collectors.ebpf import render_all
+        except ImportError as exc:
+            return _fail(f"eBPF programs unavailable: {exc}")
+        print(render_all())
+        return 0
+    path = args.config or DEFAULT_CONFIG_PATH
+    try:
+        cfg = load_config(path, must_exist=args.config is not None)
+        if args.state_dir:
+            apply_state_dir(cfg, args.state_dir)
+        if args.metrics_addr is not None:
+            from agent.config import _host_port
+
+            _host_port("--metrics-addr", args.metrics_addr, allow_empty=True)
+            cfg.metrics.addr = args.metrics_addr
+    except ConfigError as exc:
+        print(f"trainguard: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    import logging
+
+    from agent.daemon import Agent
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return Agent(cfg, config_path=path if os.path.exists(path) else None).run()
+    except OSError as exc:
+        return _fail(f"agent could not start: {exc}")
+
+
+def make_client(args: argparse.Namespace) -> Any:
+    from agent.api.client import ApiClient
+    from agent.paths import AgentPaths
+
+    if getattr(args, "agent", None):
+        host, _, port = args.agent.rpartition(":")
+        if not args.token_file:
+            raise ValueError("--agent needs --token-file")
+        return ApiClient.remote(host or "127.0.0.1", int(port), args.token_file)
+    return ApiClient.local(AgentPaths.for_state_dir(args.state_dir).control_socket)
+
+
+def _format_age(ts: float) -> str:
+    age = max(0.0, time.time() - ts)
+    return f"{age:.0f}s" if age < 120 else f"{age / 60:.0f}m"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    st = make_client(args).status()
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(f"node {st['node']}  agent {st['version']} pid {st['pid']}  up {st['uptime_s']:.0f}s  leader {st.get('leader')}")
+    for name, c in sorted(st["collectors"].items()):
+        print(f"  collector {name:<5} {'up' if c['up'] else 'down'}{'' if c['up'] else '  (' + str(c['reason']) + ')'}")
+    for job in st["jobs"]:
+        print(f"job {job['job']}  {job['state']}  attempt {job.get('attempt', '-')}  restarts {job.get('restarts', 0)}  step {job.get('progress_step', '-')}")
+        for r in job.get("ranks", []):
+            tel = r.get("telemetry") or {}
+            state = "alive" if r.get("alive", True) else f"exit {r.get('exit_code')}"
+            print(
+                f"  rank {r['rank']:>3} pid {r.get('pid', '-'):>7} {state:<8} step {tel.get('step', '-'):>6} "
+                f"step_s {tel.get('step_s', float('nan')):.3f} compute_s {tel.get('compute_s', float('nan')):.3f} "
+                f"loss {tel.get('loss', float('nan')):.4f}"
+            )
+    return 0
+
+
+def _print_event(e: dict[str, Any]) -> None:
+    where = ""
+    if e.get("job"):
+        where = f" [{e['job']}" + (f" rank {e['rank']}" if e.get("rank") is not None else "") + "]"
+    cause = f" (cause: {e['cause']})" if e.get("cause") else ""
+    stamp = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
+    print(f"{e['seq']:>6} {stamp} {e['severity']:<8} {e['kind']:<22}{where} {e['message']}{cause}")
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    client = make_client(args)
+    since = args.since
+    while True:
+        batch = client.events(since=since, limit=args.limit, kind=args.kind)
+        for e in batch["events"]:
+            if args.json:
+                print(json.dumps(e))
+            else:
+                _print_event(e)
+        since = batch["next"]
+        if not args.follow:
+            return 0
+        time.sleep(0.5)
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    items = make_client(args).checkpoints(job=args.job)
+    if args.json:
+        print(json.dumps(items, indent=2))
+        return 0
+    if not items:
+        print("no checkpoints")
+    for c in items:
+        print(f"{c.get('tier', '?'):<7} {c.get('job', '?'):<24} step {c.get('step', '?'):>7}  {c.get('size', 0) / 1e6:8.1f} MB  age {_format_age(c.get('created', time.time()))}")
+    return 0
+
+
+def _trainer_config(args: argparse.Namespace) -> dict[str, Any]:
+    from trainer.config import config_from_cli
+
+    return config_from_cli(
+        nproc=args.nproc, dp=args.dp, tp=args.tp, pp=args.pp, steps=args.steps, faults=args.fault, overrides=args.set
+    )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    try:
+        trainer_cfg = _trainer_config(args)
+    except ValueError as exc:
+        print(f"trainguard: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.standalone:
+        from trainer.config import TrainConfig
+        from trainer.launch import run_standalone
+
+        rc: int = run_standalone(TrainConfig.from_dict(trainer_cfg), args.nproc, json_out=args.json)
+        return rc
+    from agent.follow import follow_job
+
+    client = make_client(args)
+    spec = {"nproc": args.nproc, "trainer": trainer_cfg, "faults": list(args.fault)}
+    if args.job:
+        spec["job"] = args.job
+    job = client.submit_job(spec)["job"]
+    if args.detach:
+        print(job)
+        return 0
+    return follow_job(client, job, json_out=args.json)
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    try:
+        from tui.app import run_dashboard
+    except ImportError as exc:
+        return _fail(f"dashboard unavailable: {exc}")
+    rc: int = run_dashboard(args)
+    return rc
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from agent.demo import run_demo
+
+    return run_demo(tui=args.tui, quick=args.quick)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {
+        "agent": cmd_agent,
+        "train": cmd_train,
+        "status": cmd_status,
+        "events": cmd_events,
+        "checkpoints": cmd_checkpoints,
+        "top": cmd_top,
+        "demo": cmd_demo,
+    }
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line for the user, never a traceback
+        from agent.api.client import ApiClientError
+
+        if isinstance(exc, ApiClientError | ValueError):
+            return _fail(str(exc))
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

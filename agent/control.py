@@ -1,0 +1,179 @@
+"""The daemon's side of the control API (agent.api.handler.ApiHandler): meaning, not transport."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from agent import __version__
+from agent.api.handler import ApiError, Blob, BlobReader, Json
+from agent.jobs import JobSpec, JobSpecError
+from agent.wire import WireError
+
+if TYPE_CHECKING:
+    from agent.daemon import Agent
+
+
+class AgentControl:
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def _job(self, job: str) -> Any:
+        record = self.agent.supervisor.jobs.get(job)
+        if record is None:
+            raise ApiError(404, f"no job {job!r} on this agent")
+        return record
+
+    def health(self) -> dict[str, Any]:
+        return {"node": self.agent.cfg.agent.node, "version": __version__, "pid": os.getpid()}
+
+    def status(self) -> dict[str, Any]:
+        agent = self.agent
+        snapshot = agent.table.snapshot()
+        jobs = []
+        for rec in agent.supervisor.status():
+            ranks_tel = snapshot.get(rec["job"], {})
+            for r in rec["ranks"]:
+                tel = ranks_tel.get(r["rank"])
+                if tel is not None:
+                    r["telemetry"] = _telemetry_dict(tel)
+            rec["plan"] = dataclasses.asdict(agent.plans.get(rec["job"]))
+            jobs.append(rec)
+        # Telemetry from jobs this agent did not launch (e.g. torchrun pointed at the socket).
+        launched = {j["job"] for j in jobs}
+        for job, ranks in snapshot.items():
+            if job not in launched:
+                jobs.append(
+                    {
+                        "job": job,
+                        "state": "external",
+                        "ranks": [
+                            {"rank": rank, "telemetry": _telemetry_dict(tel)}
+                            for rank, tel in sorted(ranks.items())
+                        ],
+                    }
+                )
+        return {
+            "node": agent.cfg.agent.node,
+            "hostname": socket.gethostname(),
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - agent.started, 3),
+            "leader": agent.cfg.agent.node,
+            "collectors": {k: {"up": v[0], "reason": v[1]} for k, v in agent.collector_state.items()},
+            "jobs": jobs,
+            "metrics_port": agent.metrics_port,
+        }
+
+    def events(self, since: int, limit: int, kind: str | None) -> dict[str, Any]:
+        items = self.agent.events.since(since, limit=limit, kind=kind)
+        nxt = items[-1]["seq"] if items else max(since, 0)
+        return {"events": items, "next": nxt}
+
+    def list_jobs(self) -> Json:
+        return self.agent.supervisor.status()
+
+    def submit_job(self, spec: dict[str, Any]) -> dict[str, Any]:
+        try:
+            job_spec = JobSpec.from_dict(spec)
+        except JobSpecError as exc:
+            raise ApiError(400, str(exc)) from None
+        try:
+            self.agent.supervisor.submit(job_spec)
+        except ValueError as exc:
+            raise ApiError(409, str(exc)) from None
+        return {"job": job_spec.job}
+
+    def get_job(self, job: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._job(job).to_dict()
+        return result
+
+    def stop_job(self, job: str, options: dict[str, Any]) -> dict[str, Any]:
+        self._job(job)
+        record = self.agent.supervisor.stop(job, str(options.get("reason", "requested through the API")))
+        return {"job": job, "state": record.state.value}
+
+    def get_plan(self, job: str) -> dict[str, Any]:
+        self._job(job)
+        return dataclasses.asdict(self.agent.plans.get(job))
+
+    def update_plan(self, job: str, fields: dict[str, Any]) -> dict[str, Any]:
+        self._job(job)
+        try:
+            plan = self.agent.plans.update(job, fields)
+        except (WireError, TypeError) as exc:
+            raise ApiError(400, str(exc)) from None
+        self.agent.events.emit("plan_updated", f"plan v{plan.version} for job {job}", job=job, cause="api", plan=_plan_dict(plan))
+        return _plan_dict(plan)
+
+    def list_checkpoints(self, job: str | None) -> Json:
+        provider = getattr(self.agent, "checkpoint_catalog", None)
+        if provider is None:
+            return []
+        result: Json = provider(job)
+        return result
+
+    def checkpoint_now(self, job: str, options: dict[str, Any]) -> dict[str, Any]:
+        self._job(job)
+        plan = self.agent.plans.update(job, {"reason": "checkpoint requested"}, checkpoint_now=True)
+        self.agent.events.emit("checkpoint_requested", f"checkpoint requested for job {job}", job=job, cause="api")
+        return {"job": job, "checkpoint_id": plan.checkpoint_id, "plan_version": plan.version}
+
+    def drain(self, job: str, target: dict[str, Any]) -> dict[str, Any]:
+        self._job(job)
+        handler = getattr(self.agent, "drain_handler", None)
+        if handler is None:
+            raise ApiError(501, "draining needs the straggler/healing module, which is not enabled on this agent")
+        result: dict[str, Any] = handler(job, target)
+        return result
+
+    def get_detection_config(self) -> dict[str, Any]:
+        det = getattr(self.agent, "detection_config", None)
+        return dict(det()) if det else {}
+
+    def update_detection_config(self, fields: dict[str, Any]) -> dict[str, Any]:
+        upd = getattr(self.agent, "update_detection", None)
+        if upd is None:
+            raise ApiError(501, "no runtime-changeable detection settings on this agent")
+        try:
+            result: dict[str, Any] = upd(fields)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        return result
+
+    def put_blob(self, namespace: str, path: str, body: BlobReader) -> dict[str, Any]:
+        store = getattr(self.agent, "blob_store", None)
+        if store is None:
+            raise ApiError(501, "this agent holds no peer checkpoint data")
+        result: dict[str, Any] = store.put(namespace, path, body)
+        return result
+
+    def get_blob(self, namespace: str, path: str) -> Blob:
+        store = getattr(self.agent, "blob_store", None)
+        if store is None:
+            raise ApiError(404, "no such blob")
+        blob: Blob = store.get(namespace, path)
+        return blob
+
+    def delete_blob(self, namespace: str, path: str) -> dict[str, Any]:
+        store = getattr(self.agent, "blob_store", None)
+        if store is None:
+            raise ApiError(404, "no such blob")
+        result: dict[str, Any] = store.delete(namespace, path)
+        return result
+
+
+def _plan_dict(plan: Any) -> dict[str, Any]:
+    return dataclasses.asdict(plan)
+
+
+def _telemetry_dict(tel: Any) -> dict[str, Any]:
+    if hasattr(tel, "to_dict"):
+        result: dict[str, Any] = tel.to_dict()
+        return result
+    if dataclasses.is_dataclass(tel) and not isinstance(tel, type):
+        return dataclasses.asdict(tel)
+    return dict(tel)

@@ -1,0 +1,308 @@
+"""The node agent: wires collectors, telemetry, supervisor, exporter and the control API together
+and runs the main loop (collect -> detect -> act -> watchdog) once per interval.
+
+Signals: SIGTERM stops cleanly (ranks stopped or left, as configured; state flushed); SIGHUP
+reloads the config file. Under systemd it reports READY/STATUS/WATCHDOG/STOPPING.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agent import __version__
+from agent.collectors.base import Collector, CollectorUnavailable, TrackedProcess
+from agent.config import AgentConfig, ConfigError, load_config, parse_host_port
+from agent.eventlog import EventLog
+from agent.jobs import JobSpec
+from agent.launcher import LaunchContext, Launcher
+from agent.paths import AgentPaths
+from agent.plans import PlanStore
+from agent.sdnotify import Notifier
+from agent.supervisor import Supervisor
+
+log = logging.getLogger("trainguard.agent")
+
+# A main-loop step (collect, detect, act) runs after each interval; these hooks are where the
+# detectors and healers of later modules plug in. Each gets the agent and the current time.
+TickHook = Callable[["Agent", float], None]
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig, config_path: str | None = None, *, print_bpf: bool = False) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.print_bpf = print_bpf
+        self.paths = AgentPaths(cfg.agent.state_dir, cfg.agent.run_dir)
+        self.notifier = Notifier()
+        self.started = time.time()
+        self.tick_hooks: list[TickHook] = []
+        self.collectors: list[Collector] = []
+        self.collector_state: dict[str, tuple[bool, str | None]] = {}
+        self._stop = threading.Event()
+        self._reload = threading.Event()
+        self.ticks = 0
+        self.metrics_port: int | None = None
+        self.api_tcp_port: int | None = None
+
+    # --- start-up ---------------------------------------------------------------------------
+    def start(self) -> None:
+        from agent.exporter import AgentExporter, serve_metrics
+        from agent.telemetry import RankTable, TelemetryServer
+
+        self.paths.ensure()
+        cfg = self.cfg
+        self.events = EventLog(
+            self.paths.events_dir, cfg.agent.node, max_bytes=cfg.eventlog.max_bytes, keep=cfg.eventlog.keep
+        )
+        self.table = RankTable(capacity=cfg.telemetry.ring)
+        self.telemetry = TelemetryServer(
+            self.paths.telemetry_socket, self.table, accept_unknown_jobs=cfg.telemetry.accept_unknown_jobs
+        )
+        self.plans = PlanStore(self.paths.plans_dir)
+        self.supervisor = Supervisor(
+            self.events,
+            self.plans,
+            Launcher(),
+            self._launch_context,
+            stop_grace_s=cfg.launcher.stop_grace_s,
+            on_ranks_changed=self._ranks_changed,
+        )
+        self.telemetry.start()
+        self._start_collectors()
+        self.exporter = AgentExporter(
+            sources=[self.telemetry, *self.collectors, self],
+            build_info={"version": __version__, "python": platform.python_version(), "node": cfg.agent.node},
+            collector_status=lambda: dict(self.collector_state),
+        )
+        if cfg.metrics.addr:
+            host, port = parse_host_port(cfg.metrics.addr)
+            self._metrics_server, self.metrics_port = serve_metrics(self.exporter.registry, host, port)
+            with open(self.paths.metrics_addr_file, "w") as fh:
+                fh.write(f"{host}:{self.metrics_port}\n")
+        self._start_api()
+        with open(self.paths.pid_file, "w") as fh:
+            fh.write(f"{os.getpid()}\n")
+        self.events.emit(
+            "agent_started",
+            f"agent {__version__} started on {cfg.agent.node}",
+            pid=os.getpid(),
+            collectors={k: v[0] for k, v in self.collector_state.items()},
+        )
+        self.notifier.ready(self._status_line())
+
+    def _start_api(self) -> None:
+        from agent.api.server import ApiServer
+        from agent.control import AgentControl
+
+        cfg = self.cfg.api
+        self.control = AgentControl(self)
+        self.api = ApiServer(
+            self.control,
+            unix_path=self.paths.control_socket,
+            tcp_addr=parse_host_port(cfg.tcp) if cfg.tcp else None,
+            token_file=cfg.token_file or None,
+            unix_requires_token=cfg.unix_requires_token,
+            on_auth_failure=self._on_auth_failure,
+        )
+        self.api.start()
+        self.api_tcp_port = self.api.tcp_port
+
+    def _on_auth_failure(self, remote: str, path: str) -> None:
+        self.events.emit("api_auth_failed", f"API request without a valid token from {remote}", severity="warning", remote=remote, path=path)
+
+    def _start_collectors(self) -> None:
+        wanted: list[tuple[str, Callable[[], Collector]]] = []
+        cfg = self.cfg.collectors
+        if cfg.host:
+            wanted.append(("host", self._make_host))
+        if cfg.ebpf:
+            wanted.append(("ebpf", self._make_ebpf))
+        if cfg.gpu:
+            wanted.append(("gpu", self._make_gpu))
+        for name, factory in wanted:
+            try:
+                collector = factory()
+                collector.start()
+            except CollectorUnavailable as exc:
+                self._collector_down(name, str(exc))
+                continue
+            except Exception as exc:  # noqa: BLE001 - a broken collector must not stop the agent
+                self._collector_down(name, f"failed to start: {type(exc).__name__}: {exc}")
+                continue
+            self.collectors.append(collector)
+            self.collector_state[name] = (True, None)
+        for name in ("host", "ebpf", "gpu"):
+            if name not in self.collector_state:
+                self.collector_state[name] = (False, "disabled in config")
+
+    def _collector_down(self, name: str, reason: str) -> None:
+        self.collector_state[name] = (False, reason)
+        log.warning("collector %s is off: %s", name, reason)
+
+    def _make_host(self) -> Collector:
+        from agent.collectors.host import HostCollector
+
+        return HostCollector()
+
+    def _make_ebpf(self) -> Collector:
+        from agent.collectors.ebpf import EbpfCollector
+
+        return EbpfCollector(self._on_collector_event, interval=self.cfg.agent.interval_s, print_bpf=self.print_bpf)
+
+    def _make_gpu(self) -> Collector:
+        from agent.collectors.gpu import GpuCollector
+
+        return GpuCollector(self._on_collector_event)
+
+    def _on_collector_event(self, kind: str, fields: dict[str, Any]) -> None:
+        pid = fields.get("pid")
+        found = self.supervisor.find_rank(pid) if isinstance(pid, int) else None
+        job = found[0].job if found else None
+        rank = found[1].rank if found else None
+        if kind == "rank_exit" and found is None:
+            return  # an untracked process: the kernel program filters, this is a late race
+        severity = "error" if kind in ("oom_kill", "gpu_xid", "gpu_lost") else "info"
+        self.events.emit(kind, f"{kind.replace('_', ' ')}: {fields}", severity=severity, job=job, rank=rank, source="collector", **fields)
+        if kind == "rank_exit" and isinstance(pid, int):
+            self.supervisor.on_exit_event(pid, fields)
+
+    def _ranks_changed(self, processes: dict[int, TrackedProcess]) -> None:
+        for c in self.collectors:
+            try:
+                c.track(processes)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("collector %s could not track ranks: %s", c.name, exc)
+
+    def _launch_context(self, spec: JobSpec) -> LaunchContext:
+        return LaunchContext(
+            telemetry_socket=self.paths.telemetry_socket,
+            plan_path=self.plans.path(spec.job),
+            log_dir=os.path.join(self.paths.jobs_dir, spec.job),
+            master_addr=self.cfg.launcher.master_addr,
+            python=self.cfg.launcher.python,
+            user=self.cfg.launcher.user,
+            extra_env={"TRAINGUARD_STATE_DIR": self.cfg.agent.state_dir},
+        )
+
+    # --- main loop --------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        for c in self.collectors:
+            try:
+                c.poll(now)
+            except Exception as exc:  # noqa: BLE001 - one bad read must not stop the loop
+                log.warning("collector %s poll failed: %s", c.name, exc)
+        snapshot = self.table.snapshot()
+        for job, ranks in snapshot.items():
+            steps = [r.step for r in ranks.values()]
+            if steps:
+                self.supervisor.note_progress(job, max(steps))
+        for hook in list(self.tick_hooks):
+            try:
+                hook(self, now)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("tick hook %s failed: %s", hook, exc)
+        self.ticks += 1
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
+        signal.signal(signal.SIGINT, lambda *_: self._stop.set())
+        signal.signal(signal.SIGHUP, lambda *_: self._reload.set())
+        self.start()
+        interval = self.cfg.agent.interval_s
+        watchdog = self.notifier.watchdog_interval_s()
+        period = min(interval, watchdog) if watchdog else interval
+        next_tick = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                if self._reload.is_set():
+                    self._reload.clear()
+                    self.reload()
+                now = time.monotonic()
+                if now >= next_tick:
+                    self.tick(time.time())
+                    next_tick = now + interval
+                    self.notifier.status(self._status_line())
+                self.notifier.watchdog()
+                self._stop.wait(max(0.0, min(period, next_tick - time.monotonic())))
+        finally:
+            self.shutdown()
+        return 0
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def reload(self) -> None:
+        self.notifier.reloading()
+        try:
+            new = load_config(self.config_path, must_exist=self.config_path is not None)
+        except ConfigError as exc:
+            self.events.emit("config_reload_failed", f"config not reloaded: {exc}", severity="error", cause=str(exc))
+            self.notifier.ready(self._status_line())
+            return
+        # Paths and sockets stay as started; the rest takes effect now.
+        new.agent.state_dir, new.agent.run_dir = self.cfg.agent.state_dir, self.cfg.agent.run_dir
+        self.cfg = new
+        try:
+            self.api.reload()
+        except Exception as exc:  # noqa: BLE001
+            self.events.emit("config_reload_failed", f"API tokens not reloaded: {exc}", severity="error")
+        self.events.emit("config_reloaded", "configuration reloaded", path=self.config_path)
+        self.notifier.ready(self._status_line())
+
+    def shutdown(self) -> None:
+        self.notifier.stopping()
+        events = getattr(self, "events", None)
+        if events is not None:
+            events.emit("agent_stopping", f"agent stopping ({self.cfg.agent.on_stop})")
+        sup = getattr(self, "supervisor", None)
+        if sup is not None:
+            if self.cfg.agent.on_stop == "stop_ranks":
+                sup.stop_all("agent shutdown")
+            sup.close()
+        for part in ("api", "telemetry"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                try:
+                    obj.stop()
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("stopping %s: %s", part, exc)
+        server = getattr(self, "_metrics_server", None)
+        if server is not None:
+            server.shutdown()
+        for c in self.collectors:
+            try:
+                c.stop()
+            except Exception:  # noqa: BLE001
+                pass
+        if events is not None:
+            events.emit("agent_stopped", "agent stopped")
+            events.close()
+        for path in (self.paths.pid_file, self.paths.metrics_addr_file):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    # --- reporting --------------------------------------------------------------------------
+    def _status_line(self) -> str:
+        sup = getattr(self, "supervisor", None)
+        running = sum(1 for j in sup.jobs.values() if not j.state.finished) if sup else 0
+        up = [k for k, v in self.collector_state.items() if v[0]]
+        return f"{running} job(s) running; collectors up: {', '.join(up) or 'none'}"
+
+    @property
+    def event_counts(self) -> dict[tuple[str, str], int]:
+        return dict(self.events.counts)
+
+    def metrics(self) -> Any:
+        """Agent-level metric families (events, restarts, jobs) for the exporter."""
+        from agent.agent_metrics import agent_metrics
+
+        return agent_metrics(self)

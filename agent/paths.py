@@ -1,0 +1,57 @@
+"""Where an agent keeps its files and sockets; ``--state-dir`` moves all of them under one folder."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from agent.config import DEFAULT_RUN_DIR, DEFAULT_STATE_DIR
+
+
+@dataclass(frozen=True)
+class AgentPaths:
+    state_dir: str
+    run_dir: str
+
+    @classmethod
+    def for_state_dir(cls, state_dir: str | None) -> AgentPaths:
+        if state_dir:
+            return cls(state_dir, os.path.join(state_dir, "run"))
+        return cls(DEFAULT_STATE_DIR, DEFAULT_RUN_DIR)
+
+    @property
+    def control_socket(self) -> str:
+        return os.path.join(self.run_dir, "agent.sock")
+
+    @property
+    def telemetry_socket(self) -> str:
+        return os.path.join(self.run_dir, "telemetry.sock")
+
+    @property
+    def plans_dir(self) -> str:
+        return os.path.join(self.run_dir, "plans")
+
+    @property
+    def events_dir(self) -> str:
+        return os.path.join(self.state_dir, "events")
+
+    @property
+    def jobs_dir(self) -> str:
+        return os.path.join(self.state_dir, "jobs")
+
+    @property
+    def checkpoints_dir(self) -> str:
+        return os.path.join(self.state_dir, "checkpoints")
+
+    @property
+    def pid_file(self) -> str:
+        return os.path.join(self.run_dir, "agent.pid")
+
+    @property
+    def metrics_addr_file(self) -> str:
+        """The bound metrics address, so clients and tests find an agent started on port 0."""
+        return os.path.join(self.run_dir, "metrics.addr")
+
+    def ensure(self) -> None:
+        for d in (self.state_dir, self.run_dir, self.plans_dir, self.events_dir, self.jobs_dir):
+            os.makedirs(d, mode=0o750, exist_ok=True)
