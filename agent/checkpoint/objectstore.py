@@ -1,0 +1,330 @@
+"""The object tier: checkpoints in an object store through fsspec (``s3://bucket/prefix``, ``file://``).
+
+Object stores have no atomic directory rename, so the manifest is the commit marker: data objects
+are uploaded first and the manifest LAST; ``list`` only reports checkpoints whose manifest exists,
+and ``delete`` removes the manifest first. Uploads are streamed and hashed on the way (one read of
+the source), and checked against the source's manifest; downloads are hashed on the way and
+compared with the stored manifest before the local directory is renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from agent.checkpoint.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointNotFound,
+    CheckpointWriteError,
+    ManifestError,
+    UnsafePathError,
+)
+from agent.checkpoint.local import rmtree_quiet
+from agent.checkpoint.manifest import (
+    CHUNK_BYTES,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    VerifyResult,
+    build_manifest,
+    new_hasher,
+    read_manifest,
+    safe_relpath,
+    write_manifest,
+)
+from agent.checkpoint.tier import (
+    RANK_OBJECT,
+    TMP_PREFIX,
+    CheckpointInfo,
+    Tier,
+    check_job,
+    parse_step_dirname,
+    step_dirname,
+)
+
+_SCHEMES = ("s3", "file", "memory")
+
+
+@dataclass(frozen=True)
+class ObjectStoreConfig:
+    """Where the object tier lives and how to reach it."""
+
+    url: str
+    """``s3://bucket/prefix``, ``file:///abs/path`` (or ``memory://x`` in tests)."""
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (MinIO, moto, Ceph); None: AWS."""
+    key: str | None = None
+    """Access key id; None: the default credential chain."""
+    secret: str | None = field(default=None, repr=False)
+    """Secret access key (never printed)."""
+    region: str | None = None
+    timeout_s: float = 30.0
+    """Connect/read timeout of each request."""
+    retries: int = 3
+    """Attempts per request (botocore)."""
+
+    def __post_init__(self) -> None:
+        scheme, sep, rest = self.url.partition("://")
+        if not sep or scheme not in _SCHEMES or not rest.strip("/"):
+            raise ValueError(f"checkpoint.object.url: {self.url!r} must look like s3://bucket/prefix or file:///path")
+        if scheme == "file" and not rest.startswith("/"):
+            raise ValueError(f"checkpoint.object.url: {self.url!r} must be an absolute file:/// path")
+        if self.timeout_s <= 0:
+            raise ValueError(f"checkpoint.object.timeout_s must be > 0, got {self.timeout_s}")
+        if self.retries < 1:
+            raise ValueError(f"checkpoint.object.retries must be >= 1, got {self.retries}")
+        if (self.key is None) != (self.secret is None):
+            raise ValueError("checkpoint.object.key and checkpoint.object.secret must be given together")
+
+    @property
+    def scheme(self) -> str:
+        return self.url.partition("://")[0]
+
+    def storage_options(self) -> dict[str, Any]:
+        if self.scheme == "file":
+            return {"auto_mkdir": True}
+        if self.scheme != "s3":
+            return {}
+        opts: dict[str, Any] = {
+            "skip_instance_cache": True,
+            "config_kwargs": {
+                "connect_timeout": self.timeout_s,
+                "read_timeout": self.timeout_s,
+                "retries": {"max_attempts": self.retries, "mode": "standard"},
+            },
+        }
+        client: dict[str, Any] = {}
+        if self.endpoint_url:
+            client["endpoint_url"] = self.endpoint_url
+        if self.region:
+            client["region_name"] = self.region
+        if client:
+            opts["client_kwargs"] = client
+        if self.key is not None:
+            opts["key"] = self.key
+            opts["secret"] = self.secret
+        return opts
+
+
+class ObjectTier(Tier):
+    def __init__(
+        self,
+        config: ObjectStoreConfig,
+        *,
+        name: str = "object",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.name = name
+        self.rank = RANK_OBJECT
+        self.config = config
+        self._clock = clock
+        fs, base = fsspec.core.url_to_fs(config.url, **config.storage_options())
+        self.fs = fs
+        self.base = str(base).rstrip("/")
+
+    # -- paths -----------------------------------------------------------------------------------
+    def _job(self, job: str) -> str:
+        return f"{self.base}/{check_job(job)}"
+
+    def _step(self, job: str, step: int) -> str:
+        return f"{self._job(job)}/{step_dirname(step)}"
+
+    def url_of(self, job: str, step: int) -> str:
+        path = self._step(job, step)
+        return f"file://{path}" if self.config.scheme == "file" else f"{self.config.scheme}://{path.lstrip('/')}"
+
+    def _invalidate(self, path: str) -> None:
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(path)
+
+    def _read_manifest(self, job: str, step: int) -> Manifest:
+        path = f"{self._step(job, step)}/{MANIFEST_NAME}"
+        with self.fs.open(path, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        return Manifest.from_json(data)
+
+    # -- Tier ------------------------------------------------------------------------------------
+    def list(self, job: str) -> list[CheckpointInfo]:
+        jp = self._job(job)
+        self._invalidate(jp)
+        try:
+            names = self.fs.ls(jp, detail=False)
+        except FileNotFoundError:
+            return []
+        except Exception as exc:
+            raise CheckpointError(f"tier {self.name}: listing {jp} failed: {exc}") from exc
+        out = []
+        for entry in names:
+            step = parse_step_dirname(str(entry).rstrip("/").rsplit("/", 1)[-1])
+            if step is None:
+                continue
+            try:
+                manifest = self._read_manifest(job, step)
+            except FileNotFoundError:
+                continue  # upload in progress or aborted: not committed
+            except ManifestError:
+                out.append(CheckpointInfo(self.name, job, step, self.url_of(job, step), 0, 0.0))
+                continue
+            except Exception as exc:
+                raise CheckpointError(f"tier {self.name}: reading manifest of step {step} failed: {exc}") from exc
+            out.append(CheckpointInfo(self.name, job, step, self.url_of(job, step),
+                                      manifest.total_bytes, manifest.created))
+        return sorted(out, key=lambda i: i.step)
+
+    def write_from(self, src_dir: Path, job: str, step: int) -> CheckpointInfo:
+        src = Path(src_dir)
+        sp = self._step(job, step)
+        try:
+            try:
+                manifest = read_manifest(src)
+            except FileNotFoundError:
+                manifest = build_manifest(src, job, step, created=self._clock())
+            manifest = Manifest(job, step, manifest.created, manifest.algorithm, manifest.files, manifest.extra)
+            self._uncommit(job, step)  # an older copy of the same step stops being listed first
+            bad: list[str] = []
+            for entry in manifest.files:
+                if not self._upload(src / safe_relpath(entry.path), f"{sp}/{entry.path}", entry,
+                                    manifest.algorithm):
+                    bad.append(f"checksum mismatch: {entry.path}")
+            if bad:
+                raise CheckpointCorrupt(f"source {src} does not match its manifest", bad)
+            self.fs.pipe_file(f"{sp}/{MANIFEST_NAME}", manifest.to_json())  # the commit
+        except CheckpointCorrupt:
+            self._remove_prefix(sp)
+            raise
+        except Exception as exc:
+            self._remove_prefix(sp)
+            raise CheckpointWriteError(self.name, job, step, exc) from exc
+        self._invalidate(self._job(job))
+        return CheckpointInfo(self.name, job, step, self.url_of(job, step), manifest.total_bytes, manifest.created)
+
+    def _upload(self, local: Path, remote: str, entry: FileEntry, algorithm: str) -> bool:
+        hasher = new_hasher(algorithm)
+        size = 0
+        with open(local, "rb") as fin, self.fs.open(remote, "wb") as fout:
+            while chunk := fin.read(CHUNK_BYTES):
+                hasher.update(chunk)
+                fout.write(chunk)
+                size += len(chunk)
+        return size == entry.size and hasher.hexdigest() == entry.checksum
+
+    def _uncommit(self, job: str, step: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(f"{self._step(job, step)}/{MANIFEST_NAME}")
+
+    def _remove_prefix(self, prefix: str) -> None:
+        with contextlib.suppress(Exception):
+            self.fs.rm(prefix, recursive=True)
+        self._invalidate(prefix)
+
+    def open(self, job: str, step: int) -> Path | None:
+        return None
+
+    def _stream(self, remote: str, algorithm: str, sink: Any = None) -> tuple[int, str]:
+        hasher = new_hasher(algorithm)
+        size = 0
+        with self.fs.open(remote, "rb", block_size=CHUNK_BYTES) as f:
+            while chunk := f.read(CHUNK_BYTES):
+                hasher.update(chunk)
+                size += len(chunk)
+                if sink is not None:
+                    sink.write(chunk)
+        return size, hasher.hexdigest()
+
+    def fetch(self, job: str, step: int, dest_dir: Path) -> Path:
+        try:
+            manifest = self._read_manifest(job, step)
+        except FileNotFoundError:
+            raise CheckpointNotFound(f"tier {self.name}: no committed {job} step {step}") from None
+        dest = Path(dest_dir)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.parent / f"{TMP_PREFIX}fetch-{dest.name}-{uuid.uuid4().hex}"
+        tmp.mkdir()
+        sp = self._step(job, step)
+        try:
+            bad: list[str] = []
+            for entry in manifest.files:
+                rel = safe_relpath(entry.path)
+                local = tmp / rel
+                local.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    with open(local, "wb") as out:
+                        size, digest = self._stream(f"{sp}/{rel}", manifest.algorithm, out)
+                except FileNotFoundError:
+                    bad.append(f"missing: {rel}")
+                    continue
+                if size != entry.size:
+                    bad.append(f"size mismatch: {rel}")
+                elif digest != entry.checksum:
+                    bad.append(f"checksum mismatch: {rel}")
+            if bad:
+                raise CheckpointCorrupt(f"tier {self.name}: {job} step {step} fails verification", bad)
+            write_manifest(tmp, manifest, durable=False)
+            os.rename(tmp, dest)
+        except BaseException:
+            rmtree_quiet(tmp)
+            raise
+        return dest
+
+    def verify(self, job: str, step: int) -> VerifyResult:
+        try:
+            manifest = self._read_manifest(job, step)
+        except FileNotFoundError:
+            return VerifyResult(error=f"tier {self.name}: no manifest for {job} step {step}")
+        except ManifestError as exc:
+            return VerifyResult(error=f"invalid manifest: {exc}")
+        except Exception as exc:
+            return VerifyResult(error=f"cannot read manifest: {exc}")
+        sp = self._step(job, step)
+        self._invalidate(sp)
+        try:
+            listed = self.fs.find(sp, detail=True)
+        except Exception as exc:
+            return VerifyResult(error=f"cannot list {sp}: {exc}", manifest=manifest)
+        present: dict[str, int] = {}
+        extra: list[str] = []
+        for key, info in listed.items():
+            if not str(key).startswith(sp + "/"):
+                extra.append(repr(key))
+                continue
+            rel = str(key)[len(sp) + 1:]
+            if rel == MANIFEST_NAME:
+                continue
+            try:
+                present[safe_relpath(rel)] = int(info.get("size") or 0)
+            except UnsafePathError:
+                extra.append(repr(rel))
+        expected = {e.path: e for e in manifest.files}
+        missing = sorted(set(expected) - set(present))
+        extra += sorted(set(present) - set(expected))
+        size_bad, sum_bad = [], []
+        for path in sorted(set(expected) & set(present)):
+            if present[path] != expected[path].size:
+                size_bad.append(path)
+                continue
+            try:
+                _, digest = self._stream(f"{sp}/{path}", manifest.algorithm)
+            except Exception:
+                missing.append(path)
+                continue
+            if digest != expected[path].checksum:
+                sum_bad.append(path)
+        error = None
+        if manifest.job != job or manifest.step != step:
+            error = f"manifest names {manifest.job} step {manifest.step}"
+        return VerifyResult(tuple(missing), tuple(extra), tuple(size_bad), tuple(sum_bad), error, manifest)
+
+    def delete(self, job: str, step: int) -> None:
+        self._uncommit(job, step)
+        self._remove_prefix(self._step(job, step))
+        self._invalidate(self._job(job))
