@@ -1,0 +1,265 @@
+"""Prometheus ``/metrics`` for the agent: one custom Collector, fed by snapshots at scrape time.
+
+Nothing here holds labelled gauges: every scrape builds fresh families from the latest snapshot
+of each source, so a rank or process that went away simply stops appearing. A source that fails
+costs its own metrics for that scrape (and a count in ``trainguard_exporter_errors_total``),
+never the scrape.
+
+Rank metrics are labelled ``job_id`` rather than ``job``: Prometheus attaches its own ``job``
+label (the scrape job) to every series, and a clashing metric label would be renamed to
+``exported_job`` on ingestion.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+from prometheus_client import start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector as PromCollector
+from prometheus_client.registry import CollectorRegistry
+
+from agent.collectors.host import HOST_METRICS
+from agent.metricspec import MetricSpec, index
+from agent.ranktable import RankTable, RankView
+from agent.telemetry import TelemetryServer
+
+log = logging.getLogger(__name__)
+
+_RANK = ("job_id", "rank")
+
+CORE_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("trainguard_build_info", "gauge", "", ("version", "python"),
+               "Always 1; labels say which agent build is running (more labels may be added)."),
+    MetricSpec("trainguard_collector_up", "gauge", "", ("collector",),
+               "1 when the collector runs, 0 when it is off or failed (the control API says why)."),
+    MetricSpec("trainguard_exporter_errors_total", "counter", "", ("source",),
+               "Scrapes in which a metric source raised; its metrics were left out of that scrape."),
+)
+
+TELEMETRY_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("trainguard_telemetry_received_total", "counter", "", (),
+               "Telemetry datagrams read from the agent's socket."),
+    MetricSpec("trainguard_telemetry_messages_total", "counter", "", (),
+               "Telemetry messages validated and stored."),
+    MetricSpec("trainguard_telemetry_dropped_total", "counter", "", ("reason",),
+               "Telemetry datagrams dropped by the agent, by reason (size, json, schema, version, type, "
+               "range, unknown_job, table_full, internal). Drops at a full socket queue are counted by "
+               "the sender, not here."),
+    MetricSpec("trainguard_telemetry_queue_limit", "gauge", "", (),
+               "net.unix.max_dgram_qlen when the telemetry socket was created: datagrams that can wait "
+               "before senders start dropping."),
+    MetricSpec("trainguard_telemetry_ranks", "gauge", "", (),
+               "(job, rank) pairs the agent holds telemetry for."),
+    MetricSpec("trainguard_rank_info", "gauge", "", ("job_id", "rank", "local_rank", "pid"),
+               "Always 1; the local rank and process id a rank last reported."),
+    MetricSpec("trainguard_rank_step", "gauge", "", _RANK, "Latest training step a rank reported."),
+    MetricSpec("trainguard_rank_step_seconds", "gauge", "seconds", _RANK,
+               "Wall time of the rank's latest step."),
+    MetricSpec("trainguard_rank_step_median_seconds", "gauge", "seconds", _RANK,
+               "Median step wall time over the recent window."),
+    MetricSpec("trainguard_rank_compute_seconds", "gauge", "seconds", _RANK,
+               "Median compute time (forward+backward+optimizer) per step over the recent window; what "
+               "straggler detection compares across ranks."),
+    MetricSpec("trainguard_rank_comm_seconds", "gauge", "seconds", _RANK,
+               "Median time per step waiting on collectives over the recent window."),
+    MetricSpec("trainguard_rank_data_seconds", "gauge", "seconds", _RANK,
+               "Median time per step loading data over the recent window."),
+    MetricSpec("trainguard_rank_loss", "gauge", "", _RANK, "Training loss at the latest step (NaN kept)."),
+    MetricSpec("trainguard_rank_grad_norm", "gauge", "", _RANK, "Gradient norm at the latest step."),
+    MetricSpec("trainguard_rank_lr", "gauge", "", _RANK, "Learning rate at the latest step."),
+    MetricSpec("trainguard_rank_batch_size", "gauge", "", _RANK, "Samples per step this rank processes."),
+    MetricSpec("trainguard_rank_samples_total", "counter", "", _RANK,
+               "Samples the rank reported since the agent first saw it."),
+    MetricSpec("trainguard_rank_tokens_total", "counter", "", _RANK,
+               "Tokens the rank reported since the agent first saw it."),
+    MetricSpec("trainguard_rank_steps_per_second", "gauge", "", _RANK,
+               "Steps per second over the recent window (absent until two steps arrived)."),
+    MetricSpec("trainguard_rank_samples_per_second", "gauge", "", _RANK,
+               "Samples per second over the recent window (absent until two steps arrived)."),
+    MetricSpec("trainguard_rank_memory_bytes", "gauge", "bytes", _RANK,
+               "Accelerator (or process) memory the rank reported."),
+    MetricSpec("trainguard_rank_plan_version", "gauge", "", _RANK, "Plan version the rank runs."),
+    MetricSpec("trainguard_rank_last_seen_timestamp_seconds", "gauge", "seconds", _RANK,
+               "Unix time the agent last received telemetry from the rank."),
+)
+
+METRICS: tuple[MetricSpec, ...] = CORE_METRICS + TELEMETRY_METRICS + HOST_METRICS
+"""Every metric the agent's exporter and built-in sources produce (the reference is generated from it)."""
+
+_SPEC = index(METRICS)
+
+# metric name -> RankView attribute, for the plain per-rank gauges and counters.
+_RANK_GAUGES: tuple[tuple[str, str], ...] = (
+    ("trainguard_rank_step", "step"),
+    ("trainguard_rank_step_seconds", "step_s"),
+    ("trainguard_rank_step_median_seconds", "median_step_s"),
+    ("trainguard_rank_compute_seconds", "median_compute_s"),
+    ("trainguard_rank_comm_seconds", "median_comm_s"),
+    ("trainguard_rank_data_seconds", "median_data_s"),
+    ("trainguard_rank_loss", "loss"),
+    ("trainguard_rank_grad_norm", "grad_norm"),
+    ("trainguard_rank_lr", "lr"),
+    ("trainguard_rank_batch_size", "batch_size"),
+    ("trainguard_rank_steps_per_second", "steps_per_s"),
+    ("trainguard_rank_samples_per_second", "samples_per_s"),
+    ("trainguard_rank_memory_bytes", "mem_bytes"),
+    ("trainguard_rank_plan_version", "plan_version"),
+    ("trainguard_rank_last_seen_timestamp_seconds", "last_seen"),
+)
+_RANK_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("trainguard_rank_samples_total", "samples_total"),
+    ("trainguard_rank_tokens_total", "tokens_total"),
+)
+
+
+class MetricSource(Protocol):
+    """What the exporter reads: agent.collectors.base.Collector satisfies it."""
+
+    def metrics(self) -> Iterable[Metric]: ...
+
+
+class TelemetryMetrics:
+    """Telemetry as a metric source: per-rank figures from the table, counters from the server."""
+
+    name = "telemetry"
+
+    def __init__(self, table: RankTable, server: TelemetryServer | None = None) -> None:
+        self.table = table
+        self.server = server
+
+    def metrics(self) -> Iterator[Metric]:
+        if self.server is not None:
+            stats = self.server.stats()
+            fam = _SPEC["trainguard_telemetry_received_total"].counter()
+            fam.add_metric([], stats.received_total)
+            yield fam
+            fam = _SPEC["trainguard_telemetry_messages_total"].counter()
+            fam.add_metric([], stats.messages_total)
+            yield fam
+            fam = _SPEC["trainguard_telemetry_dropped_total"].counter()
+            for reason, n in sorted(stats.dropped_total.items()):
+                fam.add_metric([reason], n)
+            yield fam
+            if stats.queue_limit is not None:
+                gauge = _SPEC["trainguard_telemetry_queue_limit"].gauge()
+                gauge.add_metric([], stats.queue_limit)
+                yield gauge
+        snap = self.table.snapshot()
+        views: list[RankView] = list(snap.ranks())
+        gauge = _SPEC["trainguard_telemetry_ranks"].gauge()
+        gauge.add_metric([], len(views))
+        yield gauge
+        info = _SPEC["trainguard_rank_info"].gauge()
+        for v in views:
+            info.add_metric([v.job, str(v.rank), str(v.local_rank), str(v.pid)], 1)
+        yield info
+        for name, attr in _RANK_GAUGES:
+            gauge = _SPEC[name].gauge()
+            for v in views:
+                value = getattr(v, attr)
+                if value is not None:
+                    gauge.add_metric([v.job, str(v.rank)], value)
+            yield gauge
+        for name, attr in _RANK_COUNTERS:
+            counter = _SPEC[name].counter()
+            for v in views:
+                counter.add_metric([v.job, str(v.rank)], getattr(v, attr))
+            yield counter
+
+
+def _source_name(source: object) -> str:
+    name = getattr(source, "name", None)
+    return name if isinstance(name, str) and name else type(source).__name__
+
+
+class AgentExporter(PromCollector):
+    """The agent's one registered Collector.
+
+    ``sources``: objects with ``metrics() -> Iterable[Metric]`` (collectors, TelemetryMetrics),
+    read in order at each scrape. ``collector_status``: name -> (up, reason when down).
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[MetricSource],
+        build_info: dict[str, str],
+        collector_status: Callable[[], dict[str, tuple[bool, str | None]]],
+    ) -> None:
+        self.sources = list(sources)
+        self.build_info = {"python": platform.python_version(), **build_info}
+        self.build_info.setdefault("version", "unknown")
+        self.collector_status = collector_status
+        self._errors: dict[str, int] = {}
+        self._lock = threading.Lock()  # scrapes may run concurrently (threaded HTTP server)
+
+    def _failed(self, source: str) -> None:
+        with self._lock:
+            first = source not in self._errors
+            self._errors[source] = self._errors.get(source, 0) + 1
+        if first:
+            log.exception("metric source %s failed; its metrics are left out (logged once)", source)
+
+    def collect(self) -> Iterator[Metric]:
+        names = sorted(self.build_info)
+        spec = _SPEC["trainguard_build_info"]
+        # build_info's labels are whatever the daemon passes in, so the family is built per scrape.
+        info = MetricSpec(spec.name, spec.type, spec.unit, tuple(names), spec.help).gauge()
+        info.add_metric([self.build_info[k] for k in names], 1)
+        yield info
+        try:
+            status = dict(self.collector_status())
+        except Exception:
+            self._failed("collector_status")
+            status = None
+        if status is not None:
+            up = _SPEC["trainguard_collector_up"].gauge()
+            for name, (is_up, _reason) in sorted(status.items()):
+                up.add_metric([name], 1 if is_up else 0)
+            yield up
+        for source in self.sources:
+            name = _source_name(source)
+            try:
+                # Materialise first: a source that fails half-way contributes nothing, not half.
+                families = list(source.metrics())
+            except Exception:
+                self._failed(name)
+                continue
+            yield from families
+        errors = _SPEC["trainguard_exporter_errors_total"].counter()
+        with self._lock:
+            counts = sorted(self._errors.items())
+        for name, n in counts:
+            errors.add_metric([name], n)
+        yield errors
+
+    def describe(self) -> list[Metric]:
+        # Nothing to describe up front: names depend on the sources. Also keeps register() from
+        # running a full collect.
+        return []
+
+
+def make_registry(exporter: AgentExporter) -> CollectorRegistry:
+    """A registry holding only the agent's exporter (no process/platform defaults)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(exporter)
+    return registry
+
+
+def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0) -> tuple[Any, int]:
+    """Serve ``registry`` over HTTP (``/metrics``, any path works) on a daemon thread.
+
+    ``port`` 0 picks a free port. Returns (server, bound port); stop with ``stop_metrics(server)``.
+    """
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, int(server.server_port)
+
+
+def stop_metrics(server: Any) -> None:
+    server.shutdown()
+    server.server_close()
+
