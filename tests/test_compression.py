@@ -113,6 +113,10 @@ def test_bad_spec_is_named() -> None:
     with pytest.raises(ValueError, match="'int3'"):
         register_compression(None, "int3")  # type: ignore[arg-type]
     assert register_compression(None, "none") is None  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="powersgd_start_iter"):
+        register_compression(None, "powersgd", powersgd_start_iter=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chunk"):
+        register_compression(None, "int8", chunk=7)  # type: ignore[arg-type]
 
 
 # -- int8 / int4 through DDP ------------------------------------------------------------------------------

@@ -99,11 +99,10 @@ def quantize(x: torch.Tensor, bits: int, chunk: int = DEFAULT_CHUNK) -> torch.Te
     scale = blocks.abs().amax(dim=1) / q
     # An all-zero chunk keeps scale 0 (decodes to zeros); divide by 1 instead of 0 there.
     codes = torch.round(blocks / torch.where(scale > 0, scale, 1.0).unsqueeze(1)).clamp_(-q, q)
-    codes = codes.to(torch.int16).add_(q + 1 if bits == 4 else 0)
     if bits == 8:
         payload = codes.to(torch.int8).view(torch.uint8).reshape(-1)
     else:
-        nib = codes.to(torch.uint8).reshape(-1, 2)  # 1..15
+        nib = codes.add_(q + 1).to(torch.uint8).reshape(-1, 2)  # -7..7 -> 1..15: one nibble
         payload = nib[:, 0] | (nib[:, 1] << 4)
     return torch.cat([scale.view(torch.uint8), payload])
 
@@ -203,11 +202,20 @@ def register_compression(
     """Register the comm hook for ``spec`` (none|powersgd|int8|int4) on a DDP model.
 
     Call once, after wrapping in DDP and before the first backward. Returns the live stats
-    object (None for ``none``: DDP keeps its built-in all-reduce). ``powersgd_start_iter`` steps
-    of plain all-reduce come first, as torch recommends (DDP rebuilds buckets after step 1).
+    object (None for ``none``: DDP keeps its built-in all-reduce; see :func:`dense_grad_bytes`).
+    ``powersgd_start_iter`` steps of plain all-reduce come first, as torch recommends (DDP
+    rebuilds buckets after step 1). Steps under ``no_sync()`` (gradient accumulation) do not
+    communicate, so ``stats.steps`` counts synchronised steps only.
     """
     if spec not in SPECS:
         raise ValueError(f"gradient compression {spec!r} unknown; expected one of {', '.join(SPECS)}")
+    if chunk <= 0 or chunk % 2:
+        raise ValueError(f"chunk must be a positive even number, got {chunk}")
+    if powersgd_rank < 1:
+        raise ValueError(f"powersgd_rank must be >= 1, got {powersgd_rank}")
+    if powersgd_start_iter < 2:
+        # torch needs plain all-reduce first while DDP settles its buckets (error feedback, warm start).
+        raise ValueError(f"powersgd_start_iter must be >= 2, got {powersgd_start_iter}")
     if spec == "none":
         return None
     stats = CompressionStats(spec)
