@@ -9,6 +9,7 @@ one plus a ``.tmp-*`` leftover that ``cleanup_tmp`` removes on start.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import shutil
@@ -340,7 +341,7 @@ class LocalDirTier(Tier):
                     removed += 1
         return removed
 
-    def jobs(self) -> list[str]:
+    def jobs(self) -> builtins.list[str]:
         try:
             return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
         except FileNotFoundError:

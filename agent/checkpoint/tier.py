@@ -8,6 +8,7 @@ directory with checksum verification, ``verify``, ``prune`` and ``delete``.
 
 from __future__ import annotations
 
+import builtins
 import re
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
@@ -107,7 +108,7 @@ class Tier(ABC):
     def delete(self, job: str, step: int) -> None:
         """Uncommit first (so a crash half-way never leaves a listed partial), then remove."""
 
-    def prune(self, job: str, keep: int) -> list[int]:
+    def prune(self, job: str, keep: int) -> builtins.list[int]:
         """Delete all but the newest ``keep`` checkpoints of ``job``; returns the deleted steps."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
