@@ -1,0 +1,143 @@
+"""The agent's handle on a warm rank launcher (trainer/zygote.py), without importing torch.
+
+The zygote is started once per job and kept across restarts; it forks ranks in milliseconds.
+Its children are not the agent's, so their exit statuses come from the zygote's ``exit`` reports
+(and their exits are also seen at once through pidfds and the eBPF exit event).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from typing import IO, Any
+
+
+class ZygoteError(RuntimeError):
+    pass
+
+
+class ZygoteChild:
+    """A rank forked by the zygote; quacks like ``subprocess.Popen`` for the supervisor."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+        self._done = threading.Event()
+
+    def _ended(self, code: int, sig: int | None) -> None:
+        self.returncode = -sig if sig else code
+        self._done.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class Zygote:
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: str, log_path: str, *, start_timeout_s: float = 120.0) -> None:
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            start_new_session=True,
+        )
+        self._children: dict[int, ZygoteChild] = {}
+        self._early_exits: dict[int, tuple[int, int | None]] = {}
+        self._replies: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self.import_s: float | None = None
+        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
+        self._reader.start()
+        ready = self._next_reply(start_timeout_s)
+        if ready.get("ev") != "ready":
+            raise ZygoteError(f"warm launcher did not start: {ready}")
+        self.import_s = ready.get("import_s")
+
+    def _read(self) -> None:
+        out: IO[bytes] | None = self.proc.stdout
+        assert out is not None
+        for line in out:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if msg.get("ev") == "exit":
+                pid, code, sig = msg["pid"], msg["code"], msg.get("signal")
+                with self._cond:
+                    child = self._children.get(pid)
+                    if child is None:
+                        self._early_exits[pid] = (code, sig)
+                if child is not None:
+                    child._ended(code, sig)
+                continue
+            if msg.get("ev") == "warning":
+                continue
+            with self._cond:
+                self._replies.append(msg)
+                self._cond.notify_all()
+        with self._cond:
+            self._replies.append({"ev": "gone"})
+            self._cond.notify_all()
+            # The zygote died: its ranks are orphaned and will be killed by the supervisor.
+
+    def _next_reply(self, timeout: float) -> dict[str, Any]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: bool(self._replies), timeout):
+                raise ZygoteError("warm launcher did not answer in time")
+            return self._replies.pop(0)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def spawn(self, rank: int, env: dict[str, str], log: str, cwd: str, module: str, args: list[str]) -> ZygoteChild:
+        req = {"op": "spawn", "rank": rank, "env": env, "log": log, "cwd": cwd, "module": module, "args": args}
+        with self._lock:
+            if not self.alive or self.proc.stdin is None:
+                raise ZygoteError("warm launcher is not running")
+            self.proc.stdin.write(json.dumps(req).encode() + b"\n")
+            self.proc.stdin.flush()
+            reply = self._next_reply(30.0)
+        if reply.get("ev") != "spawned":
+            raise ZygoteError(f"warm launcher could not fork rank {rank}: {reply}")
+        child = ZygoteChild(int(reply["pid"]), ["-m", module, *args])
+        with self._cond:
+            self._children[child.pid] = child
+            early = self._early_exits.pop(child.pid, None)
+        if early is not None:
+            child._ended(*early)
+        return child
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self.alive and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(b'{"op": "exit"}\n')
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            if os.getpid() and self.alive:
+                self.proc.kill()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,101 @@
+"""Launcher and supervisor with real processes: cold and warm (zygote) starts, rank exits seen at
+once, restart, crash-loop guard, capabilities dropped in ranks."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from agent.eventlog import EventLog
+from agent.jobs import JobSpec, JobState
+from agent.launcher import LaunchContext, Launcher
+from agent.plans import PlanStore
+from agent.supervisor import Supervisor
+
+FAKE = [sys.executable, "-m", "tests.helpers.fake_rank"]
+
+
+def make_supervisor(tmp_path, mode: str) -> tuple[Supervisor, EventLog]:
+    events = EventLog(str(tmp_path / "events"), "n1", fsync=False)
+    plans = PlanStore(str(tmp_path / "plans"))
+
+    def ctx(spec: JobSpec) -> LaunchContext:
+        return LaunchContext(
+            telemetry_socket=str(tmp_path / "none.sock"),
+            plan_path=plans.path(spec.job),
+            log_dir=str(tmp_path / "jobs" / spec.job),
+        )
+
+    return Supervisor(events, plans, Launcher(mode=mode), ctx, stop_grace_s=3), events  # type: ignore[arg-type]
+
+
+def wait_state(sup: Supervisor, job: str, states: set[JobState], timeout: float = 60) -> JobState:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = sup.jobs[job].state
+        if state in states:
+            return state
+        time.sleep(0.02)
+    raise AssertionError(f"job {job} still {sup.jobs[job].state} after {timeout}s")
+
+
+@pytest.mark.parametrize("mode", ["cold", "warm"])
+def test_job_runs_to_success_without_capabilities(tmp_path, mode) -> None:
+    sup, events = make_supervisor(tmp_path, mode)
+    spec = JobSpec("ok-job", 2, command=FAKE, env={"FAKE_STEPS": "5"})
+    sup.submit(spec)
+    assert wait_state(sup, "ok-job", {JobState.SUCCEEDED, JobState.FAILED}) == JobState.SUCCEEDED
+    kinds = [e["kind"] for e in events.since(0)]
+    assert kinds.count("rank_exit") == 2 and "job_succeeded" in kinds
+    if os.geteuid() == 0:
+        log = (tmp_path / "jobs" / "ok-job" / "rank0.log").read_text()
+        assert "caps=0000000000000000" in log, log
+    sup.launcher.close_job("ok-job")
+    sup.close()
+
+
+def test_warm_restart_after_sigkill_is_fast(tmp_path) -> None:
+    sup, events = make_supervisor(tmp_path, "warm")
+    spec = JobSpec("kill-job", 2, command=FAKE, env={"FAKE_STEPS": "30", "FAKE_EXIT_AT": "1:5:kill"})
+    sup.submit(spec)
+    assert wait_state(sup, "kill-job", {JobState.SUCCEEDED, JobState.FAILED}) == JobState.SUCCEEDED
+    record = sup.jobs["kill-job"]
+    assert record.restarts == 1 and record.attempt == 2
+    evs = events.since(0)
+    exit_ev = next(e for e in evs if e["kind"] == "rank_exit" and e["fields"].get("signal") == 9)
+    restart_ev = next(e for e in evs if e["kind"] == "ranks_started" and e["fields"]["attempt"] == 2)
+    assert exit_ev["rank"] == 1
+    # Exit seen through the pidfd at once, ranks re-forked from the zygote without new imports.
+    assert restart_ev["ts"] - exit_ev["ts"] < 3.0
+    sup.launcher.close_job("kill-job")
+    sup.close()
+
+
+def test_crash_loop_gives_up(tmp_path) -> None:
+    sup, events = make_supervisor(tmp_path, "cold")
+    spec = JobSpec(
+        "loop-job", 1, command=FAKE, env={"FAKE_STEPS": "5", "FAKE_EXIT_AT": "0:0:3", "FAKE_EXIT_ALWAYS": "1"}, max_restarts=2
+    )
+    sup.submit(spec)
+    assert wait_state(sup, "loop-job", {JobState.SUCCEEDED, JobState.FAILED}, timeout=60) == JobState.FAILED
+    record = sup.jobs["loop-job"]
+    assert record.restarts == 2
+    assert "crash loop" in record.reason
+    assert any(e["kind"] == "crash_loop" for e in events.since(0))
+    sup.close()
+
+
+def test_stop_terminates_ranks(tmp_path) -> None:
+    sup, events = make_supervisor(tmp_path, "cold")
+    sup.submit(JobSpec("long-job", 2, command=FAKE, env={"FAKE_STEPS": "100000"}))
+    time.sleep(0.5)
+    pids = [r.pid for r in sup.jobs["long-job"].ranks]
+    sup.stop("long-job", "test")
+    assert sup.jobs["long-job"].state == JobState.STOPPED
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    sup.close()

@@ -1,0 +1,150 @@
+"""Warm rank launcher ("zygote"): imports torch and the trainer once, then forks ranks on request.
+
+Restarting a rank the cold way costs 9-15 s here, almost all of it imports and first-call set-up
+(FACTS.md pitfall 1 and 5); a fork from a process that already holds them costs milliseconds. The
+zygote stays single-threaded and runs no torch op, so forking it is safe.
+
+Protocol (JSON lines): the agent writes ``{"op": "spawn", "rank": r, "env": {...}, "module": m,
+"args": [...], "log": path, "cwd": dir}`` and ``{"op": "exit"}`` on stdin; the zygote answers
+``{"ev": "ready", "pid": p, "import_s": t}`` once, then ``{"ev": "spawned", "rank": r, "pid": p}``
+and ``{"ev": "exit", "pid": p, "code": c, "signal": s}`` on stdout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import sys
+import time
+from typing import Any
+
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.pipelining",
+    "torch.nn.parallel",
+    "torch._dynamo",
+    "numpy",
+)
+TRAINER_PRELOAD = ("trainer.worker",)
+
+
+def _say(out: Any, **msg: Any) -> None:
+    out.write(json.dumps(msg) + "\n")
+    out.flush()
+
+
+def _child(req: dict[str, Any]) -> None:
+    """Runs in the forked child: becomes one rank and never returns."""
+    code = 0
+    try:
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        log_fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        null_fd = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null_fd, 0)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        os.close(null_fd)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - lives as long as the process
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        os.environ.clear()
+        os.environ.update(req["env"])
+        if req.get("cwd"):
+            os.chdir(req["cwd"])
+        module = req.get("module", "trainer.worker")
+        sys.argv = [module, *req.get("args", [])]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - report like an interpreter would, then exit non-zero
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve(stdin_fd: int = 0, out: Any = None) -> int:
+    out = out or sys.stdout
+    t0 = time.perf_counter()
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    for name in TRAINER_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            _say(out, ev="warning", message=f"could not preload {name}: {exc}")
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    _say(out, ev="ready", pid=os.getpid(), import_s=round(time.perf_counter() - t0, 3))
+    buf = b""
+    children: set[int] = set()
+    running = True
+    while running or children:
+        ready, _, _ = select.select([stdin_fd, wake_r] if running else [wake_r], [], [], 1.0)
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        # Reap every child that ended (SIGCHLD coalesces).
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                children.clear()
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + (sig or 0)
+            _say(out, ev="exit", pid=pid, code=code, signal=sig)
+        if running and stdin_fd in ready:
+            chunk = os.read(stdin_fd, 65536)
+            if not chunk:
+                running = False  # the agent went away: let the ranks finish, then leave
+                continue
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                try:
+                    req = json.loads(line)
+                except ValueError:
+                    _say(out, ev="error", message="bad request line")
+                    continue
+                if req.get("op") == "exit":
+                    running = False
+                elif req.get("op") == "spawn":
+                    out.flush()
+                    pid = os.fork()
+                    if pid == 0:
+                        os.close(wake_r)
+                        os.close(wake_w)
+                        _child(req)
+                    children.add(pid)
+                    _say(out, ev="spawned", rank=req.get("rank"), pid=pid)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve())
