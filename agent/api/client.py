@@ -17,7 +17,9 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import select
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -27,6 +29,7 @@ from agent.api.auth import TokenFileError, read_client_token
 
 DEFAULT_TIMEOUT_S = 10.0
 _CHUNK = 1 << 20
+_CONTINUE_WAIT_S = 5.0  # how long to wait for "100 Continue" before sending the body anyway (RFC 9110)
 
 
 class ApiClientError(Exception):
@@ -165,6 +168,23 @@ class ApiClient:
             headers["Authorization"] = f"Bearer {self._token}"
         return headers
 
+    def _upload(self, conn: http.client.HTTPConnection, method: str, url: str, headers: dict[str, str],
+                raw: bytes | BinaryIO, size: int) -> None:
+        headers["Content-Type"] = "application/octet-stream"
+        headers["Content-Length"] = str(size)
+        # Ask first: a refusal (401, 403, 413) then costs one round trip, not a multi-GB send.
+        headers["Expect"] = "100-continue"
+        conn.putrequest(method, url, skip_accept_encoding=True)
+        for k, v in headers.items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        if not _continue_or_final(conn, timeout=_CONTINUE_WAIT_S):
+            return  # a final answer came instead of 100 Continue: getresponse() reads it
+        try:
+            _send_body(conn, raw, size)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the agent stopped reading; its answer (why) is usually still there to read
+
     def _request(self, method: str, url: str, *, body: dict[str, Any] | None = None,
                  raw: bytes | BinaryIO | None = None, raw_size: int = 0,
                  sink: BinaryIO | None = None, want_bytes: bool = False) -> Any:
@@ -173,13 +193,7 @@ class ApiClient:
         try:
             try:
                 if raw is not None:
-                    headers["Content-Type"] = "application/octet-stream"
-                    headers["Content-Length"] = str(raw_size)
-                    conn.putrequest(method, url, skip_accept_encoding=True)
-                    for k, v in headers.items():
-                        conn.putheader(k, v)
-                    conn.endheaders()
-                    _send_body(conn, raw, raw_size)
+                    self._upload(conn, method, url, headers, raw, raw_size)
                 else:
                     payload = None if body is None else json.dumps(body).encode()
                     if payload is not None:
@@ -217,6 +231,30 @@ def _seg(value: str) -> str:
 
 def _blob_url(namespace: str, path: str) -> str:
     return f"/v1/blobs/{_seg(namespace)}/" + "/".join(_seg(s) for s in path.split("/"))
+
+
+def _continue_or_final(conn: http.client.HTTPConnection, timeout: float) -> bool:
+    """After an ``Expect: 100-continue`` head: True when the body should be sent (a 100 came, or
+    nothing within ``timeout``), False when a final response is waiting. Only peeks, so
+    ``getresponse()`` later parses (and skips past) whatever came."""
+    sock = conn.sock
+    if sock is None:
+        return True
+    deadline = time.monotonic() + timeout
+    head = b""
+    while len(head) < 12:  # "HTTP/1.1 100"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return True
+        ready, _, _ = select.select([sock], [], [], left)
+        if not ready:
+            return True
+        head = sock.recv(64, socket.MSG_PEEK)
+        if len(head) < 12:
+            if not head or b"\n" in head:
+                return False  # closed, or a malformed head: let getresponse() report it
+            time.sleep(0.001)
+    return head[9:12] == b"100"
 
 
 def _send_body(conn: http.client.HTTPConnection, raw: bytes | BinaryIO, size: int) -> None:

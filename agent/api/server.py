@@ -25,8 +25,10 @@ import socketserver
 import stat
 import struct
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ log = logging.getLogger("trainguard.api")
 AuthFailureFn = Callable[[str, str], None]  # (remote, path)
 
 _CHUNK = 1 << 20
+_MAX_REJECTING = 8  # 503 answers in flight at once
 
 
 class ApiServerError(RuntimeError):
@@ -85,6 +88,38 @@ class _BodyReader:
                                   f"{self._size} announced bytes")
         self._remaining -= len(data)
         return data
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A request that passed the checks on its head (auth, route, role, size)."""
+
+    route: routes.Route
+    params: dict[str, str]
+    query: dict[str, str]
+
+
+def _linger_close(sock: socket.socket, max_s: float = 2.0, max_bytes: int = 64 << 20) -> None:
+    """Half-close and read away what the client still sends, for a bounded time.
+
+    Closing a TCP socket with unread input sends a reset, which can destroy the answer we just
+    sent (a 413, a 401) before the client reads it.
+    """
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + max_s
+        total = 0
+        while total < max_bytes:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            sock.settimeout(left)
+            data = sock.recv(1 << 16)
+            if not data:
+                break
+            total += len(data)
+    except OSError:
+        pass
 
 
 class _RequestHandler(BaseHTTPRequestHandler):
@@ -131,19 +166,45 @@ class _RequestHandler(BaseHTTPRequestHandler):
 
     # -- one request ---------------------------------------------------------------------------
 
+    _linger = False
+
+    def parse_request(self) -> bool:
+        # One handler object serves every request of a keep-alive connection: reset per request.
+        self._checked: _Checked | None = None
+        self._reader: _BodyReader | None = None
+        self._body_unknown = False
+        self._headers_sent = False
+        self._linger = False
+        return super().parse_request()
+
+    def handle_expect_100(self) -> bool:
+        # "Expect: 100-continue" (our client sends it with blobs): refuse before the client sends
+        # a body of maybe gigabytes, not after.
+        try:
+            self._checked = self._precheck()
+        except _Reply as r:
+            self.close_connection = True
+            self._linger = True
+            self._send_json(r.status, {"error": r.message}, r.headers)
+            return False
+        return super().handle_expect_100()
+
+    def finish(self) -> None:
+        super().finish()
+        if self._linger:
+            _linger_close(self.connection)
+
     def _handle(self) -> None:
         api = self.server.api
-        api.stats.incr("requests_total")
-        # One handler object serves every request of a keep-alive connection: reset per request.
-        self._headers_sent = False
-        self._body_consumed = True
         try:
-            self._serve()
+            if self._checked is None:
+                self._checked = self._precheck()
+            self._serve(self._checked)
         except _Reply as r:
             if self._headers_sent:  # refused mid-stream: the only signal left is a cut connection
                 self.close_connection = True
                 return
-            self._discard_body_or_close()
+            self._drain_or_close()
             self._send_json(r.status, {"error": r.message}, r.headers)
         except (ConnectionError, TimeoutError) as e:
             # The client went away or stalled: nobody to answer.
@@ -153,27 +214,39 @@ class _RequestHandler(BaseHTTPRequestHandler):
             api.stats.incr("handler_errors_total")
             log.exception("api: %s %s failed", self.command, urlsplit(self.path).path)
             self.close_connection = True
+            self._linger = self._unread() > 0
             if not self._headers_sent:
                 try:
                     self._send_json(500, {"error": "internal error in the agent (see its log)"})
                 except OSError:
                     pass
 
-    _headers_sent = False
-    _body_consumed = True
+    def _unread(self) -> int:
+        if self._body_unknown:
+            return 1 << 62
+        return self._reader.remaining if self._reader is not None else 0
 
-    def _discard_body_or_close(self) -> None:
-        # An unread request body would be parsed as the next request: drop the connection instead.
-        if not self._body_consumed:
-            self.close_connection = True
+    def _drain_or_close(self) -> None:
+        """Answering with the request body unread: it would be parsed as the next request. Read a
+        small one away; for a large one, close after the answer (lingering, so the client reads
+        the answer instead of a connection reset)."""
+        unread = self._unread()
+        if unread == 0:
+            return
+        if unread <= self.server.api.config.max_body_bytes and self._reader is not None:
+            while self._reader.read(_CHUNK):
+                pass
+            return
+        self.close_connection = True
+        self._linger = True
 
-    def _serve(self) -> None:
+    def _precheck(self) -> _Checked:
+        """Everything decided from the request head: auth, route, role, size. Raises _Reply."""
         api = self.server.api
+        api.stats.incr("requests_total")
         split = urlsplit(self.path)
         path = split.path
         length = self._content_length()
-        self._body_consumed = length == 0
-
         role = self._authenticate(path)
         route, params, allowed = routes.match(self.command, path)
         if route is None:
@@ -183,43 +256,51 @@ class _RequestHandler(BaseHTTPRequestHandler):
             raise _Reply(404, f"no such route: {path}")
         if route.role is not None and (role is None or role < route.role):
             raise _Reply(403, "this token is read-only; the request needs an admin token")
+        if route.kind == routes.Kind.BLOB_IN:
+            if length > api.config.max_blob_bytes:
+                raise _Reply(413, f"blob of {length} bytes exceeds the limit of "
+                                  f"{api.config.max_blob_bytes} bytes")
+        elif length > api.config.max_body_bytes:
+            raise _Reply(413, f"request body of {length} bytes exceeds the limit of "
+                              f"{api.config.max_body_bytes} bytes")
+        return _Checked(route, params, dict(parse_qsl(split.query, keep_blank_values=True)))
 
-        query = dict(parse_qsl(split.query, keep_blank_values=True))
+    def _serve(self, c: _Checked) -> None:
+        api = self.server.api
+        route = c.route
         try:
             if route.kind == routes.Kind.BLOB_IN:
-                if length > api.config.max_blob_bytes:
-                    raise _Reply(413, f"blob of {length} bytes exceeds the limit of "
-                                      f"{api.config.max_blob_bytes} bytes")
-                reader = _BodyReader(self.rfile, length)
-                result = route.call(api.handler, routes.Call(params, query, {}, reader))
-                self._body_consumed = reader.remaining == 0
-                self._discard_body_or_close()
+                assert self._reader is not None
+                result = route.call(api.handler, routes.Call(c.params, c.query, {}, self._reader))
+                self._drain_or_close()  # the handler may stop reading early
                 self._send_json(200, self._jsonable(result))
             elif route.kind == routes.Kind.BLOB_OUT:
-                self._read_json_body(length)
-                blob = route.call(api.handler, routes.Call(params, query, {}))
+                self._read_json_body()
+                blob = route.call(api.handler, routes.Call(c.params, c.query, {}))
                 self._send_blob(blob)
             else:
-                body = self._read_json_body(length)
-                result = route.call(api.handler, routes.Call(params, query, body))
+                body = self._read_json_body()
+                result = route.call(api.handler, routes.Call(c.params, c.query, body))
                 self._send_json(200, self._jsonable(result))
         except ApiError as e:
             raise _Reply(e.status, e.message) from None
 
     def _content_length(self) -> int:
         if self.headers.get("Transfer-Encoding"):
-            self._body_consumed = False
+            self._body_unknown = True
             raise _Reply(411, "send a Content-Length; chunked request bodies are not accepted")
         raw = self.headers.get("Content-Length")
         if raw is None:
-            return 0
-        try:
-            length = int(raw)
-        except ValueError:
-            length = -1
-        if length < 0:
-            self._body_consumed = False
-            raise _Reply(400, f"bad Content-Length {raw[:40]!r}")
+            length = 0
+        else:
+            try:
+                length = int(raw)
+            except ValueError:
+                length = -1
+            if length < 0:
+                self._body_unknown = True
+                raise _Reply(400, f"bad Content-Length {raw[:40]!r}")
+        self._reader = _BodyReader(self.rfile, length)
         return length
 
     def _authenticate(self, path: str) -> Role | None:
@@ -237,14 +318,11 @@ class _RequestHandler(BaseHTTPRequestHandler):
             raise _Reply(401, reason, {"WWW-Authenticate": 'Bearer realm="trainguard"'})
         return role
 
-    def _read_json_body(self, length: int) -> dict[str, Any]:
-        limit = self.server.api.config.max_body_bytes
-        if length > limit:
-            raise _Reply(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
-        if length == 0:
+    def _read_json_body(self) -> dict[str, Any]:
+        # The size was checked against max_body_bytes in _precheck.
+        raw = self._reader.read() if self._reader is not None else b""
+        if not raw:
             return {}
-        raw = _BodyReader(self.rfile, length).read()
-        self._body_consumed = True
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -376,6 +454,7 @@ class ApiServer:
         self._listeners: list[_TcpListener | _UnixListener] = []
         self._threads: list[threading.Thread] = []
         self._active = 0
+        self._rejecting = 0
         self._active_lock = threading.Lock()
         self._unix_inode: int | None = None
         self._started = False
@@ -462,17 +541,37 @@ class ApiServer:
             self._active -= 1
 
     def _reject_busy(self, request: socket.socket) -> None:
+        """Answer 503 on a short-lived thread; beyond a few of those, just hang up."""
         self.stats.incr("busy_rejected_total")
+        with self._active_lock:
+            if self._rejecting >= _MAX_REJECTING:
+                request.close()
+                return
+            self._rejecting += 1
+        threading.Thread(target=self._send_busy, args=(request,), name="api-busy", daemon=True).start()
+
+    def _send_busy(self, request: socket.socket) -> None:
         body = b'{"error":"agent busy: too many connections, retry"}'
         try:
-            request.settimeout(0.5)
+            # Read the request head first: closing on unread data resets the connection, and the
+            # client would see a broken pipe instead of the 503.
+            request.settimeout(1.0)
+            head = b""
+            while b"\r\n\r\n" not in head and len(head) < 65536:
+                chunk = request.recv(65536)
+                if not chunk:
+                    break
+                head += chunk
             request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                             b"Content-Length: %d\r\nConnection: close\r\nRetry-After: 1\r\n\r\n%s"
                             % (len(body), body))
+            request.shutdown(socket.SHUT_WR)
         except OSError:
             pass
         finally:
             request.close()
+            with self._active_lock:
+                self._rejecting -= 1
 
     # -- binding -------------------------------------------------------------------------------
 
