@@ -478,7 +478,7 @@ class ApiServer:
         self._started = True
         for lst in self._listeners:
             name = "api-unix" if lst.is_unix else "api-tcp"
-            t = threading.Thread(target=lst.serve_forever, kwargs={"poll_interval": 0.2}, name=name, daemon=True)
+            t = threading.Thread(target=lst.serve_forever, kwargs={"poll_interval": 0.1}, name=name, daemon=True)
             t.start()
             self._threads.append(t)
 
@@ -517,6 +517,12 @@ class ApiServer:
                 addr: Any = lst.server_address
                 return str(addr[0]), int(addr[1])
         return None
+
+    @property
+    def tcp_port(self) -> int | None:
+        """The TCP port actually bound (useful with ``tcp = "host:0"``); None without TCP."""
+        addr = self.tcp_address
+        return addr[1] if addr is not None else None
 
     # -- called by the request handler ---------------------------------------------------------
 
