@@ -190,7 +190,10 @@ class ObjectTier(Tier):
             except FileNotFoundError:
                 manifest = build_manifest(src, job, step, created=self._clock())
             manifest = Manifest(job, step, manifest.created, manifest.algorithm, manifest.files, manifest.extra)
-            self._uncommit(job, step)  # an older copy of the same step stops being listed first
+            # An older copy of the same step stops being listed first, then goes entirely: its
+            # files must not mix with the new ones.
+            self._uncommit(job, step)
+            self._remove_prefix(sp)
             bad: list[str] = []
             for entry in manifest.files:
                 if not self._upload(src / safe_relpath(entry.path), f"{sp}/{entry.path}", entry,
