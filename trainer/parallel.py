@@ -1,0 +1,178 @@
+"""Process groups, the (pp, dp, tp) device mesh, and applying TP / FSDP2 / DDP / pipelining to the model.
+
+Rank layout: ``rank = (pp_idx * dp + dp_idx) * tp + tp_idx`` (tp fastest, as ``init_device_mesh``
+lays out a ("pp", "dp", "tp") mesh), so the ranks of one TP group are neighbours.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer.config import ParallelConfig, TrainConfig
+from trainer.model import GPT, build_stage
+
+TP_PLAN = {"attn.q": "col", "attn.k": "col", "attn.v": "col", "attn.o": "row", "mlp.up": "col", "mlp.down": "row"}
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """This process's place in the job, from the launcher's environment (torchrun conventions)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    job: str
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> RankEnv:
+        env = dict(os.environ if environ is None else environ)
+        return cls(rank=int(env.get("RANK", "0")), world_size=int(env.get("WORLD_SIZE", "1")),
+                   local_rank=int(env.get("LOCAL_RANK", env.get("RANK", "0"))),
+                   master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", "29500")),
+                   job=env.get("TRAINGUARD_JOB", "standalone"))
+
+
+@dataclass
+class Layout:
+    """Coordinates of this rank on the mesh and the groups it talks through."""
+
+    mesh: DeviceMesh
+    pp: int
+    dp: int
+    tp: int
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+    device: torch.device
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh["pp"].get_group()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh["dp"].get_group()
+
+
+def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: TrainConfig, env: RankEnv, device: torch.device) -> Layout:
+    """Check the layout against the world size, then create the process group and the mesh."""
+    cfg.parallel.check_world(env.world_size)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size)
+    p = cfg.parallel
+    mesh = init_device_mesh(device.type, (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp"))
+    coords = mesh.get_coordinate()
+    assert coords is not None
+    return Layout(mesh, p.pp, p.dp, p.tp, coords[0], coords[1], coords[2], device)
+
+
+def local_stage_ids(p: ParallelConfig, pp_rank: int) -> list[int]:
+    """Pipeline stages on this rank: one, or two (pp_rank and pp_rank + pp) when interleaved."""
+    return [pp_rank + k * p.pp for k in range(p.stages_per_rank)]
+
+
+def apply_tp(module: GPT, mesh: DeviceMesh) -> None:
+    styles = {"col": ColwiseParallel, "row": RowwiseParallel}
+    for block in module.layers.values():
+        parallelize_module(block, mesh, {name: styles[kind]() for name, kind in TP_PLAN.items()})
+
+
+def build_parallel_model(cfg: TrainConfig, layout: Layout) -> list[nn.Module]:
+    """This rank's model chunks (one per local pipeline stage), with TP, FSDP2 or DDP applied.
+
+    Order matters: TP first (it turns weights into DTensors on the tp mesh), then FSDP2 per block
+    and on the stage root (2-D DTensors on (dp, tp)), as torchtitan does. DDP wraps the whole model
+    only for dp-only runs (parallel.uses_ddp), where comm hooks such as compression apply.
+    """
+    p = cfg.parallel
+    chunks: list[nn.Module] = []
+    for stage in local_stage_ids(p, layout.pp_rank):
+        model = build_stage(cfg.model, cfg.seed, stage, p.num_stages, cfg.activation_checkpointing)
+        model.to(layout.device)
+        if p.tp > 1:
+            apply_tp(model, layout.mesh["tp"])
+        if p.uses_ddp:
+            ddp = DDP(model, process_group=layout.dp_group,
+                      device_ids=[layout.device.index] if layout.device.type == "cuda" else None)
+            chunks.append(ddp)
+            continue
+        if p.dp > 1:
+            # In a pipeline each block runs once per microbatch: keep it gathered between them.
+            reshard = p.pp == 1
+            for block in model.layers.values():
+                fully_shard(block, mesh=layout.mesh["dp"], reshard_after_forward=reshard)
+            fully_shard(model, mesh=layout.mesh["dp"], reshard_after_forward=reshard)
+        chunks.append(model)
+    return chunks
+
+
+def unwrap(module: nn.Module) -> GPT:
+    inner = module.module if isinstance(module, DDP) else module
+    assert isinstance(inner, GPT)
+    return inner
+
+
+def build_schedule(cfg: TrainConfig, layout: Layout, chunks: list[nn.Module],
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> object:
+    """A pipeline schedule over this rank's stages. Built again when the microbatch shape changes:
+    stages infer their send/receive buffer shapes on first use."""
+    p = cfg.parallel
+    stages = [PipelineStage(chunk, sid, p.num_stages, layout.device, group=layout.pp_group)
+              for chunk, sid in zip(chunks, local_stage_ids(p, layout.pp_rank), strict=True)]
+    # scale_grads=False: the loss is already normalised by the global token count (exact under
+    # uneven batches), so the schedule must not divide by the microbatch count again.
+    if p.pp_schedule == "interleaved":
+        return ScheduleInterleaved1F1B(list[Any](stages), p.microbatches, loss_fn=loss_fn, scale_grads=False)
+    cls = ScheduleGPipe if p.pp_schedule == "gpipe" else Schedule1F1B
+    return cls(stages[0], p.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def replicas(t: torch.Tensor, group_size: int) -> int:
+    """How many ranks of a group of ``group_size`` ranks (all holding this parameter) hold the same
+    values as this rank's local piece of ``t``: squared norms summed over the group are divided
+    by it so that duplicates count once."""
+    if isinstance(t, DTensor):
+        mesh = t.device_mesh
+        dup = group_size // mesh.size()
+        for dim, placement in enumerate(t.placements):
+            if isinstance(placement, Replicate):
+                dup *= mesh.size(dim)
+        return dup
+    return group_size
+
+
+def local_piece(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def sq_norm_share(tensors: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """This rank's share of the squared norm of ``tensors`` over a group (sum the shares: the norm²)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for t in tensors:
+        piece = local_piece(t).detach()
+        total += piece.double().pow(2).sum().cpu() / replicas(t, group_size)
+    return total

@@ -1,0 +1,438 @@
+"""The training loop of one rank: data, forward/backward over any (pp, dp, tp) layout, the global
+gradient norm and clipping, AdamW with a warmup+cosine schedule that the agent's plan can scale or
+override, per-step telemetry, validation, checkpoints at step boundaries.
+
+Loss normalisation (why uneven batches are exact): every rank's loss is the *sum* of its token
+losses times ``dp / global_tokens``. DDP and FSDP2 average gradients over the dp ranks, so the
+reduced gradient is the gradient of (sum over all tokens) / global_tokens, the same as one
+process computing the mean loss over the whole global batch, whatever the per-rank split.
+
+One small all-reduce per step carries the loss sum, the global gradient norm², each dp rank's local
+(pre-reduction) gradient norm², and the plan version rank 0 saw; when that version is new, rank 0
+broadcasts the plan and every rank applies it from the next step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from agent.wire import Plan, Telemetry
+from trainer.agent_link import PlanWatcher, TelemetrySender
+from trainer.config import TrainConfig
+from trainer.data import Corpus, Sampler, split_counts, val_index, windows
+from trainer.metrics import (
+    LocalGradMeter,
+    bubble_frac,
+    comm_bytes_estimate,
+    mem_bytes,
+    mem_frag,
+    peak_flops,
+)
+from trainer.model import flops_per_token
+from trainer.parallel import (
+    Layout,
+    RankEnv,
+    build_parallel_model,
+    build_schedule,
+    init_distributed,
+    local_stage_ids,
+    pick_device,
+    sq_norm_share,
+    unwrap,
+)
+
+StepSink = Callable[[dict[str, Any]], None]
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """The configured schedule at ``step`` (0-based): linear warmup, then cosine to min_lr_ratio."""
+    o = cfg.optim
+    if o.warmup and step < o.warmup:
+        return o.lr * (step + 1) / o.warmup
+    if not o.cosine:
+        return o.lr
+    progress = min(1.0, (step - o.warmup) / max(1, cfg.steps - o.warmup))
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    samples: int
+    step_s: float
+    val_loss: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Trainer:
+    """One rank of a training job. ``run()`` trains to ``cfg.steps`` (or a plan's stop) and returns 0.
+
+    ``sink`` receives one dict per step on global rank 0 (step, loss, lr, step_s, tokens_per_s, ...).
+    ``telemetry`` / ``plans`` default to the agent link configured by the environment.
+    """
+
+    def __init__(self, cfg: TrainConfig, env: RankEnv, *, sink: StepSink | None = None,
+                 telemetry: TelemetrySender | None = None, plans: PlanWatcher | None = None) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.sink = sink
+        self.telemetry = telemetry if telemetry is not None else TelemetrySender.from_env()
+        self.plans = plans if plans is not None else PlanWatcher.from_env()
+        self.step = 0
+        self.plan = Plan()
+        self._pending: Plan | None = None
+        self._ckpt_id_seen = 0
+        self.history: list[StepResult] = []
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.device = pick_device(cfg, self.env.local_rank)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cfg.threads)
+        self.layout: Layout = init_distributed(cfg, self.env, self.device)
+        lay = self.layout
+        self.corpus = Corpus.load(cfg.data.cache_dir, cfg.data.max_bytes)
+        span = cfg.model.context + 1
+        self.sampler = Sampler(len(self.corpus.train) // span, cfg.seed)
+        self.val_idx = val_index(len(self.corpus.val) // span, cfg.data.val_samples)
+        self.chunks = build_parallel_model(cfg, lay)
+        self.stage_ids = local_stage_ids(cfg.parallel, lay.pp_rank)
+        self.has_first = 0 in self.stage_ids
+        self.has_last = cfg.parallel.num_stages - 1 in self.stage_ids
+        self.params = [p for c in self.chunks for p in c.parameters()]
+        # The optimizer exists before the first forward (FACTS pitfall 2) and uses no foreach:
+        # its parameters are DTensors on different meshes (dp only, or dp x tp) and plain tensors.
+        # One optimizer per local stage, so each chunk's state can be saved and resharded on its own.
+        self.optimizers = [self._make_optimizer(list(c.parameters())) for c in self.chunks]
+        self.grad_meter = LocalGradMeter(self.chunks, lay.tp)
+        self.even_sizes = split_counts(cfg.global_batch, lay.dp)
+        self.batch_sizes = list(self.even_sizes)
+        self._schedule: object | None = None
+        self._schedule_batch = -1
+        self._loss_scale = 1.0
+        self.compression = self._setup_compression()
+        self.faults = self._setup_faults()
+        self._peak = peak_flops(self.device)
+        if cfg.ckpt_dir and cfg.resume:
+            from trainer.checkpoint import latest_checkpoint, load_checkpoint
+            latest = latest_checkpoint(cfg.ckpt_dir)
+            if latest is not None:
+                load_checkpoint(self, latest)
+        self._sync_plan_at_start()
+
+    def _make_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        o = self.cfg.optim
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, betas=(o.beta1, o.beta2), foreach=False)
+
+    def _setup_compression(self) -> Any:
+        if self.cfg.compression == "none":
+            return None
+        from trainer.compression import register_compression
+        ddp = self.chunks[0]
+        assert isinstance(ddp, DDP)
+        return register_compression(ddp, self.cfg.compression, self.layout.dp_group)
+
+    def _setup_faults(self) -> Any:
+        from trainer.faults import FaultInjector
+        injector = FaultInjector.from_specs(self.cfg.faults, self.env.rank)
+        return injector if injector else None
+
+    # -- plan ------------------------------------------------------------------------------------
+
+    def _sync_plan_at_start(self) -> None:
+        box: list[Any] = [self.plans.poll() if self.env.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        # A plan restored from a checkpoint stays unless the agent's is at least as new.
+        self._apply_plan(box[0] if box[0].version >= self.plan.version else self.plan)
+
+    def _apply_plan(self, plan: Plan) -> None:
+        """Take a plan (same object on every rank, at the same step boundary)."""
+        self.plan = plan
+        sizes = plan.batch_sizes
+        if sizes is None:
+            self.batch_sizes = list(self.even_sizes)
+        elif self._sizes_ok(sizes):
+            self.batch_sizes = list(sizes)
+        else:
+            self._log(f"plan v{plan.version}: batch_sizes {sizes} do not fit dp={self.layout.dp} "
+                      f"(pp needs multiples of {self.cfg.parallel.microbatches}); kept {self.batch_sizes}")
+
+    def _sizes_ok(self, sizes: list[int]) -> bool:
+        p = self.cfg.parallel
+        if len(sizes) != self.layout.dp or sum(sizes) <= 0 or min(sizes) < 0:
+            return False
+        if p.pp > 1:
+            return all(s > 0 and s % p.microbatches == 0 for s in sizes)
+        return True
+
+    def current_lr(self) -> float:
+        if self.plan.lr is not None:
+            return float(self.plan.lr)
+        return lr_at(self.cfg, self.step) * self.plan.lr_scale
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def _autocast(self) -> Any:
+        cfg = self.cfg
+        bf16 = cfg.precision == "bf16" and self.step >= cfg.bf16_after_step
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+        return loss * self._loss_scale
+
+    def _set_sync(self, sync: bool) -> None:
+        for c in self.chunks:
+            if isinstance(c, FSDPModule):
+                c.set_requires_gradient_sync(sync)
+            elif isinstance(c, DDP):
+                c.require_backward_grad_sync = sync
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward and backward over this rank's share; returns the (unscaled) summed token loss."""
+        cfg = self.cfg
+        if cfg.parallel.pp > 1:
+            return self._pipeline_step(x, y)
+        model = self.chunks[0]
+        total = 0.0
+        pieces = np.array_split(np.arange(x.shape[0]), cfg.grad_accum)
+        for i, rows in enumerate(pieces):
+            # Every rank runs the same number of micro-steps (maybe on zero rows): FSDP2's
+            # all-gathers and DDP's all-reduce are collectives that all ranks must join.
+            self._set_sync(i == len(pieces) - 1)
+            xb, yb = x[rows[0]:rows[-1] + 1] if len(rows) else x[:0], y[rows[0]:rows[-1] + 1] if len(rows) else y[:0]
+            with self._autocast():
+                logits = model(xb)
+            loss = self._loss_fn(logits, yb)
+            loss.backward()
+            total += float(loss.detach()) / self._loss_scale
+        return total
+
+    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if self._schedule is None or self._schedule_batch != x.shape[0]:
+            self._schedule = build_schedule(self.cfg, self.layout, self.chunks, self._loss_fn)
+            self._schedule_batch = x.shape[0]
+        sched: Any = self._schedule
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            if self.has_first:
+                sched.step(x, target=y if self.has_last else None, losses=losses)
+            elif self.has_last:
+                sched.step(target=y, losses=losses)
+            else:
+                sched.step()
+        return float(sum(float(v) for v in losses)) / self._loss_scale if losses else 0.0
+
+    def train_step(self) -> StepResult:
+        cfg, lay = self.cfg, self.layout
+        if self._pending is not None:
+            self._apply_plan(self._pending)
+            self._pending = None
+        if self.faults is not None:
+            self.faults.before_step(self.step)
+        t0 = time.perf_counter()
+        sizes = self.batch_sizes
+        global_n = sum(sizes)
+        idx = self.sampler.next_step(sizes)[lay.dp_rank]
+        batch = torch.from_numpy(windows(self.corpus.train, cfg.model.context, idx)).to(self.device)
+        x, y = batch[:, :-1], batch[:, 1:]
+        self._loss_scale = lay.dp / (global_n * cfg.model.context)
+        lr = self.current_lr()
+        t1 = time.perf_counter()
+        c1 = time.thread_time()
+
+        self.grad_meter.reset()
+        loss_sum = self._forward_backward(x, y)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2, c2 = time.perf_counter(), time.thread_time()
+        slow_s = self.faults.after_compute(self.step, t2 - t1) if self.faults is not None else 0.0
+        if self.faults is not None and self.faults.loss_override(self.step):
+            loss_sum = float("nan")
+
+        # The one per-step collective of the loop itself: loss, norms, and the plan version.
+        dp = lay.dp
+        vec = torch.zeros(4 + dp, dtype=torch.float64)
+        if self.has_last and lay.tp_rank == 0:
+            vec[0] = loss_sum
+        vec[1] = sq_norm_share([p.grad for p in self.params if p.grad is not None], dp * lay.tp)
+        if self.env.rank == 0:
+            polled = self.plans.poll()
+            vec[2] = polled.version
+        if math.isnan(loss_sum):
+            vec[3] = 1.0
+        vec[4 + lay.dp_rank] = self.grad_meter.share()
+        t3 = time.perf_counter()
+        dist.all_reduce(vec)
+        t4 = time.perf_counter()
+
+        loss = float(vec[0]) / (global_n * cfg.model.context)
+        if vec[3] > 0:
+            loss = float("nan")
+        grad_norm = math.sqrt(max(float(vec[1]), 0.0)) if math.isfinite(float(vec[1])) else float("nan")
+        local_sq = float(vec[4 + lay.dp_rank])
+        n_local = sizes[lay.dp_rank]
+        # The local gradient above is of (sum of local token losses) * dp / global_tokens; report the
+        # norm² of the local *mean* loss gradient, what a gradient-noise-scale estimate expects.
+        local_sq = local_sq * (global_n / (dp * n_local)) ** 2 if n_local else 0.0
+
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        if math.isfinite(grad_norm) and math.isfinite(loss):
+            if cfg.optim.clip > 0 and grad_norm > cfg.optim.clip:
+                coef = cfg.optim.clip / (grad_norm + 1e-6)
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+            for opt in self.optimizers:
+                opt.step()
+        else:
+            self._log(f"step {self.step}: non-finite loss or gradient norm, update skipped")
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t5 = time.perf_counter()
+
+        plan_version = self.plan.version
+        if int(vec[2]) != self.plan.version:
+            box: list[Any] = [polled if self.env.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            self._pending = box[0]
+        self.step += 1
+        step_s = time.perf_counter() - t0
+        fwd_bwd_wall = t2 - t1
+        # On CPU the main thread does the compute (torch threads = 1 by default) and only sleeps
+        # while gloo works, so its CPU time is the compute and the rest of the wall time is waiting.
+        fwd_bwd_s = (c2 - c1) if self.device.type == "cpu" else fwd_bwd_wall
+        comm_s = max(0.0, fwd_bwd_wall - fwd_bwd_s) + (t4 - t3)
+        val_loss = None
+        if (cfg.val_every and self.step % cfg.val_every == 0) or self.step == cfg.steps:
+            val_loss = self.evaluate()
+        result = StepResult(self.step, loss, grad_norm, lr, global_n, step_s, val_loss)
+        self._report(result, t1 - t0, fwd_bwd_s + slow_s, comm_s, t5 - t4, n_local, local_sq, plan_version)
+        return result
+
+    # -- validation ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss on the fixed validation set; each dp rank takes every dp-th window and
+        activations travel between pipeline stages by point-to-point sends."""
+        cfg, lay = self.cfg, self.layout
+        idx = self.val_idx[lay.dp_rank::lay.dp]
+        data = torch.from_numpy(windows(self.corpus.val, cfg.model.context, idx)).to(self.device)
+        x, y = data[:, :-1], data[:, 1:]
+        total = torch.zeros(2, dtype=torch.float64)
+        n_stages = cfg.parallel.num_stages
+        act_shape = (x.shape[0], x.shape[1], cfg.model.d_model)
+        act: torch.Tensor = x
+        for sid in range(n_stages):
+            owner = sid % lay.pp
+            if owner != lay.pp_rank:
+                continue
+            chunk = self.chunks[self.stage_ids.index(sid)]
+            if sid > 0:
+                act = torch.empty(act_shape, device=self.device)
+                dist.recv(act, group=lay.pp_group, group_src=(sid - 1) % lay.pp)
+            with self._autocast():
+                out = chunk(act)
+            if sid < n_stages - 1:
+                dist.send(out.float().contiguous(), group=lay.pp_group, group_dst=(sid + 1) % lay.pp)
+            elif lay.tp_rank == 0:
+                total[0] = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum")
+                total[1] = y.numel()
+        dist.all_reduce(total)
+        return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+
+    # -- reporting -------------------------------------------------------------------------------
+
+    def _report(self, r: StepResult, data_s: float, fwd_bwd_s: float, comm_s: float, opt_s: float,
+                n_local: int, local_sq: float, plan_version: int) -> None:
+        cfg, lay = self.cfg, self.layout
+        tokens = n_local * cfg.model.context
+        flops = flops_per_token(cfg.model) * r.samples * cfg.model.context / self.env.world_size / max(r.step_s, 1e-9)
+        comm_b = comm_bytes_estimate(cfg, n_local)
+        ratio = None
+        if self.compression is not None:
+            comm_b = int(self.compression.last_step_bytes_sent)
+            ratio = float(self.compression.ratio)
+        msg = Telemetry(
+            job=self.env.job, rank=self.env.rank, local_rank=self.env.local_rank, pid=os.getpid(), step=r.step,
+            wall_time=time.time(), step_s=r.step_s, data_s=data_s, fwd_bwd_s=fwd_bwd_s, comm_s=comm_s, opt_s=opt_s,
+            samples=n_local, tokens=tokens, loss=r.loss, grad_norm=r.grad_norm, local_grad_sq=local_sq, lr=r.lr,
+            batch_size=n_local, mem_bytes=mem_bytes(self.device), plan_version=plan_version,
+            flops_per_s=flops, mfu=flops / self._peak if self._peak else None, comm_bytes=comm_b,
+            bubble_frac=bubble_frac(cfg), mem_frag=mem_frag(self.device), val_loss=r.val_loss,
+            dp_rank=lay.dp_rank, world_size=self.env.world_size, compress_ratio=ratio)
+        self.telemetry.send(msg)
+        self.history.append(r)
+        if self.sink is not None and self.env.rank == 0:
+            row: dict[str, Any] = {
+                "step": r.step, "loss": r.loss, "lr": r.lr, "step_s": round(r.step_s, 5),
+                "tokens_per_s": round(r.samples * cfg.model.context / max(r.step_s, 1e-9), 1),
+                "grad_norm": r.grad_norm, "batch": r.samples, "plan_version": plan_version}
+            if r.val_loss is not None:
+                row["val_loss"] = r.val_loss
+            if ratio is not None:
+                row["comm_bytes"] = comm_b
+                row["compress_ratio"] = ratio
+            self.sink(row)
+
+    def _log(self, text: str) -> None:
+        if self.env.rank == 0:
+            print(f"trainguard trainer: {text}", file=sys.stderr, flush=True)
+
+    # -- loop ------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Train until cfg.steps or a plan asks to stop; checkpoints at the configured points."""
+        from trainer.checkpoint import save_checkpoint, step_dir
+        cfg = self.cfg
+        while self.step < cfg.steps:
+            self.train_step()
+            plan = self._pending or self.plan
+            want_ckpt = bool(cfg.ckpt_dir) and (
+                (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or plan.checkpoint_id > self._ckpt_id_seen
+                or plan.stop or self.step == cfg.steps)
+            self._ckpt_id_seen = max(self._ckpt_id_seen, plan.checkpoint_id)
+            if want_ckpt:
+                save_checkpoint(self, step_dir(cfg.ckpt_dir, self.step))
+            if plan.stop:
+                self._log(f"plan v{plan.version} asked to stop at step {self.step}")
+                break
+        return 0
+
+    def close(self) -> None:
+        self.telemetry.close()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def model_parts(trainer: Trainer) -> list[nn.Module]:
+    return [unwrap(c) if isinstance(c, DDP) else c for c in trainer.chunks]
