@@ -336,6 +336,27 @@ def test_slow_request_does_not_block_others(env: dict[str, Any]) -> None:
     assert result == {"job": "slow"}
 
 
+def test_burst_of_local_clients_all_served(env: dict[str, Any]) -> None:
+    # More simultaneous connects than socketserver's default backlog of 5.
+    errors: list[str] = []
+    done: list[int] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(5):
+                ApiClient.local(env["sock"]).status()
+            done.append(1)
+        except ApiClientError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=worker) for _ in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert errors == [] and len(done) == 24
+
+
 def test_connection_cap_answers_503(tmp_path: Path) -> None:
     daemon = FakeDaemon(tmp_path)
     cfg = ApiConfig(unix_socket=tmp_path / "a.sock", max_connections=1)

@@ -52,14 +52,25 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.unix_path = path
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.unix_path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
+        deadline = time.monotonic() + (self.timeout if isinstance(self.timeout, int | float) else 10.0)
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self.unix_path)
+            except BlockingIOError:
+                # A full listen backlog on a unix socket fails at once (EAGAIN) instead of
+                # waiting like TCP does: wait here, within the timeout.
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"agent socket {self.unix_path} stayed busy") from None
+                time.sleep(0.005)
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            self.sock = sock
+            return
 
 
 class ApiClient:

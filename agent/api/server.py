@@ -368,6 +368,7 @@ class _Listener(socketserver.ThreadingMixIn):
     """What both listeners share: thread per connection, connection cap, a back reference."""
 
     daemon_threads = True
+    request_queue_size = 128  # listen backlog; socketserver's 5 makes bursts of CLI calls fail
     block_on_close = False  # stop() must not wait for a 10 GB transfer to finish
     api: ApiServer
     is_unix = False
