@@ -138,7 +138,8 @@ def _check_number(name: str, value: Any, spec: tuple[tuple[type, ...], float | N
         if name in _NONFINITE_OK:
             return
         raise WireError("range", f"{name} is not finite")
-    number = float(value)  # type: ignore[arg-type]  # checked numeric above
+    # Compare ints as ints: float(2**53 + 1) rounds down to 2**53 and would slip past the bound.
+    number = value if isinstance(value, int) else float(value)  # type: ignore[arg-type]  # numeric
     if (lo is not None and number < lo) or (hi is not None and number > hi):
         raise WireError("range", f"{name}={value} outside [{lo}, {hi}]")
 
