@@ -215,16 +215,16 @@ class RankTable:
             jobs = self._jobs
             for msg in msgs:
                 ranks = jobs.get(msg.job)
-                if ranks is None:
-                    if not self.config.accept_unknown_jobs and msg.job not in self._registered:
+                state = ranks.get(msg.rank) if ranks is not None else None
+                if state is None:
+                    if ranks is None and not self.config.accept_unknown_jobs and msg.job not in self._registered:
                         rejected["unknown_job"] = rejected.get("unknown_job", 0) + 1
                         continue
-                    ranks = jobs[msg.job] = {}
-                state = ranks.get(msg.rank)
-                if state is None:
                     if self._count >= self.config.max_ranks:
                         rejected["table_full"] = rejected.get("table_full", 0) + 1
                         continue
+                    if ranks is None:
+                        ranks = jobs[msg.job] = {}
                     state = ranks[msg.rank] = _RankState(ring)
                     self._count += 1
                 state.ring.append(msg)
