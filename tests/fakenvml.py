@@ -116,6 +116,11 @@ NVMLError_FunctionNotFound = _subclass("NVMLError_FunctionNotFound", NVML_ERROR_
 NVMLError_GpuIsLost = _subclass("NVMLError_GpuIsLost", NVML_ERROR_GPU_IS_LOST)
 NVMLError_Unknown = _subclass("NVMLError_Unknown", NVML_ERROR_UNKNOWN)
 
+
+class NVMLLibraryMismatchError(Exception):
+    """pynvml's error for an unversioned binding on a too-old driver (a plain Exception there too)."""
+
+
 # Function names the agent calls; FakeGpu.unsupported takes these names.
 FUNCTIONS = (
     "nvmlInit",
@@ -141,6 +146,7 @@ FUNCTIONS = (
     "nvmlDeviceGetNvLinkState",
     "nvmlDeviceGetFieldValues",
     "nvmlDeviceGetComputeRunningProcesses",
+    "nvmlDeviceGetComputeRunningProcesses_v2",
     "nvmlDeviceGetGraphicsRunningProcesses",
     "nvmlDeviceGetSupportedEventTypes",
     "nvmlDeviceRegisterEvents",
@@ -180,6 +186,7 @@ class FakeGpu:
     processes: dict[int, int | None] = field(default_factory=dict)  # pid -> used bytes (None: hidden)
     unsupported: set[str] = field(default_factory=set)  # function names raising NOT_SUPPORTED
     unsupported_fields: set[int] = field(default_factory=set)  # field ids failing in field values
+    old_driver: set[str] = field(default_factory=set)  # functions raising NVMLLibraryMismatchError
     supported_events: int = 0xB  # XID + SBE + DBE
     lost: bool = False
 
@@ -285,6 +292,8 @@ class FakeNvml:
             raise NVMLError(NVML_ERROR_GPU_IS_LOST)
         if name in gpu.unsupported:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        if name in gpu.old_driver:
+            raise NVMLLibraryMismatchError(f"Unversioned function called: {name}")
         return gpu
 
     # -- the pynvml API --------------------------------------------------------------------
@@ -419,6 +428,10 @@ class FakeNvml:
             )
             for pid, used in g.processes.items()
         ]
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, h: _Handle) -> list[SimpleNamespace]:
+        g = self._gpu("nvmlDeviceGetComputeRunningProcesses_v2", h)
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in g.processes.items()]
 
     def nvmlDeviceGetGraphicsRunningProcesses(self, h: _Handle) -> list[SimpleNamespace]:
         self._gpu("nvmlDeviceGetGraphicsRunningProcesses", h)

@@ -259,6 +259,15 @@ def test_pid_to_rank_attribution() -> None:
     assert 'rank="3"' not in generate_latest(_registry(col)).decode()
 
 
+def test_old_driver_process_list_falls_back_to_v2() -> None:
+    g = FakeGpu(index=0, processes={100: 1024}, old_driver={"nvmlDeviceGetComputeRunningProcesses"})
+    col, fake, _ = _started([g])
+    col.track({100: TrackedProcess(100, "j", 0, 0)})
+    col.poll(1.0)
+    assert col.gpu_for_pid(100) == 0
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses_v2"] == 1
+
+
 def test_local_rank_fallback_when_nvml_hides_pids() -> None:
     col, _, _ = _started([FakeGpu(index=0), FakeGpu(index=1)], local_rank_fallback=True)
     col.track({555: TrackedProcess(555, "j", 7, 1)})

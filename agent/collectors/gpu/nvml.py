@@ -116,6 +116,10 @@ def is_na(value: object) -> bool:
     return isinstance(value, float) and math.isnan(value)
 
 
+class _Never(Exception):
+    """Matches nothing: stands in for an exception class a module does not have."""
+
+
 def _import_pynvml() -> Any:
     return importlib.import_module("pynvml")
 
@@ -216,8 +220,13 @@ class Nvml:
             self._note_na(name, "no such binding")
             return default
         mod = self.module
+        # pynvml raises this plain Exception when an unversioned binding meets an older driver
+        mismatch = getattr(mod, "NVMLLibraryMismatchError", None) or _Never
         try:
             return self.call(func, *args, **kwargs)
+        except mismatch as exc:
+            self._note_na(name, str(exc))
+            return default
         except mod.NVMLError as exc:
             code = getattr(exc, "value", None)
             if code in _NA_ERRORS:

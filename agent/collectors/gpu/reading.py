@@ -222,7 +222,10 @@ def read_processes(nvml: Nvml, handle: Any) -> dict[int, float]:
     """pid -> used GPU memory (bytes, NA where the driver hides it) of compute and graphics users."""
     procs: dict[int, float] = {}
     for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-        for p in nvml.query(fn, handle, default=None) or ():
+        found = nvml.query(fn, handle, default=None)
+        if found is None:  # the unversioned (v3) binding needs driver >= 510: older ones take v2
+            found = nvml.query(fn + "_v2", handle, default=None)
+        for p in found or ():
             pid = int(p.pid)
             used = _num(getattr(p, "usedGpuMemory", None))
             if pid not in procs or is_na(procs[pid]):
