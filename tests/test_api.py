@@ -28,6 +28,7 @@ from agent.api import (
     BlobReader,
     TokenFileError,
 )
+from agent.api.server import AUTH_REPORT_BURST
 
 ADMIN = "a" * 40
 READER = "r" * 40
@@ -239,6 +240,35 @@ def test_tcp_auth_401_403_counted_and_reported(env: dict[str, Any]) -> None:
     admin = _remote(env, ADMIN)
     assert admin.status()["node"] == "n1"
     assert server.stats.snapshot()["auth_failures_total"] == 5
+
+
+def test_auth_failure_reports_are_rate_limited(tmp_path: Path) -> None:
+    now = [1000.0]
+    reported: list[str] = []
+    tokens = _token_file(tmp_path / "tokens", ADMIN + "\n")
+    cfg = ApiConfig(unix_socket=None, tcp="127.0.0.1:0", token_file=tokens)
+    with ApiServer(cfg, FakeDaemon(tmp_path), on_auth_failure=lambda r, p: reported.append(p),
+                   clock=lambda: now[0]) as server:
+        port = server.tcp_port
+        assert port is not None
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        for _ in range(AUTH_REPORT_BURST + 10):  # one keep-alive connection: 401s keep it open
+            conn.request("GET", "/v1/status")
+            resp = conn.getresponse()
+            assert resp.status == 401
+            resp.read()
+        now[0] += 5.0
+        for _ in range(10):
+            conn.request("GET", "/v1/jobs")
+            resp = conn.getresponse()
+            assert resp.status == 401
+            resp.read()
+        conn.close()
+        stats = server.stats.snapshot()
+    assert stats["auth_failures_total"] == AUTH_REPORT_BURST + 20
+    assert len(reported) == AUTH_REPORT_BURST + 5
+    assert reported.count("/v1/jobs") == 5
+    assert stats["auth_failures_unreported_total"] == 15
 
 
 def test_routes_reach_the_handler(env: dict[str, Any]) -> None:

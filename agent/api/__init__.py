@@ -2,7 +2,8 @@
 
 * ``handler``: the ``ApiHandler`` protocol the daemon implements, ``ApiError``, ``Blob``.
 * ``routes``: the route table (method, path, role -> handler method).
-* ``server``: ``ApiServer`` (listeners, auth, limits); ``config``: ``ApiConfig``.
+* ``server``: ``ApiServer`` (listeners, lifecycle, counters); ``request``: one HTTP request
+  (auth, limits, dispatch); ``config``: ``ApiConfig``.
 * ``auth``: the token file and ``TokenStore``; ``client``: ``ApiClient``.
 """
 

@@ -11,13 +11,13 @@ Usage::
                        handler, on_auth_failure=lambda remote, path: ...)
     server.start()            # binds both listeners; raises ApiServerError on failure
     server.tcp_address        # ("0.0.0.0", 9479): the real port when tcp asked for port 0
+    server.tcp_port           # just the port
     server.reload()           # SIGHUP: re-read the token file
     server.stop()             # stop listening, remove our socket file
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -28,340 +28,50 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
 
-from agent.api import routes
-from agent.api.auth import Role, TokenStore, bearer_token
+from agent.api.auth import TokenStore
 from agent.api.config import ApiConfig, parse_hostport
-from agent.api.handler import ApiError, ApiHandler, Blob
+from agent.api.handler import ApiHandler
+from agent.api.request import RequestHandler
 
 log = logging.getLogger("trainguard.api")
 
 AuthFailureFn = Callable[[str, str], None]  # (remote, path)
 
-_CHUNK = 1 << 20
 _MAX_REJECTING = 8  # 503 answers in flight at once
+
+
+# Auth failures reported to on_auth_failure: a burst of this many, then this many per second.
+AUTH_REPORT_BURST = 20
+AUTH_REPORT_PER_S = 1.0
+
+
+class _Bucket:
+    """Token bucket: ``take()`` is True at most ``burst`` times at once, refilled at ``rate``/s."""
+
+    def __init__(self, burst: int, rate: float, clock: Callable[[], float]) -> None:
+        self._burst = float(burst)
+        self._rate = rate
+        self._clock = clock
+        self._level = float(burst)
+        self._last = clock()
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            now = self._clock()
+            self._level = min(self._burst, self._level + (now - self._last) * self._rate)
+            self._last = now
+            if self._level < 1.0:
+                return False
+            self._level -= 1.0
+            return True
 
 
 class ApiServerError(RuntimeError):
     """The server cannot start (socket in use, path not a socket, ...); the message says why."""
-
-
-class _Reply(Exception):
-    """Answer now with ``status`` and ``{"error": message}`` (used inside request handling)."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.headers = headers or {}
-
-
-class _BodyReader:
-    """The request body as a ``BlobReader``: never reads past Content-Length, reads in chunks."""
-
-    def __init__(self, rfile: Any, size: int) -> None:
-        self._rfile = rfile
-        self._size = size
-        self._remaining = size
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def remaining(self) -> int:
-        return self._remaining
-
-    def read(self, n: int = -1) -> bytes:
-        if self._remaining <= 0:
-            return b""
-        want = self._remaining if n < 0 else min(n, self._remaining)
-        data = self._rfile.read(want)
-        if len(data) < want:
-            self._remaining = 0
-            raise ConnectionError(f"client sent {self._size - self._remaining + len(data)} of "
-                                  f"{self._size} announced bytes")
-        self._remaining -= len(data)
-        return data
-
-
-@dataclass(frozen=True)
-class _Checked:
-    """A request that passed the checks on its head (auth, route, role, size)."""
-
-    route: routes.Route
-    params: dict[str, str]
-    query: dict[str, str]
-
-
-def _linger_close(sock: socket.socket, max_s: float = 2.0, max_bytes: int = 64 << 20) -> None:
-    """Half-close and read away what the client still sends, for a bounded time.
-
-    Closing a TCP socket with unread input sends a reset, which can destroy the answer we just
-    sent (a 413, a 401) before the client reads it.
-    """
-    try:
-        sock.shutdown(socket.SHUT_WR)
-        deadline = time.monotonic() + max_s
-        total = 0
-        while total < max_bytes:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            sock.settimeout(left)
-            data = sock.recv(1 << 16)
-            if not data:
-                break
-            total += len(data)
-    except OSError:
-        pass
-
-
-class _RequestHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "trainguard-agent"
-    sys_version = ""
-    server: _Listener  # type: ignore[assignment]
-
-    # -- plumbing ------------------------------------------------------------------------------
-
-    def setup(self) -> None:
-        super().setup()
-        self.connection.settimeout(self.server.api.config.request_timeout_s)
-
-    def address_string(self) -> str:
-        return self.server.remote_of(self.request, self.client_address)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (BaseHTTPRequestHandler's name)
-        log.debug("%s %s", self.address_string(), format % args)
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        # The stdlib sends an HTML page here (bad request line, header too large, unknown method).
-        self.close_connection = True
-        self._send_json(code, {"error": message or self.responses.get(code, ("error",))[0]})
-
-    def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
-        body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-        self.server.api.stats.count_status(status)
-
-    def do_GET(self) -> None:
-        self._handle()
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_GET
-
-    # -- one request ---------------------------------------------------------------------------
-
-    _linger = False
-
-    def parse_request(self) -> bool:
-        # One handler object serves every request of a keep-alive connection: reset per request.
-        self._checked: _Checked | None = None
-        self._reader: _BodyReader | None = None
-        self._body_unknown = False
-        self._headers_sent = False
-        self._linger = False
-        return super().parse_request()
-
-    def handle_expect_100(self) -> bool:
-        # "Expect: 100-continue" (our client sends it with blobs): refuse before the client sends
-        # a body of maybe gigabytes, not after.
-        try:
-            self._checked = self._precheck()
-        except _Reply as r:
-            self.close_connection = True
-            self._linger = True
-            self._send_json(r.status, {"error": r.message}, r.headers)
-            return False
-        return super().handle_expect_100()
-
-    def finish(self) -> None:
-        super().finish()
-        if self._linger:
-            _linger_close(self.connection)
-
-    def _handle(self) -> None:
-        api = self.server.api
-        try:
-            if self._checked is None:
-                self._checked = self._precheck()
-            self._serve(self._checked)
-        except _Reply as r:
-            if self._headers_sent:  # refused mid-stream: the only signal left is a cut connection
-                self.close_connection = True
-                return
-            self._drain_or_close()
-            self._send_json(r.status, {"error": r.message}, r.headers)
-        except (ConnectionError, TimeoutError) as e:
-            # The client went away or stalled: nobody to answer.
-            log.debug("api: connection from %s dropped: %s", self.address_string(), e)
-            self.close_connection = True
-        except Exception:
-            api.stats.incr("handler_errors_total")
-            log.exception("api: %s %s failed", self.command, urlsplit(self.path).path)
-            self.close_connection = True
-            self._linger = self._unread() > 0
-            if not self._headers_sent:
-                try:
-                    self._send_json(500, {"error": "internal error in the agent (see its log)"})
-                except OSError:
-                    pass
-
-    def _unread(self) -> int:
-        if self._body_unknown:
-            return 1 << 62
-        return self._reader.remaining if self._reader is not None else 0
-
-    def _drain_or_close(self) -> None:
-        """Answering with the request body unread: it would be parsed as the next request. Read a
-        small one away; for a large one, close after the answer (lingering, so the client reads
-        the answer instead of a connection reset)."""
-        unread = self._unread()
-        if unread == 0:
-            return
-        if unread <= self.server.api.config.max_body_bytes and self._reader is not None:
-            while self._reader.read(_CHUNK):
-                pass
-            return
-        self.close_connection = True
-        self._linger = True
-
-    def _precheck(self) -> _Checked:
-        """Everything decided from the request head: auth, route, role, size. Raises _Reply."""
-        api = self.server.api
-        api.stats.incr("requests_total")
-        split = urlsplit(self.path)
-        path = split.path
-        length = self._content_length()
-        role = self._authenticate(path)
-        route, params, allowed = routes.match(self.command, path)
-        if route is None:
-            if allowed:
-                raise _Reply(405, f"{self.command} is not allowed on {path}",
-                             {"Allow": ", ".join(sorted(set(allowed)))})
-            raise _Reply(404, f"no such route: {path}")
-        if route.role is not None and (role is None or role < route.role):
-            raise _Reply(403, "this token is read-only; the request needs an admin token")
-        if route.kind == routes.Kind.BLOB_IN:
-            if length > api.config.max_blob_bytes:
-                raise _Reply(413, f"blob of {length} bytes exceeds the limit of "
-                                  f"{api.config.max_blob_bytes} bytes")
-        elif length > api.config.max_body_bytes:
-            raise _Reply(413, f"request body of {length} bytes exceeds the limit of "
-                              f"{api.config.max_body_bytes} bytes")
-        return _Checked(route, params, dict(parse_qsl(split.query, keep_blank_values=True)))
-
-    def _serve(self, c: _Checked) -> None:
-        api = self.server.api
-        route = c.route
-        try:
-            if route.kind == routes.Kind.BLOB_IN:
-                assert self._reader is not None
-                result = route.call(api.handler, routes.Call(c.params, c.query, {}, self._reader))
-                self._drain_or_close()  # the handler may stop reading early
-                self._send_json(200, self._jsonable(result))
-            elif route.kind == routes.Kind.BLOB_OUT:
-                self._read_json_body()
-                blob = route.call(api.handler, routes.Call(c.params, c.query, {}))
-                self._send_blob(blob)
-            else:
-                body = self._read_json_body()
-                result = route.call(api.handler, routes.Call(c.params, c.query, body))
-                self._send_json(200, self._jsonable(result))
-        except ApiError as e:
-            raise _Reply(e.status, e.message) from None
-
-    def _content_length(self) -> int:
-        if self.headers.get("Transfer-Encoding"):
-            self._body_unknown = True
-            raise _Reply(411, "send a Content-Length; chunked request bodies are not accepted")
-        raw = self.headers.get("Content-Length")
-        if raw is None:
-            length = 0
-        else:
-            try:
-                length = int(raw)
-            except ValueError:
-                length = -1
-            if length < 0:
-                self._body_unknown = True
-                raise _Reply(400, f"bad Content-Length {raw[:40]!r}")
-        self._reader = _BodyReader(self.rfile, length)
-        return length
-
-    def _authenticate(self, path: str) -> Role | None:
-        """The caller's role; raises 401. Public routes skip the check (None when no token)."""
-        api = self.server.api
-        if routes.is_public(path):
-            return None
-        token = bearer_token(self.headers.get("Authorization"))
-        if token is None and self.server.is_unix and not api.config.unix_requires_token:
-            return Role.ADMIN  # the socket's file mode already decided who may connect
-        role = api.tokens.check(token) if token else None
-        if role is None:
-            api.auth_failed(self.address_string(), path)
-            reason = "missing bearer token" if token is None else "invalid bearer token"
-            raise _Reply(401, reason, {"WWW-Authenticate": 'Bearer realm="trainguard"'})
-        return role
-
-    def _read_json_body(self) -> dict[str, Any]:
-        # The size was checked against max_body_bytes in _precheck.
-        raw = self._reader.read() if self._reader is not None else b""
-        if not raw:
-            return {}
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise _Reply(400, f"request body is not valid JSON: {str(e)[:120]}") from None
-        if not isinstance(body, dict):
-            raise _Reply(400, "request body must be a JSON object")
-        return body
-
-    @staticmethod
-    def _jsonable(result: Any) -> Any:
-        if result is None:
-            return {}
-        if not isinstance(result, dict | list):
-            raise TypeError(f"handler returned {type(result).__name__}, not a dict or list")
-        return result
-
-    def _send_blob(self, blob: Any) -> None:
-        if not isinstance(blob, Blob):
-            raise TypeError(f"get_blob returned {type(blob).__name__}, not a Blob")
-        chunks = blob.chunks
-        try:
-            self.send_response(200)
-            self.send_header("Content-Type", blob.content_type)
-            self.send_header("Content-Length", str(blob.size))
-            self.end_headers()
-            self._headers_sent = True
-            self.server.api.stats.count_status(200)
-            sent = 0
-            for chunk in chunks:
-                if sent + len(chunk) > blob.size:
-                    raise RuntimeError(f"blob produced more than its announced {blob.size} bytes")
-                self.wfile.write(chunk)
-                sent += len(chunk)
-            if sent != blob.size:
-                raise RuntimeError(f"blob produced {sent} of its announced {blob.size} bytes")
-        finally:
-            close = getattr(chunks, "close", None)
-            if callable(close):
-                close()
 
 
 class _Listener(socketserver.ThreadingMixIn):
@@ -429,11 +139,12 @@ class ApiStats:
             self._by_status[status] += 1
 
     def snapshot(self) -> dict[str, Any]:
-        """``{"requests_total", "auth_failures_total", "handler_errors_total", "busy_rejected_total",
-        "responses_total": {status: n}}``."""
+        """``{"requests_total", "auth_failures_total", "auth_failures_unreported_total",
+        "handler_errors_total", "busy_rejected_total", "responses_total": {status: n}}``."""
         with self._lock:
             out: dict[str, Any] = {k: self._counts.get(k, 0) for k in (
-                "requests_total", "auth_failures_total", "handler_errors_total", "busy_rejected_total")}
+                "requests_total", "auth_failures_total", "auth_failures_unreported_total",
+                "handler_errors_total", "busy_rejected_total")}
             out["responses_total"] = dict(self._by_status)
             return out
 
@@ -446,12 +157,14 @@ class ApiServer:
     """Both listeners of the control API around one ``ApiHandler``."""
 
     def __init__(self, config: ApiConfig, handler: ApiHandler, *,
-                 on_auth_failure: AuthFailureFn | None = None) -> None:
+                 on_auth_failure: AuthFailureFn | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.handler = handler
         self.tokens = TokenStore(config.token_file)  # raises TokenFileError: refuse to start
         self.stats = ApiStats()
         self._on_auth_failure = on_auth_failure
+        self._auth_reports = _Bucket(AUTH_REPORT_BURST, AUTH_REPORT_PER_S, clock)
         self._listeners: list[_TcpListener | _UnixListener] = []
         self._threads: list[threading.Thread] = []
         self._active = 0
@@ -529,6 +242,11 @@ class ApiServer:
 
     def auth_failed(self, remote: str, path: str) -> None:
         self.stats.incr("auth_failures_total")
+        # Every failure is counted; reports (a log line, the daemon's fsync'd event) are rate
+        # limited, so a flood of bad requests cannot turn into a flood of disk writes.
+        if not self._auth_reports.take():
+            self.stats.incr("auth_failures_unreported_total")
+            return
         log.warning("api: unauthenticated request from %s for %s", remote, path)
         if self._on_auth_failure is not None:
             try:
@@ -588,7 +306,7 @@ class ApiServer:
         if ":" in host:
             cls = type("_Tcp6Listener", (_TcpListener,), {"address_family": socket.AF_INET6})
         try:
-            lst = cls((host, port), _RequestHandler)
+            lst = cls((host, port), RequestHandler)
         except OSError as e:
             raise ApiServerError(f"api: cannot listen on {addr}: {e.strerror or e}") from e
         lst.api = self
@@ -604,7 +322,7 @@ class ApiServer:
         with _tmp_lock:
             _tmp_counter += 1
             tmp = parent / f".tg{os.getpid()}-{_tmp_counter}.sock"
-        lst = _UnixListener(str(path), _RequestHandler, bind_and_activate=False)
+        lst = _UnixListener(str(path), RequestHandler, bind_and_activate=False)
         lst.api = self
         try:
             # Bind aside, fix the mode, then rename into place: the socket is never reachable with
