@@ -5,9 +5,9 @@ of each source, so a rank or process that went away simply stops appearing. A so
 costs its own metrics for that scrape (and a count in ``trainguard_exporter_errors_total``),
 never the scrape.
 
-Rank metrics are labelled ``job_id`` rather than ``job``: Prometheus attaches its own ``job``
-label (the scrape job) to every series, and a clashing metric label would be renamed to
-``exported_job`` on ingestion.
+Rank metrics carry the training job in a ``job`` label, like the other collectors. Prometheus
+also sets ``job`` (the scrape job) on every target, so the scrape config must use
+``honor_labels: true`` for the agent, or the label arrives as ``exported_job``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from agent.telemetry import TelemetryServer
 
 log = logging.getLogger(__name__)
 
-_RANK = ("job_id", "rank")
+_RANK = ("job", "rank")
 
 CORE_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("trainguard_build_info", "gauge", "", ("version", "python"),
@@ -55,7 +55,7 @@ TELEMETRY_METRICS: tuple[MetricSpec, ...] = (
                "before senders start dropping."),
     MetricSpec("trainguard_telemetry_ranks", "gauge", "", (),
                "(job, rank) pairs the agent holds telemetry for."),
-    MetricSpec("trainguard_rank_info", "gauge", "", ("job_id", "rank", "local_rank", "pid"),
+    MetricSpec("trainguard_rank_info", "gauge", "", ("job", "rank", "local_rank", "pid"),
                "Always 1; the local rank and process id a rank last reported."),
     MetricSpec("trainguard_rank_step", "gauge", "", _RANK, "Latest training step a rank reported."),
     MetricSpec("trainguard_rank_step_seconds", "gauge", "seconds", _RANK,
@@ -196,6 +196,14 @@ class AgentExporter(PromCollector):
         self.collector_status = collector_status
         self._errors: dict[str, int] = {}
         self._lock = threading.Lock()  # scrapes may run concurrently (threaded HTTP server)
+        self._registry: CollectorRegistry | None = None
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """A registry holding only this exporter (created on first use)."""
+        if self._registry is None:
+            self._registry = make_registry(self)
+        return self._registry
 
     def _failed(self, source: str) -> None:
         with self._lock:

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from statistics import median
 from types import MappingProxyType
 from typing import Any
@@ -89,11 +89,24 @@ class RankView:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    to_dict = as_dict
+
 
 @dataclass(frozen=True)
-class TableSnapshot:
+class TableSnapshot(Mapping[str, Mapping[int, RankView]]):
+    """job -> rank -> RankView (also reachable as ``.jobs``), plus when it was taken."""
+
     taken_at: float
     jobs: Mapping[str, Mapping[int, RankView]] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __getitem__(self, job: str) -> Mapping[int, RankView]:
+        return self.jobs[job]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.jobs)
+
+    def __len__(self) -> int:
+        return len(self.jobs)
 
     def ranks(self) -> Iterator[RankView]:
         for ranks in self.jobs.values():
@@ -189,8 +202,17 @@ class RankTable:
     ``samples`` and ``tokens`` in a message are per step; the table sums them into totals.
     """
 
-    def __init__(self, config: RankTableConfig | None = None, clock: Callable[[], float] = time.time) -> None:
-        self.config = config or RankTableConfig()
+    def __init__(
+        self,
+        config: RankTableConfig | None = None,
+        clock: Callable[[], float] = time.time,
+        *,
+        capacity: int | None = None,
+    ) -> None:
+        config = config or RankTableConfig()
+        if capacity is not None:  # shorthand for RankTableConfig(ring=...)
+            config = replace(config, ring=capacity, window=min(config.window, capacity))
+        self.config = config
         self._clock = clock
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[int, _RankState]] = {}
@@ -234,6 +256,10 @@ class RankTable:
                 state.tokens_total += msg.tokens
                 accepted.append(msg)
         return AddResult(accepted, rejected)
+
+    def set_accept_unknown_jobs(self, accept: bool) -> None:
+        with self._lock:
+            self.config = replace(self.config, accept_unknown_jobs=accept)
 
     def register_job(self, job: str) -> None:
         """Mark a job as known, so its telemetry is kept even when unknown jobs are rejected."""

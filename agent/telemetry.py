@@ -18,11 +18,17 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from agent.ranktable import RankTable
+from prometheus_client.metrics_core import Metric
+
+from agent.ranktable import RankTable, RankTableConfig, RankView, TableSnapshot
 from agent.wire import MAX_DATAGRAM_BYTES, Telemetry, WireError, decode_telemetry
+
+__all__ = ["RankTable", "RankTableConfig", "RankView", "TableSnapshot", "TelemetryServer", "TelemetryStats",
+           "ensure_dgram_qlen", "read_dgram_qlen"]
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +81,11 @@ class TelemetryServer:
     """Receives rank telemetry on a unix datagram socket into a RankTable, on its own thread.
 
     ``on_message`` runs on the receiver thread for every stored message; keep it quick. An
-    exception in it is counted and logged once, never fatal.
+    exception in it is counted and logged once, never fatal. ``accept_unknown_jobs`` (when given)
+    sets the table's flag of that name. The server is also a metric source (``metrics()``).
     """
+
+    name = "telemetry"
 
     def __init__(
         self,
@@ -88,7 +97,10 @@ class TelemetryServer:
         clock: Callable[[], float] = time.time,
         proc_root: str = "/proc",
         poll_interval_s: float = 1.0,
+        accept_unknown_jobs: bool | None = None,
     ) -> None:
+        if accept_unknown_jobs is not None:
+            table.set_accept_unknown_jobs(accept_unknown_jobs)
         self.path = path
         self.table = table
         self.on_message = on_message
@@ -105,6 +117,7 @@ class TelemetryServer:
         self.dropped_total: dict[str, int] = {}
         self.callback_errors_total = 0
         self.queue_limit: int | None = None
+        self._metrics: Any = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -179,6 +192,14 @@ class TelemetryServer:
             callback_errors_total=self.callback_errors_total,
             queue_limit=self.queue_limit,
         )
+
+    def metrics(self) -> Iterable[Metric]:
+        """Telemetry counters and per-rank figures as Prometheus families (see agent.exporter)."""
+        if self._metrics is None:
+            from agent.exporter import TelemetryMetrics  # the exporter imports this module
+
+            self._metrics = TelemetryMetrics(self.table, self)
+        return self._metrics.metrics()  # type: ignore[no-any-return]
 
     # -- internals ----------------------------------------------------------------------------
 

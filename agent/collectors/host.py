@@ -20,7 +20,7 @@ from prometheus_client.metrics_core import Metric
 from agent.collectors.base import CollectorUnavailable, TrackedProcess
 from agent.metricspec import MetricSpec, index
 
-_PROC = ("job_id", "rank")
+_PROC = ("job", "rank")
 HOST_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("trainguard_host_cpu_seconds_total", "counter", "seconds", ("mode",),
                "CPU time of all CPUs together, by mode (from /proc/stat)."),
