@@ -1,2 +1,68 @@
-"""Tiered checkpoint storage (torch-free): manifests, atomic commits, memory/disk/object tiers,
-background replication between tiers, and the catalog that picks what to restore."""
+"""Tiered checkpoint storage, torch-free: manifests with checksums, atomic commits, memory / disk /
+object tiers behind one ``Tier`` interface, background replication between them, and the catalog
+that picks the newest verified checkpoint to restore.
+
+The daemon holds one ``CheckpointManager``; the trainer only needs ``MemoryTier`` (stage/commit)
+and ``open_for_overwrite`` (its DCP writer's file opener, for buffer reuse).
+"""
+
+from agent.checkpoint.catalog import Restored, candidates, newest_restorable, restore
+from agent.checkpoint.disk import DiskTier
+from agent.checkpoint.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointNotFound,
+    CheckpointWriteError,
+    ManifestError,
+    UnsafePathError,
+)
+from agent.checkpoint.manager import CheckpointManager, CheckpointSettings
+from agent.checkpoint.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    VerifyResult,
+    build_manifest,
+    read_manifest,
+    safe_relpath,
+    verify,
+    write_manifest,
+)
+from agent.checkpoint.memory import MemoryTier, bench_buffer_reuse, open_for_overwrite
+from agent.checkpoint.objectstore import ObjectStoreConfig, ObjectTier
+from agent.checkpoint.replicator import TierReplicator
+from agent.checkpoint.status import METRICS, CheckpointStatus
+from agent.checkpoint.tier import CheckpointInfo, Tier
+
+__all__ = [
+    "METRICS",
+    "MANIFEST_NAME",
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CheckpointNotFound",
+    "CheckpointSettings",
+    "CheckpointStatus",
+    "CheckpointWriteError",
+    "DiskTier",
+    "Manifest",
+    "ManifestError",
+    "MemoryTier",
+    "ObjectStoreConfig",
+    "ObjectTier",
+    "Restored",
+    "Tier",
+    "TierReplicator",
+    "UnsafePathError",
+    "VerifyResult",
+    "bench_buffer_reuse",
+    "build_manifest",
+    "candidates",
+    "newest_restorable",
+    "open_for_overwrite",
+    "read_manifest",
+    "restore",
+    "safe_relpath",
+    "verify",
+    "write_manifest",
+]

@@ -27,7 +27,7 @@ from typing import Any
 from agent.checkpoint.errors import CheckpointError, CheckpointWriteError
 from agent.checkpoint.local import LocalDirTier, rmtree_quiet
 from agent.checkpoint.manifest import MANIFEST_NAME
-from agent.checkpoint.tier import RANK_MEMORY, CheckpointInfo, check_job, check_step
+from agent.checkpoint.tier import RANK_MEMORY, TMP_PREFIX, CheckpointInfo, check_job, check_step
 
 DEFAULT_MEMORY_ROOT = Path("/dev/shm/trainguard")
 REUSE_DIRNAME = ".reuse"
@@ -149,11 +149,27 @@ class MemoryTier(LocalDirTier):
         with self._stage_lock:
             return self._staged.get((job, step))
 
-    def commit(self, job: str, step: int, extra: Mapping[str, Any] | None = None) -> CheckpointInfo:
-        """Commit a staged checkpoint once all ranks finished writing; prunes to ``keep`` after."""
+    def commit(
+        self,
+        job: str,
+        step: int,
+        extra: Mapping[str, Any] | None = None,
+        *,
+        staged: str | os.PathLike[str] | None = None,
+        prune: bool = True,
+    ) -> CheckpointInfo:
+        """Commit a staged checkpoint once all ranks finished writing.
+
+        ``staged``: the directory ``stage`` returned, for a commit from another process than the
+        one that staged (the trainer's rank 0 after ``dcp.save`` returned). ``prune``: trim to
+        ``keep`` afterwards; a trainer passes False and leaves pruning to the agent, whose pins
+        protect checkpoints it is replicating or restoring from.
+        """
         with self._stage_lock:
             tmp = self._staged.pop((job, step), None)
-        if tmp is None:
+        if staged is not None:
+            tmp = self._check_staged(job, step, Path(staged))
+        if tmp is None or not tmp.is_dir():
             raise CheckpointError(f"tier {self.name}: {job} step {step} was not staged")
         rmtree_quiet(tmp / REUSE_DIRNAME)  # spares no rank rewrote (smaller world, fewer files)
         try:
@@ -161,8 +177,18 @@ class MemoryTier(LocalDirTier):
         except (OSError, CheckpointError) as exc:
             rmtree_quiet(tmp)
             raise CheckpointWriteError(self.name, job, step, exc) from exc
-        self.prune(job, self.keep)
+        if prune:
+            self.prune(job, self.keep)
         return info
+
+    def _check_staged(self, job: str, step: int, staged: Path) -> Path:
+        # The path comes from another process: accept only a staging directory of this very
+        # (job, step) directly under this tier's job directory.
+        jd = self.job_dir(job).resolve()
+        path = staged.resolve()
+        if path.parent != jd or not path.name.startswith(f"{TMP_PREFIX}step_{step}-"):
+            raise CheckpointError(f"tier {self.name}: {staged} is not a staging directory of {job} step {step}")
+        return path
 
     def abort(self, job: str, step: int) -> None:
         """Drop a staged checkpoint (a rank failed during the save)."""
@@ -172,9 +198,15 @@ class MemoryTier(LocalDirTier):
             rmtree_quiet(tmp)
 
     def cleanup_tmp(self) -> int:
+        """Remove crash leftovers and spares beyond ``spare_buffers`` (the setting may have shrunk)."""
         with self._stage_lock:
             self._staged.clear()
-        return super().cleanup_tmp()
+        removed = super().cleanup_tmp()
+        for job in self.jobs():
+            for extra in self._spares(job)[self.spare_buffers:]:
+                rmtree_quiet(extra)
+                removed += 1
+        return removed
 
 
 def bench_buffer_reuse(root: str | os.PathLike[str], size_bytes: int = 256 << 20, rounds: int = 3,
