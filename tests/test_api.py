@@ -50,7 +50,8 @@ class FakeDaemon:
         return {"node": "n1", "version": "test"}
 
     def status(self) -> dict[str, Any]:
-        return {"node": "n1", "collectors": {"host": {"up": True, "reason": ""}}, "jobs": {}, "leader": "n1"}
+        return {"node": "n1", "collectors": {"host": {"up": True, "reason": ""}}, "leader": "n1",
+                "jobs": {"j1": {"ranks": {"0": {"straggler_score": float("nan"), "step_s": [0.5, float("inf")]}}}}}
 
     def events(self, since: int, limit: int, kind: str | None) -> dict[str, Any]:
         self.calls.append(("events", (since, limit, kind)))
@@ -238,7 +239,8 @@ def test_tcp_auth_401_403_counted_and_reported(env: dict[str, Any]) -> None:
     assert env["daemon"].calls == []
 
     admin = _remote(env, ADMIN)
-    assert admin.status()["node"] == "n1"
+    # N/A values (NaN, inf) go out as null: strict JSON that any dashboard parses.
+    assert admin.status()["jobs"]["j1"]["ranks"]["0"] == {"straggler_score": None, "step_s": [0.5, None]}
     assert server.stats.snapshot()["auth_failures_total"] == 5
 
 
@@ -328,6 +330,11 @@ def test_oversize_body_closes_connection_and_keepalive_works(env: dict[str, Any]
         conn.request("GET", "/v1/status", headers=auth)
         resp = conn.getresponse()
         assert resp.status == 200 and json.loads(resp.read())["node"] == "n1"
+        # A refused request with a small body: the body is read away, the connection stays usable.
+        conn.request("POST", "/v1/jobs", body=b'{"command": ["x"]}', headers={"Authorization": "Bearer bad"})
+        resp = conn.getresponse()
+        assert resp.status == 401 and resp.getheader("Connection") is None
+        resp.read()
     # Announce a body over the limit but send only its start: 413 at once, connection closed
     # (the unread body must not be parsed as a next request).
     conn.putrequest("POST", "/v1/jobs")

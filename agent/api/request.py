@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import socket
 import time
 from dataclasses import dataclass
@@ -61,11 +62,29 @@ class _BodyReader:
         want = self._remaining if n < 0 else min(n, self._remaining)
         data = self._rfile.read(want)
         if len(data) < want:
+            got = self._size - self._remaining + len(data)
             self._remaining = 0
-            raise ConnectionError(f"client sent {self._size - self._remaining + len(data)} of "
-                                  f"{self._size} announced bytes")
+            raise ConnectionError(f"client sent {got} of {self._size} announced bytes")
         self._remaining -= len(data)
         return data
+
+
+def _dumps(obj: Any) -> bytes:
+    """Strict JSON; NaN and infinities (N/A metrics) become null, which every client can parse."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        return json.dumps(_finite(obj), separators=(",", ":"), allow_nan=False).encode()
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 @dataclass(frozen=True)
@@ -126,7 +145,7 @@ class RequestHandler(BaseHTTPRequestHandler):
         self._send_json(code, {"error": message or self.responses.get(code, ("error",))[0]})
 
     def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
-        body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+        body = _dumps(obj)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
