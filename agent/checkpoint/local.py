@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +255,7 @@ class LocalDirTier(Tier):
             for rel in list_files(src):
                 size, digest = copy_checked(src / rel, dst / rel, DEFAULT_ALGORITHM, durable=self.durable)
                 entries.append(FileEntry(rel, size, digest))
+            self._fsync_subdirs(dst, entries)
             return Manifest(job, step, self._clock(), DEFAULT_ALGORITHM, tuple(entries), {})
         bad: list[str] = []
         for entry in src_manifest.files:
@@ -268,11 +269,15 @@ class LocalDirTier(Tier):
                 bad.append(f"checksum mismatch: {rel}")
         if bad:
             raise CheckpointCorrupt(f"source {src} does not match its manifest", bad)
-        if self.durable:
-            for d in {(dst / e.path).parent for e in src_manifest.files}:
-                fsync_dir(d)
+        self._fsync_subdirs(dst, src_manifest.files)
         return Manifest(job, step, src_manifest.created, src_manifest.algorithm, src_manifest.files,
                         src_manifest.extra)
+
+    def _fsync_subdirs(self, root: Path, entries: Iterable[FileEntry]) -> None:
+        # The checkpoint root itself is fsync'd by commit_dir after the manifest is in.
+        if self.durable:
+            for d in {(root / e.path).parent for e in entries} - {root}:
+                fsync_dir(d)
 
     def open(self, job: str, step: int) -> Path | None:
         if not self.restore_in_place:
