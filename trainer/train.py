@@ -269,7 +269,11 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2, c2 = time.perf_counter(), time.thread_time()
-        slow_s = self.faults.after_compute(self.step, t2 - t1) if self.faults is not None else 0.0
+        # On CPU the main thread does the compute (torch threads = 1 by default) and only sleeps
+        # while gloo works, so its CPU time is the compute and the rest of the wall time is waiting.
+        compute_s = (c2 - c1) if self.device.type == "cpu" else t2 - t1
+        # A slow fault burns real CPU in proportion to this rank's compute (faults.py).
+        slow_s = self.faults.after_compute(self.step, compute_s) if self.faults is not None else 0.0
         if self.faults is not None and self.faults.loss_override(self.step):
             loss_sum = float("nan")
 
@@ -325,16 +329,12 @@ class Trainer:
             self._pending = box[0]
         self.step += 1
         step_s = time.perf_counter() - t0
-        fwd_bwd_wall = t2 - t1
-        # On CPU the main thread does the compute (torch threads = 1 by default) and only sleeps
-        # while gloo works, so its CPU time is the compute and the rest of the wall time is waiting.
-        fwd_bwd_s = (c2 - c1) if self.device.type == "cpu" else fwd_bwd_wall
-        comm_s = max(0.0, fwd_bwd_wall - fwd_bwd_s) + (t4 - t3)
+        comm_s = max(0.0, (t2 - t1) - compute_s) + (t4 - t3)
         val_loss = None
         if (cfg.val_every and self.step % cfg.val_every == 0) or self.step == cfg.steps:
             val_loss = self.evaluate()
         result = StepResult(self.step, loss, grad_norm, lr, global_n, step_s, val_loss)
-        self._report(result, t1 - t0, fwd_bwd_s + slow_s, comm_s, t5 - t4, n_local, local_sq, plan_version)
+        self._report(result, t1 - t0, compute_s + slow_s, comm_s, t5 - t4, n_local, local_sq, plan_version)
         return result
 
     # -- validation ------------------------------------------------------------------------------
