@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -314,6 +315,9 @@ hog = bytearray(256 << 20)  # zero-filled: every page touched, 8x the cgroup's l
         rc = child.wait(30)
         got = events.wait_for("oom_kill", child.pid, timeout=5)
         exit_ev = events.wait_for("rank_exit", child.pid, timeout=5)
+        c.poll(time.monotonic())
+        slot = c.slot_of("oom", 7)
+        snap = c.snapshot
     finally:
         reap(child)
         c.track({})
@@ -329,8 +333,50 @@ hog = bytearray(256 << 20)  # zero-filled: every page touched, 8x the cgroup's l
     assert fields["tracked"] is True and (fields["job"], fields["rank"]) == ("oom", 7)
     assert fields["anon_rss_kb"] > 0 or fields["total_vm_kb"] > 0
     assert exit_ev is not None and exit_ev[1]["signal"] == 9
-    c.poll(time.monotonic())
-    assert c.snapshot is not None and c.snapshot.ooms is not None and c.snapshot.ooms.node >= 1
+    assert snap is not None and snap.ooms is not None and slot is not None
+    assert snap.ooms.node >= 1 and snap.ooms.ranks[slot] == 1
+    # before the kill, the cgroup's limit made the rank reclaim its own memory, stalled
+    assert snap.reclaim is not None and snap.reclaim.ranks[slot].count >= 1
+    assert snap.reclaim.ranks[slot].ns > 0
+
+
+def test_tcp_retransmits_of_a_rank_are_attributed_by_socket(kernel: tuple[EbpfCollector, Events, str]) -> None:
+    """Loopback only: a listener with a full accept queue drops further SYNs, so the rank's
+    connects retransmit their SYN after the initial 1 s RTO, from a timer, not from the rank."""
+    c, _, _ = kernel
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        code = f"""import socket, sys
+print('ready', flush=True)
+sys.stdin.readline()
+socks = [socket.socket() for _ in range(3)]
+for s in socks:
+    s.setblocking(False)
+    s.connect_ex(('127.0.0.1', {port}))
+print('connecting', flush=True)
+sys.stdin.readline()
+"""
+        child = spawn(code)
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            assert child.stdout.readline() == "ready\n"
+            c.track({child.pid: TrackedProcess(child.pid, "net", 2, 0)})
+            c.poll(time.monotonic())
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.stdout.readline() == "connecting\n"
+            time.sleep(1.6)
+            c.poll(time.monotonic())
+            stats = c.rank_stats("net", 2)
+            snap = c.snapshot
+        finally:
+            reap(child)
+            c.track({})
+    assert stats is not None and snap is not None and snap.tcp is not None
+    assert stats.tcp_retransmits >= 2
+    assert snap.tcp.node >= stats.tcp_retransmits
 
 
 def test_metric_families_after_a_poll(kernel: tuple[EbpfCollector, Events, str]) -> None:

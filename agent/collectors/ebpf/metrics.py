@@ -34,7 +34,7 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
      "TCP segments retransmitted, node-wide and per rank where the socket's owner is known."),
     ("trainguard_page_faults_total", "counter", "", SCOPED, "User-mode page faults."),
     ("trainguard_direct_reclaim_seconds_total", "counter", "seconds", SCOPED,
-     "Time spent stalled in direct memory reclaim inside allocations."),
+     "Time stalled reclaiming memory inside allocations: direct reclaim and memory-cgroup limit reclaim."),
     ("trainguard_process_exits_total", "counter", "", SCOPED,
      "Process (thread group) exits: every one on the node, and those of tracked ranks."),
     ("trainguard_oom_kills_total", "counter", "", SCOPED, "OOM-killer victims, node-wide and tracked ranks."),

@@ -10,6 +10,8 @@ from .base import MapReader, Program
 FAULT = "exceptions:page_fault_user"
 RECLAIM_BEGIN = "vmscan:mm_vmscan_direct_reclaim_begin"
 RECLAIM_END = "vmscan:mm_vmscan_direct_reclaim_end"
+MEMCG_BEGIN = "vmscan:mm_vmscan_memcg_reclaim_begin"
+MEMCG_END = "vmscan:mm_vmscan_memcg_reclaim_end"
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,14 @@ class ReclaimSnapshot:
 
 
 class DirectReclaim(Program):
-    """Time a task spent reclaiming memory itself inside an allocation (it stalls meanwhile)."""
+    """Time a task spent reclaiming memory itself inside an allocation (it stalls meanwhile):
+    global direct reclaim, and the reclaim a memory-limited cgroup forces on its own tasks when
+    they charge past the limit (where containerised training jobs meet it first)."""
 
     name = "directreclaim"
-    hooks = ((RECLAIM_BEGIN, "tg_reclaim_begin"), (RECLAIM_END, "tg_reclaim_end"))
+    hooks = ((RECLAIM_BEGIN, "tg_reclaim_begin"), (RECLAIM_END, "tg_reclaim_end"),
+             (MEMCG_BEGIN, "tg_reclaim_begin"), (MEMCG_END, "tg_reclaim_end"))
+    optional = frozenset({MEMCG_BEGIN, MEMCG_END})
     rank_arrays = ("tg_reclaim_rank",)
 
     def body(self) -> str:
@@ -75,14 +81,15 @@ BPF_HASH(tg_reclaim_start, u32, u64, 8192);
 BPF_PERCPU_ARRAY(tg_reclaim_node, struct tg_reclaim, 1);
 BPF_ARRAY(tg_reclaim_rank, struct tg_reclaim, TG_MAX_TRACKED);
 
-int tg_reclaim_begin(struct tg_args_mm_vmscan_direct_reclaim_begin *args) {
+/* Attached to the direct and the memcg begin/end pairs alike; neither reads its record. */
+int tg_reclaim_begin(void *args) {
     u32 tid = (u32)bpf_get_current_pid_tgid();
     u64 ts = bpf_ktime_get_ns();
     tg_reclaim_start.update(&tid, &ts);
     return 0;
 }
 
-int tg_reclaim_end(struct tg_args_mm_vmscan_direct_reclaim_end *args) {
+int tg_reclaim_end(void *args) {
     u32 tid = (u32)bpf_get_current_pid_tgid();
     u64 *tsp = tg_reclaim_start.lookup(&tid);
     if (!tsp)
