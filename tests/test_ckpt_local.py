@@ -184,3 +184,17 @@ def test_disk_tier_on_full_filesystem(tiny_tmpfs: Path, tmp_path: Path, shm_root
     assert memory.verify("job", 200).ok
     disk.write_from(small, "job", 300)
     assert [i.step for i in disk.list("job")] == [100, 300]
+
+
+def test_commit_from_another_process_accepts_only_its_staging_dir(shm_root: Path, tmp_path: Path) -> None:
+    agent_side = MemoryTier(shm_root)
+    trainer_side = MemoryTier(shm_root)
+    stage = trainer_side.stage("job", 8)
+    write_ranks(stage, {"__0_0.distcp": b"x" * 100})
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    for bad in (other, shm_root / "job" / "step_1", trainer_side.stage("job", 9)):
+        with pytest.raises(CheckpointError, match="not a staging directory"):
+            agent_side.commit("job", 8, staged=bad)
+    info = agent_side.commit("job", 8, staged=stage, prune=False)
+    assert info.step == 8 and agent_side.verify("job", 8).ok

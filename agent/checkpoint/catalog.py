@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.checkpoint.errors import CheckpointCorrupt, CheckpointError, describe
+from agent.checkpoint.errors import CheckpointCorrupt, describe
 from agent.checkpoint.local import LocalDirTier, rmtree_quiet
 from agent.checkpoint.status import CheckpointStatus
 from agent.checkpoint.tier import CheckpointInfo, Tier, check_job, step_dirname
@@ -131,7 +131,7 @@ def restore(
         except CheckpointCorrupt as exc:
             _report_corrupt(emit, status, tier, info, exc.problems)
             continue
-        except (CheckpointError, OSError, Exception) as exc:
+        except Exception as exc:  # unreachable store, permissions: try the next candidate
             emit("checkpoint_fetch_failed", {"tier": tier.name, "job": job, "step": info.step,
                                              "error": describe(exc)})
             continue

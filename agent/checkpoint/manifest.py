@@ -347,3 +347,16 @@ def checksum_stream(chunks: Iterable[bytes | memoryview], algorithm: str) -> tup
         hasher.update(chunk)
         size += len(chunk)
     return size, hasher.hexdigest()
+
+
+def bench_checksums(size_bytes: int = 256 << 20) -> dict[str, float]:
+    """GB/s of each checksum algorithm over ``size_bytes`` in memory (how DEFAULT_ALGORITHM was chosen)."""
+    data = memoryview(os.urandom(1 << 20) * max(1, size_bytes >> 20))
+    out: dict[str, float] = {}
+    for algorithm in ALGORITHMS:
+        hasher = new_hasher(algorithm)
+        t0 = time.perf_counter()
+        for i in range(0, len(data), CHUNK_BYTES):
+            hasher.update(data[i:i + CHUNK_BYTES])
+        out[f"{algorithm}_gbps"] = len(data) / (time.perf_counter() - t0) / 1e9
+    return out

@@ -102,11 +102,17 @@ class MemoryTier(LocalDirTier):
     # -- spare pool ------------------------------------------------------------------------------
     def _spares(self, job: str) -> list[Path]:
         jd = self.job_dir(job)
+        spares: list[tuple[float, Path]] = []
         try:
-            spares = [p for p in jd.iterdir() if p.name.startswith(SPARE_PREFIX) and p.is_dir()]
+            for p in jd.iterdir():
+                if p.name.startswith(SPARE_PREFIX):
+                    try:
+                        spares.append((p.stat().st_mtime, p))
+                    except OSError:
+                        continue  # taken by a concurrent stage() in another process
         except FileNotFoundError:
             return []
-        return sorted(spares, key=lambda p: p.stat().st_mtime)
+        return [p for _, p in sorted(spares)]
 
     def _retire(self, path: Path) -> None:
         job = path.parent.name
