@@ -152,3 +152,14 @@ def test_config_hides_secret() -> None:
     assert "TOPSECRET" not in repr(cfg)
     with pytest.raises(ValueError, match="together"):
         ObjectStoreConfig("s3://b/p", key="AKIA")
+
+
+def test_orphaned_uploads_are_cleaned_only_when_old(tier: ObjectTier, tmp_path: Path) -> None:
+    fake_dcp(tmp_path / "src")
+    tier.write_from(tmp_path / "src", "job", 1)
+    tier.fs.pipe_file(f"{tier.base}/job/step_2/__0_0.distcp", b"orphan of a crashed upload")
+    assert tier.cleanup_tmp() == 0  # young: maybe another agent is still uploading
+    assert tier.fs.exists(f"{tier.base}/job/step_2/__0_0.distcp")
+    assert tier.cleanup_tmp(min_age_s=0) == 1
+    assert not tier.fs.exists(f"{tier.base}/job/step_2/__0_0.distcp")
+    assert [i.step for i in tier.list("job")] == [1] and tier.verify("job", 1).ok

@@ -13,7 +13,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,9 +122,11 @@ class ObjectTier(Tier):
         config: ObjectStoreConfig,
         *,
         name: str = "object",
+        orphan_age_s: float = 3600.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.name = name
+        self.orphan_age_s = orphan_age_s
         self.rank = RANK_OBJECT
         self.config = config
         self._clock = clock
@@ -331,3 +333,43 @@ class ObjectTier(Tier):
         self._uncommit(job, step)
         self._remove_prefix(self._step(job, step))
         self._invalidate(self._job(job))
+
+    def cleanup_tmp(self, min_age_s: float | None = None) -> int:
+        """Remove uploads that never got their manifest (a crash mid-upload).
+
+        Only prefixes whose newest object is older than ``min_age_s`` (default: this tier's
+        ``orphan_age_s``) go: another agent may be uploading into the same store right now.
+        """
+        age = self.orphan_age_s if min_age_s is None else min_age_s
+        now = self._clock()
+        removed = 0
+        self._invalidate(self.base)
+        try:
+            jobs = self.fs.ls(self.base, detail=False)
+        except FileNotFoundError:
+            return 0
+        for job_path in jobs:
+            job = str(job_path).rstrip("/").rsplit("/", 1)[-1]
+            try:
+                check_job(job)
+                entries = self.fs.ls(self._job(job), detail=False)
+            except (ValueError, FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                step = parse_step_dirname(str(entry).rstrip("/").rsplit("/", 1)[-1])
+                if step is None or self.fs.exists(f"{self._step(job, step)}/{MANIFEST_NAME}"):
+                    continue
+                listed = self.fs.find(self._step(job, step), detail=True)
+                newest = max((_mtime(info) for info in listed.values()), default=0.0)
+                if now - newest >= age:
+                    self._remove_prefix(self._step(job, step))
+                    removed += 1
+        return removed
+
+
+def _mtime(info: Mapping[str, Any]) -> float:
+    """Modification time of an fsspec listing entry (s3: LastModified datetime; local: mtime)."""
+    value = info.get("LastModified", info.get("mtime", info.get("created", 0.0)))
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    return float(value or 0.0)
