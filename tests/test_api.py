@@ -406,8 +406,34 @@ def test_connection_cap_answers_503(tmp_path: Path) -> None:
         assert e.value.status == 503
         daemon.release.set()
         holder.join(5)
-        assert ApiClient.local(tmp_path / "a.sock").health()["ok"] is True
-        assert server.stats.snapshot()["busy_rejected_total"] == 1
+        # The slot frees once the server sees the holder's connection close: soon, not at once.
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                assert ApiClient.local(tmp_path / "a.sock").health()["ok"] is True
+                break
+            except ApiClientError as e:
+                assert e.status == 503 and time.monotonic() < deadline
+                time.sleep(0.02)
+        assert server.stats.snapshot()["busy_rejected_total"] >= 1
+
+
+def test_tcp_flood_does_not_lock_out_the_local_socket(tmp_path: Path) -> None:
+    tokens = _token_file(tmp_path / "tokens", ADMIN + "\n")
+    cfg = ApiConfig(unix_socket=tmp_path / "a.sock", tcp="127.0.0.1:0", token_file=tokens, max_connections=2)
+    with ApiServer(cfg, FakeDaemon(tmp_path)) as server:
+        port = server.tcp_port
+        assert port is not None
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]  # hold the TCP slots
+        try:
+            time.sleep(0.1)
+            with pytest.raises(ApiClientError) as e:
+                ApiClient.remote("127.0.0.1", port, token=ADMIN, timeout=5).health()
+            assert e.value.status == 503
+            assert ApiClient.local(tmp_path / "a.sock").status()["node"] == "n1"
+        finally:
+            for s in idle:
+                s.close()
 
 
 def test_blob_round_trip_byte_exact(env: dict[str, Any], tmp_path: Path) -> None:

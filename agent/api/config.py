@@ -56,7 +56,7 @@ class ApiConfig:
     """Idle limit per socket read/write, so a stalled client frees its thread."""
 
     max_connections: int = 64
-    """Connections served at once; more get 503 at once instead of piling up threads."""
+    """Connections served at once per listener (unix, TCP); more get 503 instead of piling up threads."""
 
     def __post_init__(self) -> None:
         if self.unix_socket is not None:

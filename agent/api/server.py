@@ -89,20 +89,20 @@ class _Listener(socketserver.ThreadingMixIn):
         return "unix"
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.api._admit():
+        if not self.api._admit(self):
             self.api._reject_busy(request)
             return
         try:
             super().process_request(request, client_address)  # type: ignore[misc]
         except BaseException:
-            self.api._release()
+            self.api._release(self)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.api._release()
+            self.api._release(self)
 
 
 class _TcpListener(_Listener, socketserver.TCPServer):
@@ -167,7 +167,7 @@ class ApiServer:
         self._auth_reports = _Bucket(AUTH_REPORT_BURST, AUTH_REPORT_PER_S, clock)
         self._listeners: list[_TcpListener | _UnixListener] = []
         self._threads: list[threading.Thread] = []
-        self._active = 0
+        self._active: Counter[int] = Counter()  # per listener: a TCP flood cannot lock out local CLIs
         self._rejecting = 0
         self._active_lock = threading.Lock()
         self._unix_inode: int | None = None
@@ -254,16 +254,16 @@ class ApiServer:
             except Exception:
                 log.exception("api: on_auth_failure callback failed")
 
-    def _admit(self) -> bool:
+    def _admit(self, listener: object) -> bool:
         with self._active_lock:
-            if self._active >= self.config.max_connections:
+            if self._active[id(listener)] >= self.config.max_connections:
                 return False
-            self._active += 1
+            self._active[id(listener)] += 1
             return True
 
-    def _release(self) -> None:
+    def _release(self, listener: object) -> None:
         with self._active_lock:
-            self._active -= 1
+            self._active[id(listener)] -= 1
 
     def _reject_busy(self, request: socket.socket) -> None:
         """Answer 503 on a short-lived thread; beyond a few of those, just hang up."""
