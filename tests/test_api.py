@@ -366,7 +366,7 @@ def test_slow_request_does_not_block_others(env: dict[str, Any]) -> None:
     t0 = time.monotonic()
     assert ApiClient.local(env["sock"]).health()["ok"] is True
     assert _remote(env, READER).status()["node"] == "n1"
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 3.0  # the slow call holds its thread for up to 10 s
     assert slow.is_alive()
     daemon.release.set()
     slow.join(5)
