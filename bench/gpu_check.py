@@ -159,20 +159,26 @@ CHECKS: list[Check] = [
 ]
 
 
+def cuda_devices(py: str) -> tuple[int, str]:
+    """(CUDA devices torch sees in a child process, why none) - the child keeps CUDA out of this one."""
+    probe = subprocess.run(
+        [py, "-c", "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID"),
+    )
+    out = probe.stdout.strip()
+    return (int(out), "") if out.isdigit() else (0, (out or probe.stderr.strip())[-200:])
+
+
 def start_load(gpus: int, seconds: float, py: str) -> list[subprocess.Popen[str]]:
     if importlib.util.find_spec("torch") is None:
         print("load: torch not installed -> comparing an idle GPU")
         return []
     env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID")  # same order as NVML's indices
-    probe = subprocess.run(
-        [py, "-c", "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    visible = int(probe.stdout.strip()) if probe.stdout.strip().isdigit() else 0
+    visible, why = cuda_devices(py)
     if visible == 0:
-        print(f"load: torch without CUDA ({probe.stdout.strip() or probe.stderr.strip()[-200:]}) -> idle GPU")
+        print(f"load: torch without CUDA ({why}) -> idle GPU")
         return []
     procs = []
     for dev in range(min(gpus, visible)):
@@ -358,12 +364,14 @@ def train_commands(py: str, state_dir: str) -> list[tuple[str, list[str], dict[s
             "LOCAL_WORLD_SIZE": "1",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(_free_port()),
-            "TRAINGUARD_BACKEND": "nccl",
+            "TRAINGUARD_JOB_SPEC": '{"steps": 1, "device": "cuda"}',  # cuda device -> NCCL backend
+            "TRAINGUARD_JOB": "gpucheck",
+            "TRAINGUARD_JSON": "1",
         }
-        cmds.append(("python -m trainer.worker --steps 1", [py, "-m", "trainer.worker", "--steps", "1"], env))
-        cmds.append(("python -m trainer.worker", [py, "-m", "trainer.worker"], env))
+        cmds.append(("python -m trainer.worker (world size 1, nccl)", [py, "-m", "trainer.worker"], env))
     if importlib.util.find_spec("agent.cli") is not None:
         argv = ["train", "--nproc", "1", "--steps", "1", "--standalone", "--json", "--state-dir", state_dir]
+        argv += ["--set", "device=cuda"]
         cmds.append(("trainguard " + " ".join(argv), [py, "-m", "agent.cli", *argv], {}))
     return cmds
 
@@ -372,13 +380,17 @@ def train_step(col: GpuCollector, py: str, timeout: float) -> str:
     """Run one training step on the GPU (NCCL, world size 1); watch for its pid on the GPU."""
     import tempfile
 
+    visible, why = cuda_devices(py)
+    if visible == 0 and not os.environ.get("GPU_CHECK_TRAIN_CMD"):
+        print(f"train step: torch without CUDA ({why}) -> skipped")
+        return "skipped"
     state_dir = tempfile.mkdtemp(prefix="trainguard-gpucheck-")
     cmds = train_commands(py, state_dir)
     if not cmds:
         print("train step: no trainer entry point found (trainer.worker / trainguard train) -> skipped")
         return "skipped"
     for label, argv, extra in cmds:
-        env = dict(os.environ, PYTHONPATH=str(REPO), **extra)
+        env = dict(os.environ, PYTHONPATH=str(REPO), NCCL_DEBUG="VERSION", PYTHONUNBUFFERED="1", **extra)
         print(f"train step: {label}")
         t0 = time.monotonic()
         proc = subprocess.Popen(
@@ -397,14 +409,16 @@ def train_step(col: GpuCollector, py: str, timeout: float) -> str:
             proc.kill()
         out = proc.communicate()[0] if proc.stdout else ""
         rc = proc.returncode
+        stepped = any(ln.startswith("{") and '"step": 1' in ln for ln in out.splitlines())
+        nccl = "NCCL version" in out
         tail = "\n".join(out.strip().splitlines()[-8:])
         print(
-            f"  rc={rc} in {time.monotonic() - t0:.1f}s, trainer pid seen on gpu: {seen_gpu}\n  "
-            + tail.replace("\n", "\n  ")
+            f"  rc={rc} in {time.monotonic() - t0:.1f}s, step 1 reported: {stepped}, NCCL used: {nccl}, "
+            f"trainer pid seen on gpu: {seen_gpu}\n  " + tail.replace("\n", "\n  ")
         )
-        if rc == 0:
+        if rc == 0 and stepped:
             return "ok"
-        if rc != 2:  # 2 = usage error: try the next form of the command
+        if rc != 2:  # 2 = bad configuration/usage: try the next form of the command
             return "failed"
     return "failed"
 

@@ -10,9 +10,10 @@
 # Python environment, first that works:
 #   1. $PYTHON, if set;
 #   2. .venv/bin/python, if it imports pynvml and prometheus_client;
-#   3. a new .venv made here:
+#   3. python3 (or python3.11/3.12) itself, if it imports both (GPU images often ship them with a CUDA torch);
+#   4. a new .venv made here, then only the missing packages installed:
 #        python3 -m venv --system-site-packages .venv
-#        .venv/bin/pip install nvidia-ml-py prometheus-client   (+ torch, only if no torch is importable)
+#        .venv/bin/pip install nvidia-ml-py prometheus-client torch
 #      --system-site-packages lets a machine's preinstalled CUDA torch serve. Offline machines: point pip
 #      at a wheel folder with PIP_NO_INDEX=1 PIP_FIND_LINKS=/path/to/wheels.
 # torch with CUDA is optional: with it, a bf16 matmul loop loads every GPU while readings are compared;
@@ -40,21 +41,36 @@ nvidia-smi -L || fail "nvidia-smi cannot talk to the driver. HINT check the driv
 ok_env() { "$1" -c 'import pynvml, prometheus_client' >/dev/null 2>&1; }
 
 PY=""
+READY=""
+for cand in python3 python3.11 python3.12; do
+  if command -v "$cand" >/dev/null 2>&1 && ok_env "$cand"; then
+    READY=$(command -v "$cand")
+    break
+  fi
+done
+BASE=$(command -v python3.11 || command -v python3 || true)
 if [ -n "${PYTHON:-}" ]; then
   PY=$PYTHON
 elif [ -x .venv/bin/python ] && ok_env .venv/bin/python; then
   PY=.venv/bin/python
+elif [ -n "$READY" ]; then
+  PY=$READY
 else
-  BASE=$(command -v python3.11 || command -v python3) || fail "no python3 found"
+  [ -n "$BASE" ] || fail "no python3 found"
   if [ ! -x .venv/bin/python ]; then
     say "creating .venv with $BASE (system site-packages visible, for a preinstalled torch)"
     "$BASE" -m venv --system-site-packages .venv || fail "python3 -m venv failed. HINT apt-get install python3-venv"
   fi
-  PKGS="nvidia-ml-py prometheus-client"
+  PKGS=""
+  .venv/bin/python -c 'import pynvml' >/dev/null 2>&1 || PKGS="$PKGS nvidia-ml-py"
+  .venv/bin/python -c 'import prometheus_client' >/dev/null 2>&1 || PKGS="$PKGS prometheus-client"
   .venv/bin/python -c 'import torch' >/dev/null 2>&1 || PKGS="$PKGS torch"
-  say ".venv/bin/pip install $PKGS"
-  .venv/bin/pip install -q $PKGS || say "pip install failed (offline?); trying with what is there"
-  ok_env .venv/bin/python || fail "the python environment lacks nvidia-ml-py/prometheus-client. HINT set PYTHON or PIP_FIND_LINKS"
+  if [ -n "$PKGS" ]; then
+    say ".venv/bin/pip install$PKGS"
+    # shellcheck disable=SC2086
+    .venv/bin/pip install -q --retries 1 --timeout 20 $PKGS || say "pip install failed (offline?); going on with what is there"
+  fi
+  ok_env .venv/bin/python || fail "no python with nvidia-ml-py and prometheus-client. HINT set PYTHON, or PIP_FIND_LINKS to a wheel folder"
   PY=.venv/bin/python
 fi
 say "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
