@@ -81,6 +81,11 @@ def test_readings_and_metrics_match_the_gpu() -> None:
     assert v("trainguard_gpu_ecc_errors_total", type="uncorrected") == 0
     assert v("trainguard_gpu_remapped_rows", kind="pending") == 0
     assert v("trainguard_gpu_throttle_reasons", reason="hw_thermal_slowdown") == 0
+    # every sample carries exactly the labels METRICS declares for its family
+    declared_labels = {m[0].removesuffix("_total"): set(m[3]) for m in METRICS}
+    for fam in col.metrics():
+        for sample in fam.samples:
+            assert set(sample.labels) == declared_labels[fam.name], (fam.name, sample.labels)
     # every exported family is declared in METRICS, and nothing is NaN
     text = generate_latest(reg).decode()
     declared = {m[0] for m in METRICS}

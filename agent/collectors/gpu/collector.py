@@ -97,7 +97,6 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
         "GPU memory used by a tracked rank process.",
     ),
 )
-_BY_NAME = {m[0]: m for m in METRICS}
 
 
 @dataclass
