@@ -215,7 +215,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     spec = {"nproc": args.nproc, "trainer": trainer_cfg, "faults": list(args.fault)}
     if args.job:
         spec["job"] = args.job
-    job = client.submit_job(spec)["job"]
+    job = client.submit_job(spec)
     if args.detach:
         print(job)
         return 0

@@ -44,7 +44,7 @@ class AgentControl:
             jobs.append(rec)
         # Telemetry from jobs this agent did not launch (e.g. torchrun pointed at the socket).
         launched = {j["job"] for j in jobs}
-        for job, ranks in snapshot.items():
+        for job, ranks in snapshot.jobs.items():
             if job not in launched:
                 jobs.append(
                     {
@@ -66,6 +66,7 @@ class AgentControl:
             "collectors": {k: {"up": v[0], "reason": v[1]} for k, v in agent.collector_state.items()},
             "jobs": jobs,
             "metrics_port": agent.metrics_port,
+            "api_tcp_port": agent.api_tcp_port,
         }
 
     def events(self, since: int, limit: int, kind: str | None) -> dict[str, Any]:

@@ -53,18 +53,19 @@ class Agent:
 
     # --- start-up ---------------------------------------------------------------------------
     def start(self) -> None:
-        from agent.exporter import AgentExporter, serve_metrics
-        from agent.telemetry import RankTable, TelemetryServer
+        from agent.exporter import AgentExporter, TelemetryMetrics, serve_metrics
+        from agent.ranktable import RankTable, RankTableConfig
+        from agent.telemetry import TelemetryServer
 
         self.paths.ensure()
         cfg = self.cfg
         self.events = EventLog(
             self.paths.events_dir, cfg.agent.node, max_bytes=cfg.eventlog.max_bytes, keep=cfg.eventlog.keep
         )
-        self.table = RankTable(capacity=cfg.telemetry.ring)
-        self.telemetry = TelemetryServer(
-            self.paths.telemetry_socket, self.table, accept_unknown_jobs=cfg.telemetry.accept_unknown_jobs
+        self.table = RankTable(
+            RankTableConfig(ring=cfg.telemetry.ring, accept_unknown_jobs=cfg.telemetry.accept_unknown_jobs)
         )
+        self.telemetry = TelemetryServer(self.paths.telemetry_socket, self.table)
         self.plans = PlanStore(self.paths.plans_dir)
         self.supervisor = Supervisor(
             self.events,
@@ -77,7 +78,7 @@ class Agent:
         self.telemetry.start()
         self._start_collectors()
         self.exporter = AgentExporter(
-            sources=[self.telemetry, *self.collectors, self],
+            sources=[TelemetryMetrics(self.table, self.telemetry), *self.collectors, self],
             build_info={"version": __version__, "python": platform.python_version(), "node": cfg.agent.node},
             collector_status=lambda: dict(self.collector_state),
         )
@@ -98,21 +99,24 @@ class Agent:
         self.notifier.ready(self._status_line())
 
     def _start_api(self) -> None:
+        from pathlib import Path
+
+        from agent.api.config import ApiConfig
         from agent.api.server import ApiServer
         from agent.control import AgentControl
 
         cfg = self.cfg.api
         self.control = AgentControl(self)
-        self.api = ApiServer(
-            self.control,
-            unix_path=self.paths.control_socket,
-            tcp_addr=parse_host_port(cfg.tcp) if cfg.tcp else None,
-            token_file=cfg.token_file or None,
+        api_cfg = ApiConfig(
+            unix_socket=Path(self.paths.control_socket),
+            tcp=cfg.tcp or None,
+            token_file=Path(cfg.token_file) if cfg.token_file else None,
             unix_requires_token=cfg.unix_requires_token,
-            on_auth_failure=self._on_auth_failure,
         )
+        self.api = ApiServer(api_cfg, self.control, on_auth_failure=self._on_auth_failure)
         self.api.start()
-        self.api_tcp_port = self.api.tcp_port
+        tcp = self.api.tcp_address
+        self.api_tcp_port = tcp[1] if tcp else None
 
     def _on_auth_failure(self, remote: str, path: str) -> None:
         self.events.emit("api_auth_failed", f"API request without a valid token from {remote}", severity="warning", remote=remote, path=path)
@@ -188,7 +192,7 @@ class Agent:
             master_addr=self.cfg.launcher.master_addr,
             python=self.cfg.launcher.python,
             user=self.cfg.launcher.user,
-            extra_env={"TRAINGUARD_STATE_DIR": self.cfg.agent.state_dir},
+            extra_env={"TRAINGUARD_STATE_DIR": self.cfg.agent.state_dir, "TRAINGUARD_JSON": "1"},
         )
 
     # --- main loop --------------------------------------------------------------------------
@@ -199,7 +203,7 @@ class Agent:
             except Exception as exc:  # noqa: BLE001 - one bad read must not stop the loop
                 log.warning("collector %s poll failed: %s", c.name, exc)
         snapshot = self.table.snapshot()
-        for job, ranks in snapshot.items():
+        for job, ranks in snapshot.jobs.items():
             steps = [r.step for r in ranks.values()]
             if steps:
                 self.supervisor.note_progress(job, max(steps))
@@ -275,7 +279,9 @@ class Agent:
                     log.warning("stopping %s: %s", part, exc)
         server = getattr(self, "_metrics_server", None)
         if server is not None:
-            server.shutdown()
+            from agent.exporter import stop_metrics
+
+            stop_metrics(server)
         for c in self.collectors:
             try:
                 c.stop()

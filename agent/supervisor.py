@@ -95,6 +95,8 @@ class Supervisor:
 
     # --- jobs -------------------------------------------------------------------------------
     def submit(self, spec: JobSpec) -> JobRecord:
+        """Register the job and start its ranks in the background (a warm launcher's first start
+        imports torch for seconds; an API call must not wait for it)."""
         with self._lock:
             old = self.jobs.get(spec.job)
             if old is not None and not old.state.finished:
@@ -102,17 +104,34 @@ class Supervisor:
             record = JobRecord(spec)
             self.jobs[spec.job] = record
             self.plans.reset(spec.job)
-            self.events.emit("job_submitted", f"job {spec.job} submitted with {spec.nproc} ranks", job=spec.job, nproc=spec.nproc)
+        self.events.emit("job_submitted", f"job {spec.job} submitted with {spec.nproc} ranks", job=spec.job, nproc=spec.nproc)
+        threading.Thread(target=self._launch_safely, args=(record,), name=f"launch-{spec.job}", daemon=True).start()
+        return record
+
+    def _launch_safely(self, record: JobRecord) -> None:
+        try:
             self._launch(record)
-            return record
+        except Exception as exc:  # noqa: BLE001 - a launch failure is a job failure, not an agent crash
+            with self._lock:
+                if not record.state.finished:
+                    record.state = JobState.FAILED
+                    record.reason = f"could not start ranks: {exc}"
+            self.events.emit("job_failed", f"job {record.job}: could not start ranks: {exc}", severity="error", job=record.job, cause=str(exc))
 
     def _launch(self, record: JobRecord) -> None:
         ctx = self.context_for(record.spec)
-        record.attempt += 1
-        record.ranks = self.launcher.start(record.spec, ctx, record.attempt)
-        if record.state == JobState.RESTARTING:
-            self._set_state(record, JobState.STARTING)
-        self._set_state(record, JobState.RUNNING)
+        attempt = record.attempt + 1
+        ranks = self.launcher.start(record.spec, ctx, attempt)
+        with self._lock:
+            if record.state in (JobState.STOPPING, JobState.STOPPED):
+                # Stopped while starting: these ranks must not outlive the request.
+                self.launcher.stop(ranks, 0.5, hard=True)
+                return
+            record.attempt = attempt
+            record.ranks = ranks
+            if record.state == JobState.RESTARTING:
+                self._set_state(record, JobState.STARTING)
+            self._set_state(record, JobState.RUNNING)
         self.events.emit(
             "ranks_started",
             f"job {record.job} attempt {record.attempt}: started {len(record.ranks)} ranks",

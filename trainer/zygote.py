@@ -65,7 +65,14 @@ def _child(req: dict[str, Any]) -> None:
             os.chdir(req["cwd"])
         module = req.get("module", "trainer.worker")
         sys.argv = [module, *req.get("args", [])]
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        preloaded = sys.modules.get(module)
+        entry = getattr(preloaded, "main", None)
+        if callable(entry):
+            # Already imported before the fork: run its main() rather than executing it twice.
+            result = entry()
+            code = result if isinstance(result, int) else 0
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - report like an interpreter would, then exit non-zero

@@ -1,0 +1,96 @@
+"""Shared fixtures: a real agent process on a temporary state directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class RunningAgent:
+    proc: subprocess.Popen[bytes]
+    state_dir: Path
+    log_path: Path
+
+    @property
+    def control_socket(self) -> str:
+        return str(self.state_dir / "run" / "agent.sock")
+
+    @property
+    def telemetry_socket(self) -> str:
+        return str(self.state_dir / "run" / "telemetry.sock")
+
+    def metrics_url(self) -> str:
+        addr = (self.state_dir / "run" / "metrics.addr").read_text().strip()
+        host, port = addr.rsplit(":", 1)
+        return f"http://127.0.0.1:{port}/metrics"
+
+    def client(self):  # noqa: ANN201
+        from agent.api.client import ApiClient
+
+        return ApiClient.local(self.control_socket)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def start_agent(state_dir: Path, config: str | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None) -> RunningAgent:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "agent.cli", "agent", "--state-dir", str(state_dir), "--metrics-addr", "127.0.0.1:0"]
+    if config is not None:
+        cfg_path = state_dir / "agent.toml"
+        cfg_path.write_text(config)
+        args += ["--config", str(cfg_path)]
+    args += extra or []
+    log_path = state_dir / "agent.log"
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = str(REPO)
+    full_env.update(env or {})
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=full_env)
+    agent = RunningAgent(proc, state_dir, log_path)
+    deadline = time.monotonic() + 60
+    addr_file = state_dir / "run" / "metrics.addr"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"agent exited with {proc.returncode}:\n{agent.log()}")
+        if os.path.exists(agent.control_socket) and addr_file.exists():
+            return agent
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"agent did not come up:\n{agent.log()}")
+
+
+@pytest.fixture
+def agent_factory(tmp_path: Path) -> Iterator:
+    started: list[RunningAgent] = []
+
+    def factory(name: str = "agent", **kwargs) -> RunningAgent:  # noqa: ANN003
+        agent = start_agent(tmp_path / name, **kwargs)
+        started.append(agent)
+        return agent
+
+    yield factory
+    for agent in started:
+        if agent.proc.poll() is None:
+            agent.proc.send_signal(signal.SIGTERM)
+            try:
+                agent.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                agent.proc.kill()
+                agent.proc.wait()

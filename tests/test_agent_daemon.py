@@ -1,0 +1,128 @@
+"""The agent as a real process: API over its unix socket and TCP, /metrics over HTTP, jobs run
+through it, plans delivered, SIGHUP reload and SIGTERM shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from agent.api.client import ApiClient, ApiClientError
+
+FAKE = [sys.executable, "-m", "tests.helpers.fake_rank"]
+
+
+def wait_for(pred, timeout: float = 30, what: str = "condition"):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
+
+
+def test_agent_serves_api_metrics_and_runs_a_job(agent_factory) -> None:
+    agent = agent_factory()
+    mode = stat.S_IMODE(os.stat(agent.control_socket).st_mode)
+    assert mode == 0o660
+    client = agent.client()
+    assert client.health()["ok"] is True
+    st = client.status()
+    assert {"host", "ebpf", "gpu"} <= set(st["collectors"])
+    assert st["collectors"]["host"]["up"] is True
+    assert st["collectors"]["gpu"]["up"] is False and st["collectors"]["gpu"]["reason"]
+
+    job = client.submit_job({"job": "fake-1", "nproc": 2, "command": FAKE, "env": {"FAKE_STEPS": "400", "FAKE_STEP_S": "0.02"}})
+    assert job == "fake-1"
+
+    def telemetry_seen():  # noqa: ANN202
+        jobs = {j["job"]: j for j in client.status()["jobs"]}
+        ranks = jobs.get("fake-1", {}).get("ranks", [])
+        return len(ranks) == 2 and all(r.get("telemetry") for r in ranks)
+
+    wait_for(telemetry_seen, what="telemetry from both ranks")
+    plan = client.put_plan("fake-1", {"lr_scale": 0.5, "reason": "test"})
+    assert plan["version"] >= 2
+
+    def plan_applied():  # noqa: ANN202
+        ranks = {j["job"]: j for j in client.status()["jobs"]}["fake-1"]["ranks"]
+        return all(r["telemetry"]["plan_version"] == plan["version"] for r in ranks)
+
+    wait_for(plan_applied, what="ranks reporting the new plan version")
+    text = scrape(agent.metrics_url())
+    assert 'trainguard_collector_up{collector="host"} 1.0' in text
+    assert 'trainguard_collector_up{collector="gpu"} 0.0' in text
+    assert "trainguard_build_info{" in text
+    assert 'trainguard_rank_step{job="fake-1"' in text
+    assert 'trainguard_job_state{job="fake-1",state="running"} 1.0' in text
+    client.stop_job("fake-1")
+    assert client.job("fake-1")["state"] == "stopped"
+    kinds = [e["kind"] for e in client.events(since=0, limit=1000)["events"]]
+    for kind in ("agent_started", "job_submitted", "ranks_started", "plan_updated", "job_stopped"):
+        assert kind in kinds
+    # Bad input is a clear API error, not a crash.
+    with pytest.raises(ApiClientError) as info:
+        client.submit_job({"nproc": "four"})
+    assert info.value.status == 400 and "nproc" in str(info.value)
+    assert agent.stop() == 0
+
+
+def test_sighup_reload_and_sigterm_stops_ranks(agent_factory, tmp_path) -> None:
+    agent = agent_factory(config="[agent]\ninterval_s = 0.2\n")
+    client = agent.client()
+    client.submit_job({"job": "long", "nproc": 2, "command": FAKE, "env": {"FAKE_STEPS": "100000"}})
+    wait_for(lambda: client.job("long")["state"] == "running" and client.job("long")["ranks"], what="ranks")
+    pids = [r["pid"] for r in client.job("long")["ranks"]]
+    cfg_path = agent.state_dir / "agent.toml"
+    cfg_path.write_text("[agent]\ninterval_s = 0.5\n")
+    agent.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: any(e["kind"] == "config_reloaded" for e in client.events(since=0)["events"]), what="reload")
+    cfg_path.write_text("[agent]\ninterval_s = -1\n")
+    agent.proc.send_signal(signal.SIGHUP)
+    failed = wait_for(
+        lambda: [e for e in client.events(since=0)["events"] if e["kind"] == "config_reload_failed"], what="failed reload"
+    )
+    assert "agent.interval_s" in failed[0]["message"]
+    assert client.health()["ok"]  # a bad file on reload keeps the agent up
+    assert agent.stop(signal.SIGTERM) == 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    log_lines = (agent.state_dir / "events" / "events.jsonl").read_text().splitlines()
+    assert json.loads(log_lines[-1])["kind"] == "agent_stopped"
+    assert not os.path.exists(agent.control_socket)
+
+
+def test_tcp_api_needs_token(agent_factory, tmp_path) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_text("s3cret-0123456789abcdef admin\nviewer-0123456789abcdef read\n")
+    os.chmod(token_file, 0o600)
+    port_cfg = f'[api]\ntcp = "127.0.0.1:0"\ntoken_file = "{token_file}"\n'
+    agent = agent_factory(config=port_cfg)
+    local = agent.client()
+    # Find the bound TCP port from the agent's own status of its API.
+    port = wait_for(lambda: local.status().get("api_tcp_port"), what="tcp port")
+    bad = tmp_path / "bad"
+    bad.write_text("wrong-0123456789abcdef\n")
+    os.chmod(bad, 0o600)
+    with pytest.raises(ApiClientError) as info:
+        ApiClient.remote("127.0.0.1", port, bad).status()
+    assert info.value.status == 401
+    good = tmp_path / "good"
+    good.write_text("s3cret-0123456789abcdef\n")
+    os.chmod(good, 0o600)
+    assert ApiClient.remote("127.0.0.1", port, good).status()["node"]
+    events = local.events(since=0)["events"]
+    assert any(e["kind"] == "api_auth_failed" for e in events)
