@@ -292,8 +292,12 @@ def test_gpu_lost_mid_run_reports_once_and_keeps_the_others() -> None:
     lost = events.of("gpu_lost")
     assert len(lost) == 1
     assert (
-        lost[0]["gpu"] == 0 and lost[0]["uuid"] == g0.uuid and lost[0]["rank"] == 2 and lost[0]["pid"] == 77
+        lost[0]["gpu"] == 0
+        and lost[0]["uuid"] == g0.uuid
+        and lost[0]["ranks"] == [2]
+        and lost[0]["pid"] == 77
     )
+    assert not {"job", "rank", "kind", "message", "severity", "cause", "source"} & set(lost[0])
     assert set(col.readings()) == {1} and col.lost_gpus() == [0]
     reg = _registry(col)
     assert reg.get_sample_value("trainguard_gpu_up", {"gpu": "0", "uuid": g0.uuid}) == 0

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.collectors.base import TrackedProcess
 from agent.collectors.gpu import GpuCollector, GpuCollectorConfig, Nvml, is_fatal_xid
+from agent.collectors.gpu.collector import RESERVED_EVENT_KEYS
 
 
 class Events:
@@ -64,7 +65,8 @@ def test_xid_event_is_emitted_quickly_with_rank_and_counted() -> None:
         assert latency < 0.5
         ev = got[0]
         assert ev["gpu"] == 1 and ev["uuid"] == g1.uuid and ev["xid"] == 79 and ev["fatal"] is True
-        assert ev["pid"] == 321 and ev["rank"] == 5 and ev["job"] == "jobX"
+        assert ev["pid"] == 321 and ev["pids"] == [321] and ev["ranks"] == [5]
+        assert not RESERVED_EVENT_KEYS & set(ev)  # the agent adds job/rank from the pid itself
         assert "fallen off the bus" in ev["description"]
 
         fake.push_xid(0, 13)  # application error: reported, not fatal; no process known on GPU 0

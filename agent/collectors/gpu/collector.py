@@ -149,6 +149,10 @@ class _Snapshot:
     pid_gpu: dict[int, int] = field(default_factory=dict)  # tracked pid -> gpu index
 
 
+# Keys the agent's event log takes as its own arguments: event fields must not use them.
+RESERVED_EVENT_KEYS = frozenset({"kind", "message", "severity", "cause", "job", "rank", "source"})
+
+
 class GpuCollector:
     """NVML collector (see module doc). ``emit`` may be called from the event thread."""
 
@@ -385,12 +389,12 @@ class GpuCollector:
             (tracked[p] for p, g in snap.pid_gpu.items() if g == gpu and p in tracked), key=lambda p: p.rank
         )
         reading = snap.readings.get(gpu)
+        # No "job"/"rank" keys: the agent resolves them from "pid" and passes them to the event log
+        # as its own keyword arguments (see RESERVED_EVENT_KEYS).
         if ranks:
             fields["pid"] = ranks[0].pid
-            fields["job"] = ranks[0].job
-            fields["rank"] = ranks[0].rank
-            fields["ranks"] = [p.rank for p in ranks]
             fields["pids"] = [p.pid for p in ranks]
+            fields["ranks"] = [p.rank for p in ranks]
         elif reading is not None and len(reading.processes) == 1:
             fields["pid"] = next(iter(reading.processes))
         return fields
