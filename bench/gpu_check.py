@@ -196,6 +196,7 @@ def start_load(gpus: int, seconds: float, py: str) -> list[subprocess.Popen[str]
         if line != "ready":
             err = p.stderr.read()[-300:] if p.stderr else ""
             print(f"load on GPU {dev} failed to start: {err}")
+    print(f"load: bf16 8192x8192 matmul loop on {len(procs)} GPU(s), pids {[p.pid for p in procs]}")
     time.sleep(3.0)  # let utilization, clocks and power settle under the load
     return procs
 

@@ -74,8 +74,9 @@ else
   PY=.venv/bin/python
 fi
 say "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
-"$PY" -c 'import torch; print("[gpu_check] torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>/dev/null ||
-  say "torch not importable: GPUs are compared idle"
+# find_spec, not import: torch takes seconds to import and the helper probes CUDA in a child anyway
+"$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("torch") is None)' ||
+  say "torch not installed: GPUs are compared idle, no training step"
 
 LOG=$(mktemp)
 trap 'rm -f "$LOG"' EXIT
