@@ -175,6 +175,16 @@ def test_ensure_dgram_qlen_on_fake_proc(tmp_path: Any) -> None:
     assert read_dgram_qlen(str(tmp_path / "nowhere")) is None
 
 
+def test_min_queue_raises_the_cap_before_binding(tmp_path: Any, sockdir: str) -> None:
+    sysctl = tmp_path / "sys" / "net" / "unix"
+    sysctl.mkdir(parents=True)
+    (sysctl / "max_dgram_qlen").write_text("10\n")
+    with TelemetryServer(os.path.join(sockdir, "t.sock"), RankTable(), proc_root=str(tmp_path),
+                         min_queue=256) as server:
+        assert server.stats().queue_limit == 256
+    assert (sysctl / "max_dgram_qlen").read_text().strip() == "256"
+
+
 # -- fuzzing over the real socket -------------------------------------------------------------
 
 _job = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=12)
