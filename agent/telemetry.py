@@ -149,10 +149,16 @@ class TelemetryServer:
                 except OSError:
                     continue
             sock.bind(self.path)
+        except BaseException:
+            sock.close()
+            raise
+        try:
             os.chmod(self.path, self.mode)
             sock.setblocking(False)
         except BaseException:
             sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)  # ours: we just bound it
             raise
         self._sock = sock
 
