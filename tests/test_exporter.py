@@ -44,7 +44,7 @@ def make_msg(job: str = "job-1", rank: int = 0, step: int = 1, **kw: object) -> 
     return Telemetry(**base)  # type: ignore[arg-type]
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"

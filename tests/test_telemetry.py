@@ -51,7 +51,7 @@ def sender() -> Iterator[socket.socket]:
     s.close()
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
