@@ -136,6 +136,73 @@ class LauncherSection:
 
 
 @dataclass
+class ObjectStoreSection:
+    url: str = ""
+    """``s3://bucket/prefix`` or ``file:///path``; empty disables the object tier."""
+    endpoint_url: str = ""
+    key: str = ""
+    secret: str = ""
+    region: str = ""
+
+    def validate(self, key: str) -> None:
+        if self.url and not (self.url.startswith("s3://") or self.url.startswith("file://")):
+            raise ConfigError(f"{key}.url", f"must start with s3:// or file://, got {self.url!r}")
+
+
+@dataclass
+class CheckpointSection:
+    memory_root: str = ""
+    """Shared-memory root of the memory tier (empty: /dev/shm/trainguard, one per state dir)."""
+    memory_every: int = 100
+    """Steps between memory-tier checkpoints (the ranks' only checkpoint stall)."""
+    memory_keep: int = 2
+    disk_dir: str = ""
+    """Disk tier directory (empty: <state_dir>/checkpoints)."""
+    disk_every: int = 500
+    disk_keep: int = 3
+    object_every: int = 2000
+    object_keep: int = 3
+    object: ObjectStoreSection = field(default_factory=ObjectStoreSection)
+
+    def validate(self, key: str) -> None:
+        for name in ("memory_every", "memory_keep", "disk_every", "disk_keep", "object_every", "object_keep"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{key}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        for name in ("memory_root", "disk_dir"):
+            value = getattr(self, name)
+            if value and not os.path.isabs(value):
+                raise ConfigError(f"{key}.{name}", f"must be an absolute path, got {value!r}")
+        self.object.validate(f"{key}.object")
+
+
+@dataclass
+class RecoverySection:
+    max_restarts: int = 3
+    """Restarts without progress before a job is declared a crash loop and stopped."""
+    hang_factor: float = 10.0
+    """A job hangs when no rank advanced for hang_factor x its median step time ..."""
+    hang_floor_s: float = 30.0
+    """... and at least this long."""
+    loss_spike_factor: float = 4.0
+    """Loss above this factor x its recent median (or NaN/inf) is divergence: roll back."""
+    rollback_lr_factor: float = 0.5
+    """LR scale multiplier applied after a rollback for divergence."""
+    warm_launcher: bool = True
+    """Fork ranks from a zygote that pre-imported torch (restart in ~1 s instead of ~10 s)."""
+
+    def validate(self, key: str) -> None:
+        if self.max_restarts < 0:
+            raise ConfigError(f"{key}.max_restarts", "must be >= 0")
+        if self.hang_factor <= 1:
+            raise ConfigError(f"{key}.hang_factor", "must be > 1")
+        _positive(f"{key}.hang_floor_s", self.hang_floor_s)
+        if self.loss_spike_factor <= 1:
+            raise ConfigError(f"{key}.loss_spike_factor", "must be > 1")
+        if not (0 < self.rollback_lr_factor <= 1):
+            raise ConfigError(f"{key}.rollback_lr_factor", "must be in (0, 1]")
+
+
+@dataclass
 class AgentConfig:
     agent: AgentSection = field(default_factory=AgentSection)
     api: ApiSection = field(default_factory=ApiSection)
@@ -144,6 +211,8 @@ class AgentConfig:
     telemetry: TelemetrySection = field(default_factory=TelemetrySection)
     collectors: CollectorsSection = field(default_factory=CollectorsSection)
     launcher: LauncherSection = field(default_factory=LauncherSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    recovery: RecoverySection = field(default_factory=RecoverySection)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

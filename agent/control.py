@@ -78,6 +78,8 @@ class AgentControl:
         return self.agent.supervisor.status()
 
     def submit_job(self, spec: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(spec, dict) and "max_restarts" not in spec:
+            spec = {**spec, "max_restarts": self.agent.cfg.recovery.max_restarts}
         try:
             job_spec = JobSpec.from_dict(spec)
         except JobSpecError as exc:

@@ -70,15 +70,16 @@ class Agent:
         self.supervisor = Supervisor(
             self.events,
             self.plans,
-            Launcher(),
+            Launcher(mode="warm" if cfg.recovery.warm_launcher else "cold"),
             self._launch_context,
             stop_grace_s=cfg.launcher.stop_grace_s,
             on_ranks_changed=self._ranks_changed,
         )
         self.telemetry.start()
+        self._start_recovery()
         self._start_collectors()
         self.exporter = AgentExporter(
-            sources=[TelemetryMetrics(self.table, self.telemetry), *self.collectors, self],
+            sources=[TelemetryMetrics(self.table, self.telemetry), *self.collectors, self.checkpoints, self.recovery, self],
             build_info={"version": __version__, "python": platform.python_version(), "node": cfg.agent.node},
             collector_status=lambda: dict(self.collector_state),
         )
@@ -97,6 +98,32 @@ class Agent:
             collectors={k: v[0] for k, v in self.collector_state.items()},
         )
         self.notifier.ready(self._status_line())
+
+    def _start_recovery(self) -> None:
+        from agent.checkpoint import CheckpointManager
+        from agent.recovery.service import RecoveryService, checkpoint_settings
+
+        self.checkpoints = CheckpointManager(checkpoint_settings(self.cfg), emit=self._on_checkpoint_event)
+        self.checkpoints.start()
+        self.recovery = RecoveryService(self, self.checkpoints)
+        self.supervisor.launch_env = self.recovery.launch_env
+        self.tick_hooks.append(self.recovery.tick)
+        self.checkpoint_catalog = self.checkpoints.catalog
+        self.rollback = self.recovery.rollback
+        self.exclude_rank = self.recovery.exclude_rank
+        self.events.subscribe(self._watch_failures)
+
+    def _watch_failures(self, event: Any) -> None:
+        if event.job is None:
+            return
+        failed_exit = event.kind == "rank_exit" and event.severity == "error"
+        if failed_exit or event.kind in ("oom_kill", "gpu_xid", "gpu_lost"):
+            self.recovery.note_failure(event.job, event.kind, event.ts)
+
+    def _on_checkpoint_event(self, kind: str, fields: dict[str, Any]) -> None:
+        severity = "error" if ("failed" in kind or "corrupt" in kind) else "info"
+        job = fields.pop("job", None)
+        self.events.emit(kind, f"{kind.replace('_', ' ')}: {fields}", severity=severity, job=job if isinstance(job, str) else None, **_safe_fields(fields))
 
     def _start_api(self) -> None:
         from pathlib import Path
@@ -173,7 +200,7 @@ class Agent:
         if kind == "rank_exit" and found is None:
             return  # an untracked process: the kernel program filters, this is a late race
         severity = "error" if kind in ("oom_kill", "gpu_xid", "gpu_lost") else "info"
-        self.events.emit(kind, f"{kind.replace('_', ' ')}: {fields}", severity=severity, job=job, rank=rank, source="collector", **fields)
+        self.events.emit(kind, f"{kind.replace('_', ' ')}: {fields}", severity=severity, job=job, rank=rank, source="collector", **_safe_fields(fields))
         if kind == "rank_exit" and isinstance(pid, int):
             self.supervisor.on_exit_event(pid, fields)
 
@@ -270,7 +297,7 @@ class Agent:
             if self.cfg.agent.on_stop == "stop_ranks":
                 sup.stop_all("agent shutdown")
             sup.close()
-        for part in ("api", "telemetry"):
+        for part in ("api", "telemetry", "checkpoints"):
             obj = getattr(self, part, None)
             if obj is not None:
                 try:
@@ -312,3 +339,11 @@ class Agent:
         from agent.agent_metrics import agent_metrics
 
         return agent_metrics(self)
+
+
+_RESERVED = {"kind", "message", "severity", "cause", "job", "rank", "source"}
+
+
+def _safe_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """Event fields that cannot collide with EventLog.emit's own parameters."""
+    return {(f"{k}_" if k in _RESERVED else k): v for k, v in fields.items()}

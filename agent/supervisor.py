@@ -37,6 +37,10 @@ class JobRecord:
     step_at_last_restart: int = -1
     reason: str = ""
     exit_codes: dict[int, int | None] = field(default_factory=dict)
+    restore_max_step: int | None = None
+    """For a rollback: restore the newest checkpoint at or before this step (None: the newest)."""
+    restored_from: dict[str, Any] | None = None
+    """The checkpoint the current attempt was started from (tier, step, path)."""
 
     @property
     def job(self) -> str:
@@ -77,6 +81,7 @@ class Supervisor:
         *,
         stop_grace_s: float = 10.0,
         on_ranks_changed: Callable[[dict[int, TrackedProcess]], None] | None = None,
+        launch_env: Callable[[JobRecord], dict[str, str]] | None = None,
     ) -> None:
         self.events = events
         self.plans = plans
@@ -84,6 +89,7 @@ class Supervisor:
         self.context_for = context_for
         self.stop_grace_s = stop_grace_s
         self.on_ranks_changed = on_ranks_changed
+        self.launch_env = launch_env
         self.jobs: dict[str, JobRecord] = {}
         self.restart_total = 0
         self._lock = threading.RLock()
@@ -121,7 +127,8 @@ class Supervisor:
     def _launch(self, record: JobRecord) -> None:
         ctx = self.context_for(record.spec)
         attempt = record.attempt + 1
-        ranks = self.launcher.start(record.spec, ctx, attempt)
+        env = self.launch_env(record) if self.launch_env is not None else None
+        ranks = self.launcher.start(record.spec, ctx, attempt, env)
         with self._lock:
             if record.state in (JobState.STOPPING, JobState.STOPPED):
                 # Stopped while starting: these ranks must not outlive the request.
@@ -202,8 +209,9 @@ class Supervisor:
         if self.find_rank(pid) is not None:
             os.write(self._wake_w, b"x")
 
-    def restart(self, job: str, cause: str) -> None:
-        """Stop what is left of the job and start every rank again (same world size)."""
+    def restart(self, job: str, cause: str, *, spec: JobSpec | None = None) -> None:
+        """Stop what is left of the job and start every rank again (same world size, or the
+        given ``spec``: a smaller world without an excluded rank)."""
         with self._lock:
             record = self.jobs.get(job)
             if record is None or record.state.finished or record.state == JobState.STOPPING:
@@ -229,6 +237,8 @@ class Supervisor:
             self.launcher.stop(record.ranks, min(self.stop_grace_s, 2.0), hard=True)
             record.restarts += 1
             self.restart_total += 1
+            if spec is not None:
+                record.spec = spec
             self.events.emit(
                 "job_restart",
                 f"job {job}: restarting all ranks (attempt {record.attempt + 1})",
@@ -237,7 +247,13 @@ class Supervisor:
                 cause=cause,
                 action="restart",
             )
+        try:
             self._launch(record)
+        except Exception as exc:  # noqa: BLE001
+            with self._lock:
+                record.state = JobState.FAILED
+                record.reason = f"could not restart ranks: {exc}"
+            self.events.emit("job_failed", f"job {job}: could not restart ranks: {exc}", severity="error", job=job, cause=str(exc))
 
     def _handle_exits(self, record: JobRecord, ended: list[RankProcess]) -> None:
         for r in ended:

@@ -1,0 +1,292 @@
+"""Recovery on the agent: watches jobs for hangs and loss divergence once per tick, and decides
+what every (re)start of a job restores from.
+
+* Rank exit: the supervisor restarts all ranks (instantly, from the warm launcher); here we pick
+  the newest verified checkpoint across tiers (fastest tier first) and hand it to the ranks.
+* Hang: Python stacks of every rank (py-spy) go into the event, then the job restarts.
+* Loss NaN/spike: roll back to the newest checkpoint before the divergence and cut the LR.
+* Exclusion (a rank that stays slow): restart without one dp replica; DCP reshards on load.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.metrics_core import Metric
+
+from agent.checkpoint import CheckpointManager, CheckpointSettings, ObjectStoreConfig, Restored
+from agent.config import AgentConfig
+from agent.jobs import JobSpec, JobState
+from agent.metricspec import MetricSpec
+from agent.recovery.detectors import Finding, HangDetector, LossDetector
+from agent.recovery.stacks import dump_stacks
+
+if TYPE_CHECKING:
+    from agent.daemon import Agent
+    from agent.supervisor import JobRecord
+
+log = logging.getLogger("trainguard.recovery")
+
+ACTIONS = MetricSpec(
+    "trainguard_heal_actions_total", "counter", "", ("job", "action", "cause"), "Healing actions taken, by action and cause."
+)
+DETECTIONS = MetricSpec(
+    "trainguard_failures_detected_total", "counter", "", ("job", "kind"), "Failures detected (rank_exit, hang, loss_diverged, oom_kill, ...)."
+)
+RECOVERY_SECONDS = MetricSpec(
+    "trainguard_recovery_last_seconds", "gauge", "seconds", ("job",), "Failure detection to the first step of the restarted ranks, last recovery."
+)
+METRICS = (ACTIONS, DETECTIONS, RECOVERY_SECONDS)
+
+ENV_RESTORE = "TRAINGUARD_RESTORE"
+
+
+def memory_root_for(cfg: AgentConfig) -> str:
+    if cfg.checkpoint.memory_root:
+        return cfg.checkpoint.memory_root
+    # One memory tier per agent state dir, so agents side by side (tests, simulated nodes) never share.
+    import hashlib
+
+    tag = hashlib.sha1(os.path.abspath(cfg.agent.state_dir).encode()).hexdigest()[:10]
+    return f"/dev/shm/trainguard-{tag}"
+
+
+def checkpoint_settings(cfg: AgentConfig) -> CheckpointSettings:
+    c = cfg.checkpoint
+    obj = None
+    if c.object.url:
+        obj = ObjectStoreConfig(
+            url=c.object.url, endpoint_url=c.object.endpoint_url, key=c.object.key, secret=c.object.secret, region=c.object.region
+        )
+    return CheckpointSettings(
+        memory_root=memory_root_for(cfg),
+        memory_interval=c.memory_every,
+        memory_keep=c.memory_keep,
+        disk_dir=c.disk_dir or os.path.join(cfg.agent.state_dir, "checkpoints"),
+        disk_interval=c.disk_every,
+        disk_keep=c.disk_keep,
+        object_store=obj,
+        object_interval=c.object_every,
+        object_keep=c.object_keep,
+    )
+
+
+class RecoveryService:
+    def __init__(self, agent: Agent, checkpoints: CheckpointManager) -> None:
+        self.agent = agent
+        self.cfg = agent.cfg.recovery
+        self.checkpoints = checkpoints
+        self.hangs = HangDetector(self.cfg.hang_factor, self.cfg.hang_floor_s)
+        self.losses = LossDetector(self.cfg.loss_spike_factor)
+        self._attempt_seen: dict[str, int] = {}
+        self._restored: dict[str, Restored] = {}
+        self._busy: set[str] = set()
+        self._lock = threading.Lock()
+        self.actions: dict[tuple[str, str, str], int] = {}
+        self.detections: dict[tuple[str, str], int] = {}
+        self._failure_at: dict[str, float] = {}
+        self.last_recovery_s: dict[str, float] = {}
+
+    # --- hooks the daemon installs --------------------------------------------------------------
+    def launch_env(self, record: JobRecord) -> dict[str, str]:
+        """Called by the supervisor before every start of a job's ranks."""
+        job = record.job
+        old = self._restored.pop(job, None)
+        if old is not None:
+            old.release()
+        env = {
+            "TRAINGUARD_CKPT_MEMORY_ROOT": self.checkpoints.settings.memory_root,
+            "TRAINGUARD_CKPT_MEMORY_EVERY": str(self.checkpoints.settings.memory_interval),
+        }
+        try:
+            restored = self.checkpoints.restore(job, max_step=record.restore_max_step)
+        except Exception as exc:  # noqa: BLE001 - no checkpoint is better than no job
+            self.agent.events.emit("checkpoint_restore_failed", f"job {job}: cannot restore: {exc}", severity="error", job=job)
+            restored = None
+        record.restore_max_step = None
+        if restored is None:
+            record.restored_from = None
+            return env
+        self._restored[job] = restored
+        record.restored_from = {"tier": restored.tier, "step": restored.info.step, "path": str(restored.path)}
+        env[ENV_RESTORE] = str(restored.path)
+        self.agent.events.emit(
+            "restore_selected",
+            f"job {job}: ranks restore step {restored.info.step} from the {restored.tier} tier",
+            job=job,
+            tier=restored.tier,
+            step=restored.info.step,
+        )
+        return env
+
+    def tick(self, agent: Agent, now: float) -> None:
+        try:
+            self.checkpoints.poll()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("checkpoint poll failed: %s", exc)
+        snapshot = agent.table.snapshot()
+        for record in list(agent.supervisor.jobs.values()):
+            job = record.job
+            if record.state != JobState.RUNNING or job in self._busy:
+                if record.state.finished:
+                    self._finish(job)
+                continue
+            if self._attempt_seen.get(job) != record.attempt:
+                self._attempt_seen[job] = record.attempt
+                self.hangs.reset(job, now)
+            ranks = snapshot.jobs.get(job, {})
+            attempt_ranks = [v for v in ranks.values() if v.pid in {r.pid for r in record.ranks}]
+            max_step = max((v.step for v in attempt_ranks), default=-1)
+            self._note_recovered(job, record, attempt_ranks, now)
+            medians = [v.median_step_s for v in attempt_ranks if v.median_step_s]
+            finding = self.hangs.check(job, max_step, max(medians) if medians else None, now)
+            if finding is None and attempt_ranks:
+                lead = min(attempt_ranks, key=lambda v: v.rank)
+                window = agent.table.window(job, lead.rank, 16)
+                finding = self.losses.observe(job, [(t.step, t.loss) for t in window if t.pid == lead.pid])
+            if finding is not None:
+                self._handle(record, finding)
+
+    def _note_recovered(self, job: str, record: JobRecord, ranks: list[Any], now: float) -> None:
+        started = self._failure_at.get(job)
+        restored_step = (record.restored_from or {}).get("step", -1)
+        if started is not None and ranks and all(v.step > restored_step for v in ranks):
+            took = time.time() - started
+            self.last_recovery_s[job] = took
+            del self._failure_at[job]
+            self.agent.events.emit(
+                "job_resumed",
+                f"job {job} training again at step {max(v.step for v in ranks)}, {took:.2f}s after the failure",
+                job=job,
+                recovery_s=round(took, 3),
+                restored_from=record.restored_from,
+            )
+            restored = self._restored.pop(job, None)
+            if restored is not None:
+                restored.release()
+
+    def note_failure(self, job: str, kind: str, when: float | None = None) -> None:
+        """A failure the supervisor or a collector saw (rank exit, OOM): start the recovery clock."""
+        self._failure_at.setdefault(job, when if when is not None else time.time())
+        key = (job, kind)
+        self.detections[key] = self.detections.get(key, 0) + 1
+
+    def _finish(self, job: str) -> None:
+        restored = self._restored.pop(job, None)
+        if restored is not None:
+            restored.release()
+        self.hangs.forget(job)
+        self.losses.forget(job)
+
+    def _count(self, job: str, action: str, cause: str) -> None:
+        key = (job, action, cause)
+        self.actions[key] = self.actions.get(key, 0) + 1
+
+    def _handle(self, record: JobRecord, finding: Finding) -> None:
+        job = record.job
+        self.note_failure(job, finding.kind)
+        if finding.kind == "hang":
+            self._busy.add(job)
+            threading.Thread(target=self._heal_hang, args=(record, finding), name=f"hang-{job}", daemon=True).start()
+        elif finding.kind == "loss_diverged":
+            self.agent.events.emit(
+                "loss_diverged", f"job {job}: {finding.message}", severity="error", job=job, cause="loss_divergence", step=finding.step, **finding.evidence
+            )
+            self.rollback(job, finding.message, before_step=finding.step)
+
+    def _heal_hang(self, record: JobRecord, finding: Finding) -> None:
+        job = record.job
+        try:
+            pids = [r.pid for r in record.ranks if r.alive]
+            stacks = dump_stacks(pids)
+            by_rank = {str(r.rank): stacks.get(r.pid, "") for r in record.ranks if r.pid in stacks}
+            self.agent.events.emit(
+                "hang_detected",
+                f"job {job}: {finding.message}",
+                severity="error",
+                job=job,
+                cause="hang",
+                step=finding.step,
+                stacks=by_rank,
+                **finding.evidence,
+            )
+            self._count(job, "restart", "hang")
+            self.agent.supervisor.restart(job, cause=f"hang: {finding.message}")
+        finally:
+            self._busy.discard(job)
+
+    # --- actions other modules call ------------------------------------------------------------
+    def rollback(self, job: str, reason: str, before_step: int | None = None) -> None:
+        """Restart from the newest checkpoint before ``before_step`` with the LR cut."""
+        record = self.agent.supervisor.jobs.get(job)
+        if record is None:
+            return
+        record.restore_max_step = before_step - 1 if before_step is not None else None
+        plan = self.agent.plans.get(job)
+        new_scale = max(plan.lr_scale * self.cfg.rollback_lr_factor, 1e-6)
+        self.agent.plans.update(job, {"lr_scale": new_scale, "reason": f"rollback: {reason}"})
+        self.agent.events.emit(
+            "rollback",
+            f"job {job}: rolling back to a checkpoint before step {before_step} and scaling LR to {new_scale:.3g}",
+            severity="warning",
+            job=job,
+            cause=reason,
+            action="rollback",
+            lr_scale=new_scale,
+        )
+        self._count(job, "rollback", "loss_divergence")
+        self.agent.supervisor.restart(job, cause=f"rollback: {reason}")
+
+    def exclude_rank(self, job: str, rank: int, reason: str) -> bool:
+        """Restart the job without one data-parallel replica (the one holding ``rank``)."""
+        record = self.agent.supervisor.jobs.get(job)
+        if record is None:
+            return False
+        spec: JobSpec = copy.deepcopy(record.spec)
+        par = dict(spec.trainer.get("parallel", {}))
+        dp, tp, pp = int(par.get("dp", spec.nproc)), int(par.get("tp", 1)), int(par.get("pp", 1))
+        if dp <= 1:
+            self.agent.events.emit(
+                "rank_exclusion_refused", f"job {job}: cannot exclude rank {rank}: dp is already 1", severity="warning", job=job, rank=rank, cause=reason
+            )
+            return False
+        par["dp"] = dp - 1
+        spec.trainer = {**spec.trainer, "parallel": par}
+        spec.nproc = (dp - 1) * tp * pp
+        self.agent.events.emit(
+            "rank_excluded",
+            f"job {job}: restarting without rank {rank}'s replica: dp {dp} -> {dp - 1}, {spec.nproc} ranks",
+            severity="warning",
+            job=job,
+            rank=rank,
+            cause=reason,
+            action="exclude",
+        )
+        self._count(job, "exclude", "straggler")
+        # The world shrinks: per-rank batch sizes of the old plan no longer fit.
+        self.agent.plans.update(job, {"batch_sizes": None, "reason": f"rank {rank} excluded"})
+        self.agent.supervisor.restart(job, cause=f"exclude rank {rank}: {reason}", spec=spec)
+        return True
+
+    # --- reporting -----------------------------------------------------------------------------
+    def metrics(self) -> Iterator[Metric]:
+        actions = ACTIONS.counter()
+        for (job, action, cause), n in sorted(self.actions.items()):
+            actions.add_metric([job, action, cause], n)
+        yield actions
+        det = DETECTIONS.counter()
+        for (job, kind), n in sorted(self.detections.items()):
+            det.add_metric([job, kind], n)
+        yield det
+        rec = RECOVERY_SECONDS.gauge()
+        for job, s in sorted(self.last_recovery_s.items()):
+            rec.add_metric([job], s)
+        yield rec
+
+
