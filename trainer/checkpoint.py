@@ -103,7 +103,7 @@ def load_checkpoint(trainer: Trainer, path: str) -> dict[str, Any]:
         set_state_dict(chunk, opt, model_state_dict=msd, optim_state_dict=osd, options=_OPTS)
     rng_file = os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")
     if os.path.exists(rng_file):
-        rng = torch.load(rng_file, weights_only=False)
+        rng = torch.load(rng_file, weights_only=True)  # never unpickle arbitrary objects
         torch.set_rng_state(rng["torch"])
         if rng.get("cuda") is not None and trainer.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"])

@@ -132,7 +132,15 @@ class Trainer:
         self.compression = self._setup_compression()
         self.faults = self._setup_faults()
         self._peak = peak_flops(self.device)
-        if cfg.ckpt_dir and cfg.resume:
+        from trainer.tiers import MemoryTierWriter, restore_path
+        self.tier_writer = MemoryTierWriter.from_env()
+        restore = restore_path()
+        if restore is not None:
+            # The agent picked (and verified) the newest checkpoint across its tiers for this attempt.
+            from trainer.checkpoint import load_checkpoint
+            load_checkpoint(self, restore)
+            self._log(f"restored step {self.step} from {restore}")
+        elif cfg.ckpt_dir and cfg.resume:
             from trainer.checkpoint import latest_checkpoint, load_checkpoint
             latest = latest_checkpoint(cfg.ckpt_dir)
             if latest is not None:
@@ -414,12 +422,16 @@ class Trainer:
         from trainer.checkpoint import save_checkpoint, step_dir
         cfg = self.cfg
         while self.step < cfg.steps:
-            self.train_step()
+            result = self.train_step()
             plan = self._pending or self.plan
+            asked = plan.checkpoint_id > self._ckpt_id_seen
             want_ckpt = bool(cfg.ckpt_dir) and (
-                (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or plan.checkpoint_id > self._ckpt_id_seen
+                (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or asked
                 or plan.stop or self.step == cfg.steps)
             self._ckpt_id_seen = max(self._ckpt_id_seen, plan.checkpoint_id)
+            # A diverged step is never checkpointed: it is what a rollback must go back before.
+            if self.tier_writer is not None and math.isfinite(result.loss) and self.tier_writer.due(self.step, asked):
+                self.tier_writer.save(self)
             if want_ckpt:
                 save_checkpoint(self, step_dir(cfg.ckpt_dir, self.step))
             if plan.stop:
