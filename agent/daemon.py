@@ -197,12 +197,15 @@ class Agent:
         found = self.supervisor.find_rank(pid) if isinstance(pid, int) else None
         job = found[0].job if found else None
         rank = found[1].rank if found else None
-        if kind == "rank_exit" and found is None:
-            return  # an untracked process: the kernel program filters, this is a late race
-        severity = "error" if kind in ("oom_kill", "gpu_xid", "gpu_lost") else "info"
-        self.events.emit(kind, f"{kind.replace('_', ' ')}: {fields}", severity=severity, job=job, rank=rank, source="collector", **_safe_fields(fields))
-        if kind == "rank_exit" and isinstance(pid, int):
+        if kind == "rank_exit":
+            if found is None or not isinstance(pid, int):
+                return  # an untracked process: the kernel program filters, this is a late race
+            # The kernel saw the exit first: wake the supervisor now. It writes the rank_exit event
+            # itself (with the waitpid status), so this one is only the latency evidence.
             self.supervisor.on_exit_event(pid, fields)
+            kind = "process_exit_seen"
+        severity = "error" if kind in ("oom_kill", "gpu_xid", "gpu_lost") else ("debug" if kind == "process_exit_seen" else "info")
+        self.events.emit(kind, f"{kind.replace('_', ' ')}: {fields}", severity=severity, job=job, rank=rank, source="collector", **_safe_fields(fields))
 
     def _ranks_changed(self, processes: dict[int, TrackedProcess]) -> None:
         for c in self.collectors:

@@ -45,9 +45,10 @@ def follow_job(client: Any, job: str, *, json_out: bool = False, out: TextIO = s
     offsets: dict[str, int] = {}
     seen_seq = 0
     last: dict[str, Any] = {}
+    last_line_at = 0.0
     while True:
         try:
-            last = client.get_job(job)
+            last = client.job(job)
         except Exception as exc:  # noqa: BLE001 - the agent went away: say so, once
             print(f"\ntrainguard: lost the agent while following {job}: {exc}", file=sys.stderr)
             return 1
@@ -62,10 +63,15 @@ def follow_job(client: Any, job: str, *, json_out: bool = False, out: TextIO = s
             evs = client.events(since=seen_seq, limit=200)
             for e in evs["events"]:
                 if e.get("job") == job and e["severity"] in ("warning", "error", "critical"):
-                    print(f"\r\033[K  ! {e['kind']}: {e['message']}", file=out)
+                    prefix = "\r\033[K" if out.isatty() else ""
+                    print(f"{prefix}  ! {e['kind']}: {e['message']}", file=out)
             seen_seq = evs["next"]
             line = f"{job} {last['state']} step {last.get('progress_step', '-')} restarts {last.get('restarts', 0)} {_rank_line(jobs.get(job, {}))}"
-            print(f"\r\033[K{line[:160]}", end="", file=out, flush=True)
+            if out.isatty():
+                print(f"\r\033[K{line[:160]}", end="", file=out, flush=True)
+            elif time.monotonic() - last_line_at >= 5 or last.get("state") in FINISHED:
+                print(line, file=out, flush=True)
+                last_line_at = time.monotonic()
         if last.get("state") in FINISHED:
             break
         time.sleep(poll_s)

@@ -154,6 +154,9 @@ class Supervisor:
             return
         check_transition(record.state, new)
         record.state = new
+        if new.finished:
+            # The job's warm launcher holds torch in memory: let it go with the job.
+            threading.Thread(target=self.launcher.close_job, args=(record.job,), daemon=True).start()
 
     def stop(self, job: str, reason: str = "requested", *, hard: bool = False) -> JobRecord:
         with self._lock:
