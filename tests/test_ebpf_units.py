@@ -12,12 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.collectors.ebpf import btf
-from agent.collectors.ebpf.collector import headers_problem, privilege_problem, rank_delta
 from agent.collectors.ebpf.hist import NSLOTS, Log2Hist, log2_buckets, log2_quantile, slot_upper_s
 from agent.collectors.ebpf.metrics import KernelSnapshot
+from agent.collectors.ebpf.probes import headers_problem, privilege_problem
 from agent.collectors.ebpf.programs.events import decode_exit
 from agent.collectors.ebpf.programs.io import dev_major_minor
 from agent.collectors.ebpf.programs.sched import OffCpu, OffCpuSnapshot, RunqSnapshot
+from agent.collectors.ebpf.rankstats import rank_delta
 from agent.collectors.ebpf.tracefs import Tracefs, parse_format, render_struct
 
 SWITCH_FORMAT = """name: sched_switch

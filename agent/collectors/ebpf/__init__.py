@@ -4,9 +4,10 @@ Only ``loader`` imports bcc. Use ``EbpfCollector`` (the Collector protocol); ``r
 gives the generated C for ``--print-bpf``; ``METRICS`` lists every exported family.
 """
 
-from .collector import EbpfCollector, RankKernelStats, render_all
+from .collector import EbpfCollector, render_all
 from .hist import Log2Hist, log2_buckets, log2_quantile
 from .metrics import METRICS, KernelSnapshot
+from .rankstats import RankKernelStats
 
 __all__ = ["EbpfCollector", "RankKernelStats", "render_all", "METRICS", "KernelSnapshot", "Log2Hist",
            "log2_buckets", "log2_quantile"]

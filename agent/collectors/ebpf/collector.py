@@ -11,14 +11,12 @@ as they happen (so ``emit`` is called from that thread too).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -26,9 +24,9 @@ from prometheus_client.metrics_core import Metric
 
 from ..base import CollectorUnavailable, EmitFn, TrackedProcess
 from . import btf
-from .hist import Log2Hist, log2_quantile
 from .loader import AttachError, BccLoader, CompileError, LoadedModule
 from .metrics import KernelSnapshot, families
+from .probes import headers_problem, privilege_problem
 from .programs import (
     ALL_PROGRAMS,
     MAX_TRACKED,
@@ -46,57 +44,10 @@ from .programs import (
 )
 from .programs.events import KIND_EXIT, KIND_OOM, decode_exit, decode_oom
 from .programs.io import dev_major_minor
-from .programs.mem import Reclaim
-from .programs.sched import OffCpu
+from .rankstats import RankKernelStats, rank_delta
 from .tracefs import CANDIDATE_ROOTS, find_tracefs, mount_tracefs
 
 log = logging.getLogger(__name__)
-
-_CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
-
-
-def privilege_problem(euid: int, proc_status: str) -> str | None:
-    """None if this process may load tracing BPF programs: root, or CAP_BPF + CAP_PERFMON
-    (or CAP_SYS_ADMIN) in its effective set, as the systemd unit grants."""
-    if euid == 0:
-        return None
-    caps = 0
-    for line in proc_status.splitlines():
-        if line.startswith("CapEff:"):
-            caps = int(line.split()[1], 16)
-    if caps >> _CAP_SYS_ADMIN & 1 or (caps >> _CAP_BPF & 1 and caps >> _CAP_PERFMON & 1):
-        return None
-    return f"needs root or CAP_BPF+CAP_PERFMON (running as uid {euid} without them)"
-
-
-def headers_problem(modules_dir: Path, kheaders: Path = Path("/sys/kernel/kheaders.tar.xz")) -> str | None:
-    """bcc compiles against the kernel build tree (``build``, whose generic half Debian keeps
-    in ``source``), or against the kernel's own kheaders archive when it has one."""
-    if kheaders.exists():
-        return None
-    build, source = modules_dir / "build", modules_dir / "source"
-    if not (build / "include").is_dir():
-        return f"no kernel headers at {build} (install linux-headers and link them there)"
-    if not any((d / "include/linux/kconfig.h").is_file() for d in (build, source)):
-        return f"kernel headers at {build} are incomplete: link the common half as {source}"
-    return None
-
-
-@dataclass(frozen=True)
-class RankKernelStats:
-    """What the kernel saw of one rank over the last interval (deltas; NaN where not measured)."""
-
-    interval_s: float
-    runq_p50_s: float
-    runq_p99_s: float
-    runq_total_s: float  # summed run-queue wait of the rank's threads
-    runq_count: int
-    offcpu_runnable_s: float
-    offcpu_blocked_s: float
-    reclaim_s: float
-    faults: float
-    tcp_retransmits: float
-
 
 class EbpfCollector:
     name = "ebpf"
@@ -372,41 +323,6 @@ class EbpfCollector:
             return None
         same = prev.owners.get(slot) == cur.owners[slot]
         return rank_delta(prev if same else None, cur, slot)
-
-
-def _counters(s: KernelSnapshot, slot: int) -> dict[str, float]:
-    """A rank slot's cumulative counters in one snapshot; NaN for programs not loaded."""
-    nan = math.nan
-    o = s.offcpu.ranks.get(slot, OffCpu()) if s.offcpu else None
-    r = s.reclaim.ranks.get(slot, Reclaim()) if s.reclaim else None
-    return {
-        "offcpu_runnable_s": o.runnable_ns * 1e-9 if o else nan,
-        "offcpu_blocked_s": o.blocked_ns * 1e-9 if o else nan,
-        "reclaim_s": r.ns * 1e-9 if r else nan,
-        "faults": float(s.faults.ranks.get(slot, 0)) if s.faults else nan,
-        "tcp_retransmits": float(s.tcp.ranks.get(slot, 0)) if s.tcp else nan,
-    }
-
-
-def rank_delta(prev: KernelSnapshot | None, cur: KernelSnapshot, slot: int) -> RankKernelStats:
-    """One rank slot's change from ``prev`` (None: from zero) to ``cur``; a counter that went
-    backwards was reset, so its whole current value counts."""
-    nan = math.nan
-    c = _counters(cur, slot)
-    p = _counters(prev, slot) if prev is not None else dict.fromkeys(c, 0.0)
-    d = {k: (c[k] - p[k] if c[k] >= p[k] else c[k]) for k in c}
-    runq: Log2Hist | None = None
-    if cur.runq is not None:
-        before = prev.runq.ranks.get(slot, Log2Hist()) if prev is not None and prev.runq else Log2Hist()
-        runq = cur.runq.ranks.get(slot, Log2Hist()).since(before)
-    return RankKernelStats(
-        interval_s=cur.taken_at - prev.taken_at if prev is not None else nan,
-        runq_p50_s=log2_quantile(runq.slots, 0.5) if runq else nan,
-        runq_p99_s=log2_quantile(runq.slots, 0.99) if runq else nan,
-        runq_total_s=runq.sum_s if runq else nan,
-        runq_count=runq.count if runq else 0,
-        **d,
-    )
 
 
 def _value_is(slot: int) -> Callable[[Any, Any], bool]:
