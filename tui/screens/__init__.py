@@ -1,0 +1,1 @@
+"""The dashboard's screens: the main one, and the modal dialogs over it."""
