@@ -104,17 +104,30 @@ def test_all_programs_load_here(kernel: tuple[EbpfCollector, Events, str]) -> No
 
 
 BUSY = "import os, sys\nos.sched_setaffinity(0, {%d})\nprint('ready', flush=True)\nwhile True: pass"
+# The rank under test spins in a thread it starts only after it is tracked: threads count as the rank.
+BUSY_THREAD = """import os, sys, threading
+os.sched_setaffinity(0, {%d})
+print('ready', flush=True)
+sys.stdin.readline()
+def spin():
+    while True:
+        pass
+threading.Thread(target=spin).start()
+"""
 SLEEPER = "import time\nprint('ready', flush=True)\nwhile True: time.sleep(0.01)"
 
 
 def test_runqueue_latency_of_a_rank_sharing_its_core(kernel: tuple[EbpfCollector, Events, str]) -> None:
     c, _, _ = kernel
     cpu = max(os.sched_getaffinity(0))
-    a, b, s = spawn(BUSY % cpu), spawn(BUSY % cpu), spawn(SLEEPER)
+    a, b, s = spawn(BUSY_THREAD % cpu), spawn(BUSY % cpu), spawn(SLEEPER)
     try:
         for p in (a, b, s):
             assert p.stdout is not None and p.stdout.readline() == "ready\n"
         c.track({p.pid: TrackedProcess(p.pid, "rq", r, r) for r, p in enumerate((a, b, s))})
+        assert a.stdin is not None
+        a.stdin.write("go\n")
+        a.stdin.flush()
         time.sleep(0.2)
         c.poll(time.monotonic())
         node_before = c.snapshot.runq.node.count if c.snapshot and c.snapshot.runq else 0
