@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.core import CollectorRegistry
 
 from agent.collectors.base import CollectorUnavailable, TrackedProcess
-from agent.collectors.ebpf import METRICS, EbpfCollector, render_all
+from agent.collectors.ebpf import METRICS, EbpfCollector, bpfstats, render_all
 from agent.collectors.ebpf.programs import PageFaults, Program
 
 pytestmark = [pytest.mark.ebpf, pytest.mark.xdist_group("ebpf")]
@@ -401,8 +401,12 @@ def test_metric_families_after_a_poll(kernel: tuple[EbpfCollector, Events, str])
     try:
         assert child.stdout is not None and child.stdout.readline() == "ready\n"
         c.track({child.pid: TrackedProcess(child.pid, "m", 4, 0)})
-        time.sleep(0.2)
-        c.poll(time.monotonic())
+        stats_fd = bpfstats.enable_stats()  # the kernel counts program runs while this is open
+        try:
+            time.sleep(0.2)
+            c.poll(time.monotonic())
+        finally:
+            os.close(stats_fd)
 
         class Source:
             def collect(self):  # noqa: ANN202
@@ -419,6 +423,8 @@ def test_metric_families_after_a_poll(kernel: tuple[EbpfCollector, Events, str])
                                           {"scope": "rank", "job": "m", "rank": "4"})
         blocked = reg.get_sample_value("trainguard_offcpu_seconds_total", {"job": "m", "rank": "4", "kind": "blocked"})
         up = reg.get_sample_value("trainguard_ebpf_program_up", {"program": "runqlat"})
+        runs = reg.get_sample_value("trainguard_ebpf_program_runs_total", {"function": "tg_runq_switch"})
+        run_s = reg.get_sample_value("trainguard_ebpf_program_run_seconds_total", {"function": "tg_runq_switch"})
     finally:
         reap(child)
         c.track({})
@@ -429,6 +435,7 @@ def test_metric_families_after_a_poll(kernel: tuple[EbpfCollector, Events, str])
     assert rank_inf is not None and rank_inf == rank_count and rank_count > 0
     assert blocked is not None and blocked > 0.05
     assert up == 1.0
+    assert runs is not None and runs > 0 and run_s is not None and 0 < run_s < runs * 1e-5  # < 10 µs a run
 
 
 class Broken(Program):

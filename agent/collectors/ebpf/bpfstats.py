@@ -4,7 +4,7 @@ With statistics enabled (``BPF_ENABLE_STATS``, held while its fd is open, or the
 ``kernel.bpf_stats_enabled`` sysctl) the kernel counts, per program, how often it ran and for how
 long: the true kernel-side cost of the collector, charged to whatever task was running. Programs of
 any process are found by walking program ids and picked by name prefix (the collector's are all
-``tg_*``). Used by bench/overhead.py; cheap enough to read once per interval.
+``tg_*``). Used by bench/overhead.py, and by the collector to export its own kernel-side cost.
 """
 
 from __future__ import annotations
@@ -45,6 +45,23 @@ def enable_stats() -> int:
     return _bpf(_BPF_ENABLE_STATS, attr)
 
 
+def _info(fd: int) -> ctypes.Array[ctypes.c_char]:
+    info = ctypes.create_string_buffer(_INFO_SIZE)
+    q = ctypes.create_string_buffer(16)
+    ctypes.c_uint32.from_buffer(q, 0).value = fd
+    ctypes.c_uint32.from_buffer(q, 4).value = _INFO_SIZE
+    ctypes.c_uint64.from_buffer(q, 8).value = ctypes.addressof(info)
+    _bpf(_BPF_OBJ_GET_INFO_BY_FD, q)
+    return info
+
+
+def fd_stats(fd: int) -> tuple[int, int]:
+    """(run count, run time ns) of the program behind ``fd``; zeros while stats are off."""
+    info = _info(fd)
+    return (ctypes.c_uint64.from_buffer(info, _RUN_CNT_OFF).value,
+            ctypes.c_uint64.from_buffer(info, _RUN_TIME_OFF).value)
+
+
 def program_stats(prefix: str = "tg_") -> list[ProgStats]:
     """Every loaded program whose name starts with ``prefix`` (names are cut at 15 characters)."""
     out: list[ProgStats] = []
@@ -64,12 +81,7 @@ def program_stats(prefix: str = "tg_") -> list[ProgStats]:
         except OSError:
             continue  # unloaded meanwhile
         try:
-            info = ctypes.create_string_buffer(_INFO_SIZE)
-            q = ctypes.create_string_buffer(16)
-            ctypes.c_uint32.from_buffer(q, 0).value = fd
-            ctypes.c_uint32.from_buffer(q, 4).value = _INFO_SIZE
-            ctypes.c_uint64.from_buffer(q, 8).value = ctypes.addressof(info)
-            _bpf(_BPF_OBJ_GET_INFO_BY_FD, q)
+            info = _info(fd)
         finally:
             os.close(fd)
         name = info.raw[_NAME_OFF:_NAME_OFF + 16].split(b"\0", 1)[0].decode(errors="replace")

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 from prometheus_client.metrics_core import Metric
 
 from ..base import CollectorUnavailable, EmitFn, TrackedProcess
-from . import btf
+from . import bpfstats, btf
 from .loader import AttachError, BccLoader, CompileError, LoadedModule
 from .metrics import KernelSnapshot, families
 from .probes import headers_problem, privilege_problem
@@ -271,11 +271,20 @@ class EbpfCollector:
             except (OSError, KeyError) as exc:  # a map read failing leaves those metrics out
                 log.debug("eBPF read %s failed: %s", prog.name, exc)
         dropped = sum(int(v) for v in module.percpu_get("tg_event_drops", 0))
+        runs = {}
+        for fn, fd in module.prog_fds().items():
+            try:
+                runs[fn] = bpfstats.fd_stats(fd)
+            except OSError:
+                pass
+        if not any(n for n, _ in runs.values()):
+            runs = {}  # stats off: export nothing rather than zeros that look like idle programs
         snap = KernelSnapshot(
             taken_at=now, owners=owners, runq=parts.get(RunqLatency.name), offcpu=parts.get(OffCpuTime.name),
             blockio=parts.get(BlockIoLatency.name), tcp=parts.get(TcpRetransmits.name),
             faults=parts.get(PageFaults.name), reclaim=parts.get(DirectReclaim.name),
-            exits=parts.get(ProcessExits.name), ooms=parts.get(OomKills.name), events_dropped=dropped)
+            exits=parts.get(ProcessExits.name), ooms=parts.get(OomKills.name), events_dropped=dropped,
+            prog_runs=runs)
         self._prev, self._snap = self._snap, snap
 
     @property

@@ -87,6 +87,10 @@ class LoadedModule:
             raise AttachError(f"attach {fn_name} to {tracepoint}: {os.strerror(-fd) if fd < -1 else 'failed'}")
         self._fds[(tracepoint, fn_name)] = fd
 
+    def prog_fds(self) -> dict[str, int]:
+        """Loaded functions (attached ones) -> their program fds."""
+        return {name.decode(): fn.fd for name, fn in self._bpf.funcs.items()}
+
     def detach(self, tracepoint: str, fn_name: str) -> None:
         fd = self._fds.pop((tracepoint, fn_name), None)
         if fd is not None:

@@ -42,6 +42,10 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
      "1 if the eBPF program is loaded and attached, 0 if it was skipped (see the agent log for why)."),
     ("trainguard_ebpf_events_dropped_total", "counter", "", (),
      "Exit/OOM events lost because the ring buffer was full."),
+    ("trainguard_ebpf_program_runs_total", "counter", "", ("function",),
+     "Times each BPF function ran (counted by the kernel only while kernel.bpf_stats_enabled=1)."),
+    ("trainguard_ebpf_program_run_seconds_total", "counter", "seconds", ("function",),
+     "Kernel CPU time each BPF function used, the collector's in-kernel cost (kernel.bpf_stats_enabled=1)."),
 )
 _HELP = {m[0]: m[4] for m in METRICS}
 
@@ -61,6 +65,8 @@ class KernelSnapshot:
     exits: CountSnapshot | None = None
     ooms: CountSnapshot | None = None
     events_dropped: int = 0
+    # function -> (runs, run time ns), when the kernel counts them (kernel.bpf_stats_enabled)
+    prog_runs: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _node() -> list[str]:
@@ -130,6 +136,16 @@ def families(snap: KernelSnapshot, procs: Mapping[int, TrackedProcess],
                                   _HELP["trainguard_ebpf_events_dropped_total"])
     dropped.add_metric([], snap.events_dropped)
     yield dropped
+    if snap.prog_runs:
+        runs = CounterMetricFamily("trainguard_ebpf_program_runs_total",
+                                   _HELP["trainguard_ebpf_program_runs_total"], labels=["function"])
+        secs = CounterMetricFamily("trainguard_ebpf_program_run_seconds_total",
+                                   _HELP["trainguard_ebpf_program_run_seconds_total"], labels=["function"])
+        for fn, (n, ns) in sorted(snap.prog_runs.items()):
+            runs.add_metric([fn], n)
+            secs.add_metric([fn], ns * 1e-9)
+        yield runs
+        yield secs
 
 
 def metric_names() -> list[str]:
