@@ -8,6 +8,7 @@ load the machine meanwhile, so every assertion is a lower bound or a generous wi
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import signal
 import socket
@@ -460,9 +461,22 @@ def test_a_program_that_does_not_compile_is_skipped_with_its_reason() -> None:
         assert "undefined_thing" in c.skipped["broken"]
         c.poll(time.monotonic())
         assert c.snapshot is not None and c.snapshot.faults is not None
-    finally:
+        # stop, start again: the tracked set carries over into the fresh maps
+        c.track({os.getpid(): TrackedProcess(os.getpid(), "self", 0, 0)})
         c.stop()
         c.stop()  # twice is fine
+        c.start()
+        c.poll(time.monotonic())
+        touched = mmap.mmap(-1, 2048 * 4096)  # fresh anonymous pages: one fault each on first touch
+        touched.madvise(mmap.MADV_NOHUGEPAGE)
+        for i in range(0, len(touched), 4096):
+            touched[i] = 1
+        touched.close()
+        c.poll(time.monotonic())
+        stats = c.rank_stats("self", 0)
+        assert stats is not None and stats.faults >= 1000
+    finally:
+        c.stop()
 
 
 def test_missing_tracefs_is_a_reason_not_a_crash(tmp_path: Path) -> None:

@@ -96,6 +96,7 @@ class EbpfCollector:
             raise
 
     def _start(self) -> None:
+        self.skipped = {}
         try:
             status = (self.proc_root / "self/status").read_text()
         except OSError:
@@ -188,6 +189,9 @@ class EbpfCollector:
                 prog.detach(module)
             module.close()
         self.programs = []
+        with self._lock:  # a later start() re-tracks self._wanted into fresh maps
+            self._slot_of.clear()
+            self._free = deque(range(MAX_TRACKED))
 
     # --- events ---------------------------------------------------------------------------------
     def _event_loop(self) -> None:
