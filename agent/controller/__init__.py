@@ -1,0 +1,13 @@
+"""Online LR and batch-size retuning on the leader agent (SPEC section 6).
+
+``install(agent, ControllerConfig(...))`` adds the controller's tick hook and metric source to a
+started agent. Strategies: optuna (optuna_strategy.py), rl (bandit.py), goodput (goodput.py);
+the safety rules and the window mechanics live in controller.py.
+"""
+
+from agent.controller.config import ControllerConfig
+from agent.controller.controller import METRICS, Controller, install, make_strategy, split_batch
+from agent.controller.strategy import Proposal, Setting, Space, Strategy, WindowResult
+
+__all__ = ["METRICS", "Controller", "ControllerConfig", "Proposal", "Setting", "Space", "Strategy",
+           "WindowResult", "install", "make_strategy", "split_batch"]

@@ -1,0 +1,109 @@
+"""The ``[controller]`` section of the agent config: which strategy retunes LR and batch size, how
+often, and the safety bounds every strategy stays inside.
+
+>>> ControllerConfig(strategy="goodput", every_steps=20).strategy
+'goodput'
+>>> ControllerConfig(lr_scale_min=2.0, lr_scale_max=1.0)
+Traceback (most recent call last):
+...
+agent.config.ConfigError: controller.lr_scale_max: must be >= controller.lr_scale_min (2.0), got 1.0
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from agent.config import ConfigError
+
+Strategy = Literal["none", "optuna", "rl", "goodput"]
+STRATEGIES = ("none", "optuna", "rl", "goodput")
+SAMPLERS = ("tpe", "gp")
+
+
+@dataclass
+class ControllerConfig:
+    strategy: Strategy = "none"
+    """none (observe only), optuna, rl or goodput."""
+    every_steps: int = 50
+    """Control window: training steps run under one setting before the next decision."""
+    warmup_steps: int = 100
+    """No change before this training step (the loss moves too fast early on to judge a setting)."""
+    lr_scale_min: float = 0.25
+    """Lowest LR multiplier (of the trainer's own warmup+cosine schedule) the controller may set."""
+    lr_scale_max: float = 4.0
+    batch_min: int = 0
+    """Smallest global batch in samples (0: the job's configured global batch / 4)."""
+    batch_max: int = 0
+    """Largest global batch in samples (0: the job's configured global batch x 4)."""
+    seed: int = 0
+    """Seed for the strategies' own randomness (samplers, Thompson draws)."""
+    sampler: Literal["tpe", "gp"] = "tpe"
+    """Optuna sampler: tpe (default) or gp (Gaussian process)."""
+    storage: str = ""
+    """Optuna storage: "" in memory; an RDB URL (sqlite:///path.db, postgresql://...); or a
+    journal file path (*.log / *.journal, or journal:///path) so a study survives agent restarts."""
+    study_name: str = "trainguard-{job}"
+    """Optuna study name; ``{job}`` is replaced by the job id (a fixed name shares one study across jobs)."""
+    divergence_factor: float = 1.5
+    """Loss above this multiple of the loss before the last change (or non-finite) is divergence."""
+    lr_cut: float = 0.5
+    """LR multiplier applied on top of the last good setting after a rollback."""
+    gain_threshold: float = 0.05
+    """goodput: change the batch only when the predicted goodput gain exceeds this fraction."""
+    noise_ema: float = 0.9
+    """goodput: EMA factor for the |G|^2 and S estimates behind the gradient noise scale."""
+    exploration: float = 1.0
+    """rl: initial exploration (posterior variance inflation); it decays as 1/sqrt(decisions)."""
+
+    def __post_init__(self) -> None:
+        self.validate("controller")
+
+    def validate(self, key: str = "controller") -> None:
+        """Raise ConfigError naming ``key.field`` for the first bad value (AgentConfig calls this)."""
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"{key}.strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"{key}.sampler", f"must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        for name, low in (("every_steps", 2), ("warmup_steps", 0), ("batch_min", 0), ("batch_max", 0), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{key}.{name}", f"must be an integer >= {low}, got {value!r}")
+        for name in ("lr_scale_min", "lr_scale_max", "divergence_factor", "lr_cut", "noise_ema", "exploration",
+                     "gain_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"{key}.{name}", f"must be a finite number, got {value!r}")
+        if not 0 < self.lr_scale_min <= 1e3:
+            raise ConfigError(f"{key}.lr_scale_min", f"must be in (0, 1000], got {self.lr_scale_min}")
+        if not self.lr_scale_min <= self.lr_scale_max <= 1e3:
+            raise ConfigError(f"{key}.lr_scale_max",
+                              f"must be >= {key}.lr_scale_min ({self.lr_scale_min}), got {self.lr_scale_max}")
+        if self.batch_max and self.batch_min > self.batch_max:
+            raise ConfigError(f"{key}.batch_max", f"must be >= {key}.batch_min ({self.batch_min}), got {self.batch_max}")
+        if self.divergence_factor <= 1.0:
+            raise ConfigError(f"{key}.divergence_factor", f"must be > 1, got {self.divergence_factor}")
+        if not 0 < self.lr_cut < 1:
+            raise ConfigError(f"{key}.lr_cut", f"must be in (0, 1), got {self.lr_cut}")
+        if not 0 <= self.noise_ema < 1:
+            raise ConfigError(f"{key}.noise_ema", f"must be in [0, 1), got {self.noise_ema}")
+        if self.exploration < 0:
+            raise ConfigError(f"{key}.exploration", f"must be >= 0, got {self.exploration}")
+        if self.gain_threshold < 0:
+            raise ConfigError(f"{key}.gain_threshold", f"must be >= 0, got {self.gain_threshold}")
+        if not isinstance(self.storage, str):
+            raise ConfigError(f"{key}.storage", "must be a string")
+        if self.storage and "://" not in self.storage and not os.path.isabs(self.storage):
+            raise ConfigError(f"{key}.storage", f"a journal file must be an absolute path, got {self.storage!r}")
+        if not isinstance(self.study_name, str) or not self.study_name.strip():
+            raise ConfigError(f"{key}.study_name", "must be a non-empty string")
+
+    def batch_bounds(self, base: int, dp: int) -> tuple[int, int]:
+        """Global batch bounds for a job whose configured batch is ``base``, as multiples of dp."""
+        low = self.batch_min or max(1, base // 4)
+        high = self.batch_max or base * 4
+        low = max(dp, -(-low // dp) * dp)
+        high = max(low, high // dp * dp)
+        return low, high

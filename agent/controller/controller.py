@@ -1,0 +1,448 @@
+"""The controller as a tick hook of the agent: reads the ranks' telemetry, runs control windows,
+asks its strategy for the next (LR scale, global batch), publishes it through the job's plan and
+keeps every change safe.
+
+A window is the run of steps the ranks report under one plan version: a change is published as a
+new plan version, rank 0 picks it up at a step boundary and every rank applies it at the same
+step, so "steps with plan_version >= v" are exactly the steps run under the change. After
+``every_steps`` such steps the window's objective goes to the strategy (strategy.py) and its next
+proposal is published.
+
+Safety, whatever the strategy:
+* bounds: LR scale in [lr_scale_min, lr_scale_max], global batch in [batch_min, batch_max] and a
+  multiple of dp (x pipeline microbatches); a rollback also lowers the LR ceiling of the job;
+* warm-up: no change before ``warmup_steps``;
+* divergence: a non-finite loss, or the median of the last 3 losses above divergence_factor x the
+  loss before the window started, rolls back: the agent's ``rollback(job, reason)`` restores the
+  last good checkpoint where the healing code provides it, and the controller returns to the last
+  setting that completed a window, with the LR cut by ``lr_cut``;
+* world size: when the data-parallel degree changes (a rank excluded, a node lost) the LR scale is
+  rescaled by sqrt(new global batch / old) and the batch split is republished for the new dp.
+Every decision (keep, change, rollback, rescale) is an event with its reason and inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.metrics_core import Metric
+
+from agent.controller.config import ControllerConfig
+from agent.controller.noise import NoiseScale
+from agent.controller.strategy import (
+    KeepStrategy,
+    Proposal,
+    Setting,
+    Space,
+    Strategy,
+    WindowResult,
+    loglog_slope,
+)
+from agent.metricspec import MetricSpec
+from agent.ranktable import RankView
+from agent.wire import Telemetry, WireError
+
+log = logging.getLogger("trainguard.controller")
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("trainguard_controller_lr_scale", "gauge", "", ("job",),
+               "LR multiplier the controller set on the trainer's schedule (plan lr_scale)."),
+    MetricSpec("trainguard_controller_batch_size", "gauge", "", ("job",),
+               "Global batch in samples per step the controller set (sum of the plan's batch_sizes)."),
+    MetricSpec("trainguard_controller_decisions_total", "counter", "", ("job", "strategy"),
+               "Controller decisions (keep, change, rollback, world-size rescale), each also an event."),
+    MetricSpec("trainguard_controller_noise_scale", "gauge", "", ("job",),
+               "Smoothed gradient noise scale B_simple in samples (absent until estimable: needs dp >= 2)."),
+    MetricSpec("trainguard_controller_objective", "gauge", "", ("job",),
+               "Objective of the last control window: -d log(loss)/d log(training time)."),
+)
+
+StrategyFactory = Callable[[ControllerConfig, Space, str], Strategy]
+
+
+def make_strategy(config: ControllerConfig, space: Space, job: str) -> Strategy:
+    if config.strategy == "optuna":
+        from agent.controller.optuna_strategy import OptunaStrategy
+
+        return OptunaStrategy(config, space, job)
+    if config.strategy == "rl":
+        from agent.controller.bandit import BanditStrategy
+
+        return BanditStrategy(config, space)
+    if config.strategy == "goodput":
+        from agent.controller.goodput import GoodputStrategy
+
+        return GoodputStrategy(config, space)
+    return KeepStrategy()
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    step: int
+    elapsed: float
+    loss: float
+    samples: int
+    plan_version: int
+    step_s: float
+    fixed_s: float
+    per_sample_s: float
+
+
+@dataclass
+class Window:
+    setting: Setting
+    version: int
+    ref_loss: float | None
+    recovery: bool = False
+    """After a rollback or rescale: run but not scored (the loss is recovering from something else)."""
+    points: list[StepPoint] = field(default_factory=list)
+
+
+@dataclass
+class JobControl:
+    job: str
+    space: Space
+    strategy: Strategy
+    dp: int
+    current: Setting
+    good: Setting
+    noise: NoiseScale
+    last_step: int = -1
+    origin: float | None = None
+    window: Window | None = None
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=16))
+    decisions: int = 0
+    objective: float | None = None
+    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
+
+
+def split_batch(total: int, dp: int, unit: int, weights: list[int] | None) -> list[int]:
+    """``total`` samples over ``dp`` ranks in multiples of ``unit``, in proportion to ``weights``
+    (the current per-rank sizes, so a shard migration's balance survives a batch change), else even.
+
+    >>> split_batch(12, 2, 1, None), split_batch(12, 2, 1, [3, 1]), split_batch(8, 2, 2, [1, 1])
+    ([6, 6], [9, 3], [4, 4])
+    """
+    units = total // unit
+    if not weights or len(weights) != dp or sum(weights) <= 0:
+        weights = [1] * dp
+    wsum = sum(weights)
+    raw = [units * w / wsum for w in weights]
+    out = [int(math.floor(r)) for r in raw]
+    for i in sorted(range(dp), key=lambda i: raw[i] - out[i], reverse=True)[: units - sum(out)]:
+        out[i] += 1
+    # Every rank keeps at least one unit when there are enough, so none idles by rounding.
+    for i in range(dp):
+        if out[i] == 0 and units >= dp:
+            j = max(range(dp), key=lambda k: out[k])
+            out[j] -= 1
+            out[i] += 1
+    return [u * unit for u in out]
+
+
+class Controller:
+    def __init__(self, config: ControllerConfig, *, strategy_factory: StrategyFactory | None = None) -> None:
+        self.config = config
+        self.strategy_factory = strategy_factory or make_strategy
+        self.jobs: dict[str, JobControl] = {}
+        self._lock = threading.Lock()
+
+    # --- the tick hook ---------------------------------------------------------------------------
+    def tick(self, agent: Any, now: float) -> None:
+        snapshot = agent.table.snapshot()
+        with self._lock:
+            for job in [j for j in self.jobs if j not in snapshot.jobs]:
+                self.jobs.pop(job).strategy.close()
+            for job, ranks in snapshot.jobs.items():
+                if not ranks:
+                    continue
+                try:
+                    self._tick_job(agent, job, ranks)
+                except Exception:  # noqa: BLE001 - one job's trouble must not stop the others
+                    log.exception("controller failed on job %s", job)
+
+    def _trainer_cfg(self, agent: Any, job: str) -> dict[str, Any]:
+        sup = getattr(agent, "supervisor", None)
+        record = sup.jobs.get(job) if sup is not None else None
+        trainer = record.spec.trainer if record is not None else None
+        return trainer if isinstance(trainer, dict) else {}
+
+    def _live(self, ranks: Any) -> list[RankView]:
+        views: list[RankView] = list(ranks.values())
+        newest = max(v.last_seen for v in views)
+        slack = max(5.0, 20 * max((v.median_step_s or 0.0) for v in views))
+        return sorted((v for v in views if v.last_seen >= newest - slack), key=lambda v: v.rank)
+
+    def _reps(self, live: list[RankView]) -> dict[int, RankView]:
+        """One rank per dp rank (the lowest global rank): its local_grad_sq is that dp rank's."""
+        reps: dict[int, RankView] = {}
+        for v in live:
+            d = v.dp_rank if v.dp_rank is not None else v.rank
+            reps.setdefault(d, v)
+        return reps
+
+    def _new_job(self, agent: Any, job: str, reps: dict[int, RankView]) -> JobControl:
+        trainer = self._trainer_cfg(agent, job)
+        par = trainer.get("parallel", {}) if isinstance(trainer.get("parallel"), dict) else {}
+        dp = len(reps)
+        unit = int(par.get("microbatches", 1)) if int(par.get("pp", 1)) > 1 else 1
+        base = int(trainer.get("global_batch") or sum(v.batch_size for v in reps.values()) or dp)
+        space = self._space(base, dp, unit)
+        plan = agent.plans.get(job)
+        batch = sum(plan.batch_sizes) if plan.batch_sizes and len(plan.batch_sizes) == dp else base
+        current = Setting(float(plan.lr_scale), int(batch))
+        strategy = self.strategy_factory(self.config, space, job)
+        return JobControl(job, space, strategy, dp, current, current, NoiseScale(self.config.noise_ema))
+
+    def _space(self, base: int, dp: int, unit: int, lr_high: float | None = None) -> Space:
+        low, high = self.config.batch_bounds(base, dp * unit)
+        return Space(base, dp * unit, low, high, self.config.lr_scale_min,
+                     min(self.config.lr_scale_max, lr_high) if lr_high else self.config.lr_scale_max)
+
+    def _tick_job(self, agent: Any, job: str, ranks: Any) -> None:
+        live = self._live(ranks)
+        reps = self._reps(live)
+        jc = self.jobs.get(job)
+        if jc is None:
+            jc = self.jobs[job] = self._new_job(agent, job, reps)
+        leader = live[0]
+        if len(reps) != jc.dp and self.config.strategy != "none":
+            self._world_changed(agent, jc, reps, leader)
+        msgs = agent.table.window(job, leader.rank, None)
+        if not msgs:
+            return
+        if msgs[-1].step < jc.last_step:
+            self._restarted(jc, msgs[-1].step)
+            return
+        others = {d: {m.step: m for m in agent.table.window(job, v.rank, None) if m.step > jc.last_step}
+                  for d, v in reps.items() if v.rank != leader.rank}
+        horizon = min([leader.step, *(v.step for v in reps.values())])
+        for m in msgs:
+            if m.step <= jc.last_step or m.step > horizon:
+                continue
+            self._ingest(agent, jc, m, others, leader)
+
+    # --- per step --------------------------------------------------------------------------------
+    def _ingest(self, agent: Any, jc: JobControl, m: Telemetry, others: dict[int, dict[int, Telemetry]],
+                leader: RankView) -> None:
+        jc.last_step = m.step
+        if jc.origin is None:
+            jc.origin = m.wall_time - m.step * m.step_s
+        small = [(m.batch_size, m.local_grad_sq)]
+        for by_step in others.values():
+            o = by_step.get(m.step)
+            if o is not None:
+                small.append((o.batch_size, o.local_grad_sq))
+        if len(small) == jc.dp and math.isfinite(m.grad_norm):
+            jc.noise.update(m.grad_norm**2, small)
+        samples = sum(b for b, _ in small) if len(small) == jc.dp else jc.current.batch
+        point = StepPoint(m.step, max(1e-6, m.wall_time - jc.origin), m.loss, samples, m.plan_version, m.step_s,
+                          m.comm_s + m.opt_s, (m.fwd_bwd_s + m.data_s) / max(1, m.batch_size))
+        if self.config.strategy == "none":
+            return
+        w = jc.window
+        if w is None:
+            if math.isfinite(m.loss):
+                jc.recent.append(m.loss)
+            if m.step >= self.config.warmup_steps:
+                self._decide(agent, jc, None)
+            return
+        if m.plan_version < w.version:
+            return  # the change is not applied yet: the ranks still run the previous setting
+        w.points.append(point)
+        if self._diverged(w):
+            self._rollback(agent, jc, w)
+            return
+        if math.isfinite(m.loss):
+            jc.recent.append(m.loss)
+        if len(w.points) >= self.config.every_steps:
+            result = self._result(jc, w, diverged=False)
+            jc.window = None
+            if result is not None:
+                jc.objective = result.objective
+                if not w.recovery:
+                    jc.strategy.observe(result)
+                    jc.good = w.setting
+            self._decide(agent, jc, result)
+
+    def _diverged(self, w: Window) -> bool:
+        last = w.points[-1].loss
+        if not math.isfinite(last):
+            return True
+        if w.ref_loss is None or len(w.points) < 3:
+            return False
+        return statistics.median(p.loss for p in w.points[-3:]) > self.config.divergence_factor * w.ref_loss
+
+    def _result(self, jc: JobControl, w: Window, *, diverged: bool) -> WindowResult | None:
+        pts = w.points
+        if not pts:
+            return None
+        fit = loglog_slope([p.elapsed for p in pts], [p.loss for p in pts])
+        objective, l0, l1 = fit if fit is not None else (float("nan"), float("nan"), float("nan"))
+        return WindowResult(
+            setting=w.setting, start_step=pts[0].step, end_step=pts[-1].step,
+            seconds=pts[-1].elapsed - pts[0].elapsed + pts[0].step_s, samples=sum(p.samples for p in pts),
+            loss_start=l0, loss_end=l1, objective=objective, elapsed=pts[-1].elapsed,
+            step_s=statistics.median(p.step_s for p in pts), fixed_s=statistics.median(p.fixed_s for p in pts),
+            per_sample_s=statistics.median(p.per_sample_s for p in pts), dp=jc.dp,
+            noise_scale=jc.noise.value, diverged=diverged)
+
+    # --- decisions -------------------------------------------------------------------------------
+    def _decide(self, agent: Any, jc: JobControl, result: WindowResult | None) -> None:
+        proposal = jc.strategy.propose(jc.current, result)
+        target = jc.space.clamp(proposal.setting)
+        reason = proposal.reason
+        if target != proposal.setting:
+            reason += f" (clamped to bounds: {target.describe()})"
+        fields = {"window": [result.start_step, result.end_step] if result else None,
+                  "objective": None if result is None or not math.isfinite(result.objective) else result.objective,
+                  "inputs": proposal.inputs}
+        self._apply(agent, jc, target, reason, "controller_decision", fields)
+
+    def _apply(self, agent: Any, jc: JobControl, target: Setting, reason: str, kind: str,
+               fields: dict[str, Any], *, recovery: bool = False, severity: str = "info") -> None:
+        before = jc.current
+        version = agent.plans.get(jc.job).version
+        changes: dict[str, Any] = {}
+        if not math.isclose(target.lr_scale, before.lr_scale, rel_tol=1e-9):
+            changes["lr_scale"] = float(target.lr_scale)
+        plan = agent.plans.get(jc.job)
+        if target.batch != before.batch or (plan.batch_sizes is not None and len(plan.batch_sizes) != jc.dp):
+            weights = plan.batch_sizes if plan.batch_sizes and len(plan.batch_sizes) == jc.dp else None
+            changes["batch_sizes"] = split_batch(target.batch, jc.dp, jc.space.quantum // jc.dp, weights)
+        if changes:
+            try:
+                version = agent.plans.update(jc.job, {**changes, "reason": f"controller: {reason}"[:500]}).version
+            except WireError as exc:
+                agent.events.emit("controller_error", f"controller could not publish a plan for {jc.job}: {exc}",
+                                  severity="error", cause=str(exc), job=jc.job)
+                return
+            jc.current = target
+        step = jc.last_step
+        jc.decisions += 1
+        noise = jc.noise.value
+        verb = "keeps" if not changes else "sets"
+        message = f"controller ({self.config.strategy}) {verb} {target.describe()} at step {step}: {reason}"
+        agent.events.emit(kind, message, severity=severity, cause=reason, job=jc.job, strategy=self.config.strategy,
+                          step=step, changed=bool(changes), plan_version=version,
+                          lr_scale_from=before.lr_scale, lr_scale_to=target.lr_scale,
+                          batch_from=before.batch, batch_to=target.batch, noise_scale=noise, **fields)
+        jc.history.append({"step": step, "kind": kind, "lr_scale": target.lr_scale, "batch": target.batch,
+                           "changed": bool(changes), "reason": reason, "plan_version": version})
+        ref = statistics.median(jc.recent) if len(jc.recent) >= 3 else None
+        jc.window = Window(target, version, ref, recovery=recovery)
+
+    def _rollback(self, agent: Any, jc: JobControl, w: Window) -> None:
+        bad = w.setting
+        result = self._result(jc, w, diverged=True)
+        if result is not None and not w.recovery:
+            jc.strategy.observe(result)
+        last = w.points[-1].loss
+        reason = (f"loss diverged under {bad.describe()}: {last:.4g} vs {w.ref_loss if w.ref_loss else float('nan'):.4g} "
+                  f"before the change (factor {self.config.divergence_factor:g})")
+        # The job's LR ceiling drops between the diverged LR and its cut, so no strategy goes back.
+        ceiling = max(self.config.lr_scale_min, bad.lr_scale * math.sqrt(self.config.lr_cut))
+        space = self._space(jc.space.base_batch, jc.dp, jc.space.quantum // jc.dp, min(jc.space.lr_high, ceiling))
+        self._set_space(jc, space)
+        good = jc.good
+        target = space.clamp(Setting(min(good.lr_scale, bad.lr_scale) * self.config.lr_cut, good.batch))
+        restored = False
+        hook = getattr(agent, "rollback", None)
+        if callable(hook):
+            try:
+                hook(jc.job, reason)
+                restored = True
+            except Exception as exc:  # noqa: BLE001 - the LR cut below still happens
+                log.warning("agent rollback for %s failed: %s", jc.job, exc)
+        jc.recent.clear()
+        self._apply(agent, jc, target, reason, "controller_rollback",
+                    {"window": [w.points[0].step, w.points[-1].step], "loss": last, "ref_loss": w.ref_loss,
+                     "checkpoint_restored": restored, "lr_ceiling": space.lr_high},
+                    recovery=True, severity="warning")
+        jc.good = jc.current
+
+    def _set_space(self, jc: JobControl, space: Space) -> None:
+        jc.space = space
+        if hasattr(jc.strategy, "space"):
+            jc.strategy.space = space
+
+    def _world_changed(self, agent: Any, jc: JobControl, reps: dict[int, RankView], leader: RankView) -> None:
+        new_dp = len(reps)
+        if any(v.step < leader.step - 2 for v in reps.values()):
+            return  # not every new rank has reported yet
+        old_dp, old_batch = jc.dp, jc.current.batch
+        new_batch = sum(v.batch_size for v in reps.values())
+        if new_batch <= 0:
+            return
+        jc.dp = new_dp
+        space = self._space(jc.space.base_batch, new_dp, jc.space.quantum // old_dp, jc.space.lr_high)
+        self._set_space(jc, space)
+        jc.noise = NoiseScale(self.config.noise_ema)
+        jc.current = Setting(jc.current.lr_scale, new_batch)
+        lr = jc.current.lr_scale * math.sqrt(new_batch / old_batch)
+        target = Setting(min(space.lr_high, max(space.lr_low, lr)), new_batch)
+        reason = (f"world size changed: dp {old_dp} -> {new_dp}, global batch {old_batch} -> {new_batch}; "
+                  f"LR x sqrt({new_batch}/{old_batch}) = x{lr / jc.current.lr_scale:.3g}")
+        # Re-split for the new dp as well: a plan's batch_sizes of the old length no longer fit.
+        self._apply(agent, jc, target, reason, "controller_decision",
+                    {"dp_from": old_dp, "dp_to": new_dp}, recovery=True)
+        jc.good = jc.current
+
+    def _restarted(self, jc: JobControl, step: int) -> None:
+        """The ranks went back to an earlier step (restored from a checkpoint): the window is void."""
+        jc.last_step = step
+        jc.recent.clear()
+        if jc.window is not None:
+            jc.window = Window(jc.window.setting, jc.window.version, None, recovery=True)
+
+    # --- reporting -------------------------------------------------------------------------------
+    def history(self, job: str) -> list[dict[str, Any]]:
+        with self._lock:
+            jc = self.jobs.get(job)
+            return list(jc.history) if jc else []
+
+    def metrics(self) -> Iterator[Metric]:
+        spec = {s.name: s for s in METRICS}
+        lr = spec["trainguard_controller_lr_scale"].gauge()
+        batch = spec["trainguard_controller_batch_size"].gauge()
+        decisions = spec["trainguard_controller_decisions_total"].counter()
+        noise = spec["trainguard_controller_noise_scale"].gauge()
+        objective = spec["trainguard_controller_objective"].gauge()
+        with self._lock:
+            for job, jc in self.jobs.items():
+                lr.add_metric([job], jc.current.lr_scale)
+                batch.add_metric([job], jc.current.batch)
+                decisions.add_metric([job, self.config.strategy], jc.decisions)
+                value = jc.noise.value
+                if value is not None:
+                    noise.add_metric([job], value)
+                if jc.objective is not None and math.isfinite(jc.objective):
+                    objective.add_metric([job], jc.objective)
+        yield from (lr, batch, decisions, noise, objective)
+
+    def close(self) -> None:
+        with self._lock:
+            for jc in self.jobs.values():
+                jc.strategy.close()
+            self.jobs.clear()
+
+
+def install(agent: Any, config: ControllerConfig, *, strategy_factory: StrategyFactory | None = None) -> Controller:
+    """Attach a controller to a started agent: a tick hook, a metric source, ``agent.controller``."""
+    controller = Controller(config, strategy_factory=strategy_factory)
+    agent.tick_hooks.append(controller.tick)
+    exporter = getattr(agent, "exporter", None)
+    if exporter is not None and hasattr(exporter, "sources"):
+        exporter.sources.append(controller)
+    agent.controller = controller
+    return controller
+
+
+__all__ = ["Controller", "ControllerConfig", "METRICS", "Proposal", "install", "make_strategy", "split_batch"]
