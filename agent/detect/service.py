@@ -1,0 +1,399 @@
+"""The straggler service the agent runs once per tick: detect, attribute, migrate, exclude.
+
+``install(agent, config)`` appends the service's tick hook, adds it to the exporter's metric
+sources and exposes ``agent.detection_config`` / ``agent.update_detection`` for the control API
+(GET/PUT /v1/config/detection) and ``agent.straggler`` for status and the dashboard.
+
+Per job and tick: every rank's recent telemetry plus its CPU run delay go to the detector
+(straggler.py); a rank that becomes a straggler gets a cause from the collectors (causes.py) and a
+``straggler_detected`` event; the migration policy (agent/heal/migration.py) publishes per-dp-rank
+batch sizes through the job's plan, and takes them back to even once no straggler is left. A rank
+that stays a straggler past ``exclude_after_s`` is handed to ``agent.exclude_rank`` when the agent
+has one (the recovery path restarts the job without it), or reported as not excludable.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.metrics_core import Metric
+
+from agent.detect.causes import Attribution, Evidence, attribute
+from agent.detect.config import StragglerConfig
+from agent.detect.evidence import ProcReader, RankEvidence
+from agent.detect.straggler import (
+    RankFigures,
+    RankInput,
+    RankState,
+    StepSample,
+    StragglerDetector,
+    Transition,
+)
+from agent.heal.migration import Decision, MigrationPolicy, ReplicaModel, even_sizes
+from agent.metricspec import MetricSpec
+
+if TYPE_CHECKING:
+    from agent.daemon import Agent
+
+log = logging.getLogger("trainguard.straggler")
+
+SCORE = MetricSpec("trainguard_rank_straggler_score", "gauge", "", ("job", "rank"),
+                   "Straggler score in [0, 1]: the fastest peer's median compute time per sample divided by "
+                   "this rank's (1 = as fast as the fastest; stragglers fall below detection.enter_score).")
+DETECTED = MetricSpec("trainguard_stragglers_detected_total", "counter", "", ("job", "cause"),
+                      "Ranks declared stragglers, by attributed cause (cpu_contention, cpu_quota, io_wait, "
+                      "memory_reclaim, gpu_throttle, gpu_error, unknown).")
+MIGRATIONS = MetricSpec("trainguard_shard_migrations_total", "counter", "", ("job",),
+                        "Plans published by shard migration (moves, re-balances and undos).")
+SHARE = MetricSpec("trainguard_rank_batch_share", "gauge", "", ("job", "rank"),
+                   "Fraction of the global batch the rank's dp replica processes per step.")
+METRICS: tuple[MetricSpec, ...] = (SCORE, DETECTED, MIGRATIONS, SHARE)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    microbatches: int
+    global_batch: int | None
+    known: bool
+    """From the job's spec (True) or guessed from telemetry (False: dp only)."""
+
+    def group(self, rank: int) -> int:
+        """Peer-group key: the (pipeline stage, tensor position) a rank holds."""
+        return (rank // (self.dp * self.tp)) * self.tp + rank % self.tp
+
+    @property
+    def quantum(self) -> int:
+        return self.microbatches if self.pp > 1 else 1
+
+
+@dataclass
+class _JobState:
+    detector: StragglerDetector
+    policy: MigrationPolicy
+    causes: dict[int, str] = field(default_factory=dict)
+    excluded: set[int] = field(default_factory=set)
+    sizes: list[int] | None = None
+    detections: Counter[str] = field(default_factory=Counter)
+    migrations: int = 0
+
+
+def _layout(agent: Agent, job: str, views: Mapping[int, Any]) -> Layout:
+    rec = getattr(agent.supervisor, "jobs", {}).get(job)
+    trainer = rec.spec.trainer if rec is not None else None
+    if trainer:
+        par = trainer.get("parallel", {}) or {}
+        return Layout(int(par.get("dp", 1)), int(par.get("tp", 1)), int(par.get("pp", 1)),
+                      int(par.get("microbatches", 2)), int(trainer.get("global_batch", 8)), True)
+    dps = {v.dp_rank if v.dp_rank is not None else v.rank for v in views.values()}
+    return Layout(max(1, len(dps)), 1, 1, 1, None, False)
+
+
+class StragglerService:
+    def __init__(self, agent: Agent, config: StragglerConfig, *, proc_root: Path = Path("/proc"),
+                 sys_root: Path = Path("/sys"), clock: Callable[[], float] = time.time) -> None:
+        self.agent = agent
+        self.config = config
+        self.clock = clock
+        self.evidence = RankEvidence(ProcReader(proc_root, sys_root))
+        self._jobs: dict[str, _JobState] = {}
+        self._lock = threading.RLock()
+        self._gpu_errors_seen: dict[int, int] = {}
+
+    # --- runtime API ------------------------------------------------------------------------
+    def detection_config(self) -> dict[str, Any]:
+        return self.config.as_dict()
+
+    def update_detection(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Apply a partial change (validated as a whole; DetectionConfigError names the key)."""
+        with self._lock:
+            new = self.config.updated(fields)
+            self.config = new
+            for st in self._jobs.values():
+                st.detector.config = new
+                st.policy.min_change_frac = new.min_change_frac
+                st.policy.gain = new.rebalance_gain
+                st.policy.settle_steps = new.settle_steps
+        self.agent.events.emit("config_changed", f"detection settings changed: {sorted(fields)}",
+                               section="detection", changes=dict(fields))
+        return new.as_dict()
+
+    def scores(self, job: str) -> dict[int, tuple[float, str, str]]:
+        """rank -> (score, cause or "", state) for status views."""
+        with self._lock:
+            st = self._jobs.get(job)
+            if st is None:
+                return {}
+            out = {}
+            for rank in st.detector.ranks():
+                state = "excluded" if rank in st.excluded else st.detector.state(rank).value
+                out[rank] = (st.detector.score(rank), st.causes.get(rank, ""), state)
+            return out
+
+    def batch_sizes(self, job: str) -> list[int] | None:
+        with self._lock:
+            st = self._jobs.get(job)
+            return list(st.sizes) if st is not None and st.sizes is not None else None
+
+    # --- the tick ---------------------------------------------------------------------------
+    def __call__(self, agent: Agent, now: float) -> None:
+        self.tick(now)
+
+    def tick(self, now: float) -> None:
+        cfg = self.config
+        if not cfg.enabled:
+            return
+        snapshot = self.agent.table.snapshot()
+        with self._lock:
+            for job in [j for j in self._jobs if j not in snapshot.jobs]:
+                self._jobs.pop(job)
+                self.evidence.forget_job(job)
+            for job, views in snapshot.jobs.items():
+                try:
+                    self._tick_job(job, views, now)
+                except Exception:  # noqa: BLE001 - one job's odd data must not stop the others
+                    log.exception("straggler detection failed for job %s", job)
+
+    def _collector(self, name: str) -> Any | None:
+        for c in getattr(self.agent, "collectors", []):
+            if getattr(c, "name", None) == name:
+                return c
+        return None
+
+    def _tick_job(self, job: str, views: Mapping[int, Any], now: float) -> None:
+        cfg = self.config
+        st = self._jobs.get(job)
+        if st is None:
+            st = self._jobs[job] = _JobState(
+                StragglerDetector(cfg), MigrationPolicy(cfg.min_change_frac, cfg.rebalance_gain, cfg.settle_steps))
+        layout = _layout(self.agent, job, views)
+        ebpf = self._collector("ebpf")
+        inputs: dict[int, RankInput] = {}
+        for rank, view in views.items():
+            if rank in st.excluded:
+                continue
+            stats = ebpf.rank_stats(job, rank) if ebpf is not None else None
+            self.evidence.observe(job, rank, view.pid, view.step, stats)
+            window = self.agent.table.window(job, rank, 2 * cfg.window + cfg.warmup_steps)
+            steps = [StepSample(m.step, m.fwd_bwd_s, m.opt_s, m.samples) for m in window]
+            delay = self.evidence.run_delay_per_step(job, rank, cfg.delay_ticks) if cfg.include_run_delay else 0.0
+            dp_rank = view.dp_rank if view.dp_rank is not None else rank
+            inputs[rank] = RankInput(rank, layout.group(rank) if layout.known else 0, dp_rank, steps, delay)
+        result = st.detector.evaluate(inputs, now)
+        for tr in result.transitions:
+            if tr.detected:
+                self._on_detected(job, st, tr, result.figures, views)
+            elif tr.recovered:
+                self._on_recovered(job, st, tr, result.figures)
+        if result.evaluated:
+            self._migrate(job, st, layout, views, result.figures)
+            self._maybe_exclude(job, st, now)
+        if st.sizes is None and layout.dp > 0:
+            total = layout.global_batch or sum(self._replica_batches(views).values()) or layout.dp
+            st.sizes = even_sizes(total, layout.dp, 1) if total >= layout.dp else None
+
+    @staticmethod
+    def _replica_batches(views: Mapping[int, Any]) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for v in views.values():
+            out[v.dp_rank if v.dp_rank is not None else v.rank] = v.batch_size
+        return out
+
+    # --- detection events ---------------------------------------------------------------------
+    def _gpu_errors(self, pid: int) -> tuple[Any | None, int]:
+        gpu_col = self._collector("gpu")
+        if gpu_col is None:
+            return None, 0
+        stats = gpu_col.gpu_stats_for_pid(pid)
+        gpu = gpu_col.gpu_for_pid(pid)
+        if gpu is None:
+            return stats, 0
+        if gpu in gpu_col.lost_gpus():
+            return stats, 1
+        total = sum(n for (g, _xid), n in gpu_col.xid_counts().items() if g == gpu)
+        before = self._gpu_errors_seen.get(gpu, 0)
+        self._gpu_errors_seen[gpu] = total
+        return stats, max(0, total - before)
+
+    def _evidence(self, job: str, rank: int, pid: int) -> Evidence:
+        gpu, errors = self._gpu_errors(pid)
+        return self.evidence.evidence(job, rank, self.config.window, gpu, errors)
+
+    def _attribute(self, job: str, rank: int, figures: Mapping[int, RankFigures], views: Mapping[int, Any]) -> Attribution:
+        fig = figures.get(rank)
+        peers = [f for r, f in figures.items() if r != rank and (fig is None or f.group == fig.group)]
+        extra = 0.0
+        if fig is not None and peers:
+            fastest = min(p.per_sample_s for p in peers)
+            extra = (fig.per_sample_s - fastest) * fig.samples
+        mine = self._evidence(job, rank, views[rank].pid)
+        others = [self._evidence(job, p.rank, views[p.rank].pid) for p in peers if p.rank in views]
+        return attribute(mine, others, extra, min_frac=self.config.cause_min_frac,
+                         clock_drop=self.config.gpu_clock_drop)
+
+    def _on_detected(self, job: str, st: _JobState, tr: Transition, figures: Mapping[int, RankFigures],
+                     views: Mapping[int, Any]) -> None:
+        cfg = self.config
+        attr = self._attribute(job, tr.rank, figures, views)
+        st.causes[tr.rank] = attr.cause
+        st.detections[attr.cause] += 1
+        fig = figures.get(tr.rank)
+        action = "observe_only" if cfg.observe_only else ("migrate" if cfg.migrate else "report")
+        fields: dict[str, Any] = {"score": round(tr.score, 4), "action": action, "details": attr.details}
+        if fig is not None:
+            fields.update(step=fig.last_step, per_sample_s=fig.per_sample_s, compute_s=fig.compute_s,
+                          dp_rank=fig.dp_rank)
+            peers = [f.per_sample_s for f in figures.values() if f.group == fig.group and f.rank != tr.rank]
+            if peers:
+                fields["fastest_per_sample_s"] = min(peers)
+        self.agent.events.emit(
+            "straggler_detected",
+            f"job {job} rank {tr.rank} is a straggler (score {tr.score:.2f}, cause {attr.cause})",
+            severity="warning", cause=attr.cause, job=job, rank=tr.rank, **fields)
+
+    def _on_recovered(self, job: str, st: _JobState, tr: Transition, figures: Mapping[int, RankFigures]) -> None:
+        cause = st.causes.pop(tr.rank, "")
+        fig = figures.get(tr.rank)
+        self.agent.events.emit(
+            "straggler_recovered", f"job {job} rank {tr.rank} is no longer a straggler (score {tr.score:.2f})",
+            severity="info", cause=cause, job=job, rank=tr.rank, score=round(tr.score, 4),
+            step=fig.last_step if fig is not None else None)
+
+    # --- migration ----------------------------------------------------------------------------
+    def _migrate(self, job: str, st: _JobState, layout: Layout, views: Mapping[int, Any],
+                 figures: Mapping[int, RankFigures]) -> None:
+        cfg = self.config
+        if not cfg.migrate or cfg.observe_only or layout.dp < 2:
+            return
+        live = [r for r in views if r not in st.excluded]
+        if not live:
+            return
+        min_version = min(views[r].plan_version for r in live)
+        min_step = min(views[r].step for r in live)
+        if not st.policy.settled(min_version, min_step):
+            return
+        slow = any(st.detector.state(r) in (RankState.STRAGGLER, RankState.RECOVERING) for r in live)
+        models: dict[int, ReplicaModel] = {}
+        for fig in figures.values():
+            m = models.get(fig.dp_rank)
+            if m is None or fig.per_sample_s > m.per_sample_s:
+                models[fig.dp_rank] = ReplicaModel(fig.dp_rank, fig.per_sample_s, fig.fixed_s)
+        if slow and sorted(models) != list(range(layout.dp)):
+            return  # not every replica measured yet
+        plan = self.agent.plans.get(job)
+        total = sum(plan.batch_sizes) if plan.batch_sizes else (
+            layout.global_batch or sum(self._replica_batches(views).values()))
+        if total < layout.dp * layout.quantum or total % layout.quantum:
+            return
+        if slow:
+            replicas = [models[d] for d in range(layout.dp)]
+        else:
+            replicas = [ReplicaModel(d, 1.0) for d in range(layout.dp)]
+        try:
+            decision = st.policy.decide(replicas, total, stragglers=slow, quantum=layout.quantum)
+        except ValueError as exc:
+            log.warning("job %s: no migration: %s", job, exc)
+            return
+        if decision is not None:
+            self._publish(job, st, layout, decision, total, figures)
+
+    def _publish(self, job: str, st: _JobState, layout: Layout, d: Decision, total: int,
+                 figures: Mapping[int, RankFigures]) -> None:
+        stragglers = sorted(r for r in st.detector.ranks() if st.detector.state(r) in
+                            (RankState.STRAGGLER, RankState.RECOVERING))
+        if d.action == "undo":
+            reason = "shard migration undone: no straggler left"
+        else:
+            reason = f"shard migration ({d.action}) away from straggler rank(s) {stragglers}"
+        plan = self.agent.plans.update(job, {"batch_sizes": d.sizes, "reason": reason})
+        st.policy.note_published(d.sizes, plan.version)
+        st.sizes = list(d.sizes) if d.sizes is not None else even_sizes(total, layout.dp, layout.quantum)
+        st.migrations += 1
+        level = "dp replica" if layout.tp * layout.pp > 1 else "dp rank"
+        fields: dict[str, Any] = {
+            "action": d.action, "batch_sizes": st.sizes, "target": d.target, "global_batch": total,
+            "plan_version": plan.version, "level": level, "stragglers": stragglers,
+        }
+        if layout.tp * layout.pp > 1:
+            fields["note"] = (f"tp={layout.tp} pp={layout.pp}: batch moved between whole dp replicas "
+                              f"(each replica as fast as its slowest member)")
+        speeds = {f.rank: round(f.speed, 3) for f in figures.values()}
+        self.agent.events.emit(
+            "shard_migration", f"job {job}: {reason}; batch sizes {st.sizes}",
+            severity="info" if d.action == "undo" else "warning",
+            cause=",".join(st.causes.get(r, "") for r in stragglers), job=job,
+            samples_per_s=speeds, **fields)
+
+    # --- exclusion ----------------------------------------------------------------------------
+    def _maybe_exclude(self, job: str, st: _JobState, now: float) -> None:
+        cfg = self.config
+        if cfg.exclude_after_s <= 0:
+            return
+        for rank in st.detector.ranks():
+            since = st.detector.straggler_since(rank)
+            if rank in st.excluded or since is None or now - since < cfg.exclude_after_s:
+                continue
+            if st.detector.state(rank) not in (RankState.STRAGGLER, RankState.RECOVERING):
+                continue
+            st.excluded.add(rank)  # asked once per episode, whatever the answer
+            reason = f"rank {rank} slow for {now - since:.0f} s (limit detection.exclude_after_s={cfg.exclude_after_s:g})"
+            cause = st.causes.get(rank, "unknown")
+            if cfg.observe_only:
+                action = "observe_only"
+            else:
+                exclude = getattr(self.agent, "exclude_rank", None)
+                action = "exclude" if exclude is not None else "exclude_not_available"
+                if exclude is not None:
+                    try:
+                        exclude(job, rank, reason)
+                    except Exception as exc:  # noqa: BLE001
+                        action = f"exclude_failed: {exc}"
+            self.agent.events.emit("rank_excluded", f"job {job}: {reason}; {action}",
+                                   severity="error", cause=cause, job=job, rank=rank, action=action,
+                                   slow_for_s=round(now - since, 1))
+
+    # --- metrics ------------------------------------------------------------------------------
+    name = "straggler"
+
+    def metrics(self) -> Iterator[Metric]:
+        with self._lock:
+            score, detected, migrations, share = SCORE.gauge(), DETECTED.counter(), MIGRATIONS.counter(), SHARE.gauge()
+            snapshot = self.agent.table.snapshot()
+            for job, st in sorted(self._jobs.items()):
+                for rank in st.detector.ranks():
+                    value = st.detector.score(rank)
+                    if not math.isnan(value):
+                        score.add_metric([job, str(rank)], value)
+                for cause, n in sorted(st.detections.items()):
+                    detected.add_metric([job, cause], n)
+                migrations.add_metric([job], st.migrations)
+                if st.sizes:
+                    total = sum(st.sizes)
+                    for rank, view in snapshot.jobs.get(job, {}).items():
+                        d = view.dp_rank if view.dp_rank is not None else rank
+                        if 0 <= d < len(st.sizes):
+                            share.add_metric([job, str(rank)], st.sizes[d] / total)
+        return iter([score, detected, migrations, share])
+
+
+def install(agent: Agent, config: StragglerConfig | None = None, **kwargs: Any) -> StragglerService:
+    """Hook the service into a started agent (tick hook, metric source, runtime API)."""
+    service = StragglerService(agent, config or StragglerConfig(), **kwargs)
+    agent.tick_hooks.append(service)
+    exporter = getattr(agent, "exporter", None)
+    if exporter is not None:
+        exporter.sources.append(service)
+    agent.straggler = service  # type: ignore[attr-defined]
+    agent.detection_config = service.detection_config  # type: ignore[attr-defined]
+    agent.update_detection = service.update_detection  # type: ignore[attr-defined]
+    return service

@@ -1,0 +1,290 @@
+"""Straggler scoring: robust per-rank statistics, a score in [0, 1], and a hysteresis state machine.
+
+Pure logic over numbers: the service (service.py) feeds it each rank's recent steps and reads back
+scores and state changes, so every threshold can be tested on synthetic telemetry.
+
+What is compared is the time a rank needs per *sample* of forward+backward (plus, where the service
+measured it, the time the rank waited for a CPU). With the even split every rank has, that is the
+compute time of SPEC §3 divided by a constant, so the score is the spec's "fastest-rank median ÷
+this rank's median". Once shard migration has given a slow rank fewer samples its compute time per
+step drops to match the others, while its time per sample does not: judging per sample is what lets
+the detector tell "balanced by migration" from "recovered" (and avoids undoing a migration that works).
+Optimizer time is a per-step constant (it does not scale with the batch) and stays out of the
+per-sample figure; it is reported as ``fixed_s`` for the migration model.
+
+Ranks are compared only with their peers: ranks at the same pipeline stage and tensor-parallel
+position (a first and a last pipeline stage do different work). Peers are the dp replicas.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from agent.detect.config import StragglerConfig
+
+_MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution -> its standard deviation
+
+
+def median(values: Sequence[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    if n == 0:
+        return math.nan
+    mid = n // 2
+    return float(s[mid]) if n % 2 else (s[mid - 1] + s[mid]) / 2.0
+
+
+def mad(values: Sequence[float], center: float | None = None) -> float:
+    """Median absolute deviation from ``center`` (default: the median)."""
+    if not values:
+        return math.nan
+    c = median(values) if center is None else center
+    return median([abs(v - c) for v in values])
+
+
+class RankState(enum.Enum):
+    WARMUP = "warmup"
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"
+    STRAGGLER = "straggler"
+    RECOVERING = "recovering"
+
+
+_ALLOWED: dict[RankState, frozenset[RankState]] = {
+    RankState.WARMUP: frozenset({RankState.HEALTHY}),
+    RankState.HEALTHY: frozenset({RankState.SUSPECT, RankState.STRAGGLER, RankState.WARMUP}),
+    RankState.SUSPECT: frozenset({RankState.HEALTHY, RankState.STRAGGLER, RankState.WARMUP}),
+    RankState.STRAGGLER: frozenset({RankState.RECOVERING, RankState.HEALTHY, RankState.WARMUP}),
+    RankState.RECOVERING: frozenset({RankState.STRAGGLER, RankState.HEALTHY, RankState.WARMUP}),
+}
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One step of one rank, as the detector needs it."""
+
+    step: int
+    fwd_bwd_s: float
+    opt_s: float
+    samples: int
+
+
+@dataclass(frozen=True)
+class RankInput:
+    rank: int
+    group: int
+    """Peer group: ranks with the same pipeline stage and tensor-parallel position."""
+    dp_rank: int
+    steps: Sequence[StepSample]
+    """The rank's recent steps, oldest first (the service passes the table's window)."""
+    delay_per_step_s: float = 0.0
+    """CPU run-queue delay per step measured by the service (0 when unknown)."""
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """A rank's robust statistics over its window."""
+
+    rank: int
+    group: int
+    dp_rank: int
+    per_sample_s: float
+    """Median over the window of (fwd+bwd time + run delay) / samples."""
+    per_sample_mad_s: float
+    fixed_s: float
+    """Median optimizer time per step (does not scale with the batch)."""
+    compute_s: float
+    """Median compute time per step (fwd+bwd+opt, plus run delay)."""
+    samples: int
+    """Samples in the rank's latest step."""
+    last_step: int
+    n: int
+    """Steps the figures are computed over."""
+
+    @property
+    def speed(self) -> float:
+        """Samples per second of forward+backward (the migration weight)."""
+        return 1.0 / self.per_sample_s if self.per_sample_s > 0 else math.inf
+
+
+@dataclass
+class _Track:
+    state: RankState = RankState.WARMUP
+    count: int = 0  # consecutive evaluations in the current direction
+    base_step: int | None = None  # first step seen since the rank (re)started
+    last_step: int = -1
+    score: float = 1.0
+    since: float | None = None  # when it became a straggler
+
+
+@dataclass(frozen=True)
+class Transition:
+    rank: int
+    old: RankState
+    new: RankState
+    score: float
+
+    @property
+    def detected(self) -> bool:
+        return self.new == RankState.STRAGGLER and self.old in (RankState.HEALTHY, RankState.SUSPECT)
+
+    @property
+    def recovered(self) -> bool:
+        return self.new == RankState.HEALTHY and self.old in (RankState.STRAGGLER, RankState.RECOVERING)
+
+
+@dataclass
+class Evaluation:
+    figures: dict[int, RankFigures] = field(default_factory=dict)
+    scores: dict[int, float] = field(default_factory=dict)
+    transitions: list[Transition] = field(default_factory=list)
+    evaluated: bool = False
+    """False when too few new steps arrived since the last evaluation (states unchanged)."""
+
+
+def figures_for(inp: RankInput, window: int, from_step: int) -> RankFigures | None:
+    """Robust figures over the newest ``window`` steps at or after ``from_step`` (None if fewer)."""
+    usable = [s for s in inp.steps if s.step >= from_step and s.samples > 0][-window:]
+    if len(usable) < window:
+        return None
+    per = [(s.fwd_bwd_s + inp.delay_per_step_s) / s.samples for s in usable]
+    center = median(per)
+    return RankFigures(
+        rank=inp.rank,
+        group=inp.group,
+        dp_rank=inp.dp_rank,
+        per_sample_s=center,
+        per_sample_mad_s=mad(per, center),
+        fixed_s=median([s.opt_s for s in usable]),
+        compute_s=median([s.fwd_bwd_s + s.opt_s for s in usable]) + inp.delay_per_step_s,
+        samples=usable[-1].samples,
+        last_step=usable[-1].step,
+        n=len(usable),
+    )
+
+
+def group_scores(figs: Iterable[RankFigures], mad_k: float) -> dict[int, tuple[float, bool]]:
+    """rank -> (score, significant) within one peer group.
+
+    score = fastest rank's per-sample median / this rank's (1.0 for the fastest); ``significant``
+    when this rank's median exceeds the fastest by more than ``mad_k`` pooled robust deviations.
+    """
+    figs = list(figs)
+    if not figs:
+        return {}
+    fastest = min(f.per_sample_s for f in figs)
+    pooled = median([f.per_sample_mad_s for f in figs]) * _MAD_TO_SIGMA
+    out: dict[int, tuple[float, bool]] = {}
+    for f in figs:
+        score = fastest / f.per_sample_s if f.per_sample_s > 0 else 1.0
+        out[f.rank] = (min(1.0, max(0.0, score)), f.per_sample_s - fastest > mad_k * pooled)
+    return out
+
+
+class StragglerDetector:
+    """Per-job detector; ``evaluate`` is called once per agent tick with every rank's recent steps."""
+
+    def __init__(self, config: StragglerConfig) -> None:
+        self.config = config
+        self._tracks: dict[int, _Track] = {}
+        self._evaluated_at = -1  # min last step over ranks at the previous evaluation
+
+    def state(self, rank: int) -> RankState:
+        t = self._tracks.get(rank)
+        return t.state if t is not None else RankState.WARMUP
+
+    def score(self, rank: int) -> float:
+        t = self._tracks.get(rank)
+        return t.score if t is not None else 1.0
+
+    def straggler_since(self, rank: int) -> float | None:
+        t = self._tracks.get(rank)
+        return t.since if t is not None else None
+
+    def ranks(self) -> list[int]:
+        return sorted(self._tracks)
+
+    def forget(self, rank: int) -> None:
+        self._tracks.pop(rank, None)
+
+    def _move(self, rank: int, t: _Track, new: RankState, now: float, out: list[Transition]) -> None:
+        if new == t.state:
+            return
+        if new not in _ALLOWED[t.state]:
+            raise InvalidTransition(f"rank {rank}: {t.state.value} -> {new.value}")
+        out.append(Transition(rank, t.state, new, t.score))
+        if new == RankState.STRAGGLER and t.state in (RankState.HEALTHY, RankState.SUSPECT):
+            t.since = now
+        if new in (RankState.HEALTHY, RankState.WARMUP):
+            t.since = None
+        t.state = new
+        t.count = 0
+
+    def evaluate(self, inputs: Mapping[int, RankInput], now: float) -> Evaluation:
+        cfg = self.config
+        result = Evaluation()
+        # Restarts: a rank whose steps went backwards starts its warm-up again.
+        for rank, inp in inputs.items():
+            t = self._tracks.setdefault(rank, _Track())
+            if not inp.steps:
+                continue
+            first, last = inp.steps[0].step, inp.steps[-1].step
+            if t.base_step is None or last < t.last_step:
+                if t.base_step is not None:
+                    self._move(rank, t, RankState.WARMUP, now, result.transitions)
+                t.base_step = first if t.base_step is None else last
+            t.last_step = last
+        lasts = [t.last_step for r, t in self._tracks.items() if r in inputs]
+        if not lasts or min(lasts) - self._evaluated_at < cfg.eval_every_steps:
+            return result
+        self._evaluated_at = min(lasts)
+        result.evaluated = True
+        for rank, inp in inputs.items():
+            t = self._tracks[rank]
+            fig = figures_for(inp, cfg.window, (t.base_step or 0) + cfg.warmup_steps)
+            if fig is not None:
+                result.figures[rank] = fig
+        groups: dict[int, list[RankFigures]] = {}
+        for fig in result.figures.values():
+            groups.setdefault(fig.group, []).append(fig)
+        for figs in groups.values():
+            for rank, (score, significant) in group_scores(figs, cfg.mad_k).items():
+                result.scores[rank] = score
+                self._step_state(rank, score, significant and len(figs) > 1, now, result.transitions)
+        return result
+
+    def _step_state(self, rank: int, score: float, significant: bool, now: float, out: list[Transition]) -> None:
+        cfg = self.config
+        t = self._tracks[rank]
+        t.score = score
+        slow = score < cfg.enter_score and significant
+        well = score >= cfg.leave_score or not significant
+        s = t.state
+        if s == RankState.WARMUP:
+            self._move(rank, t, RankState.HEALTHY, now, out)
+            s = t.state
+        if s in (RankState.HEALTHY, RankState.SUSPECT):
+            if not slow:
+                self._move(rank, t, RankState.HEALTHY, now, out)
+                return
+            if s == RankState.HEALTHY:
+                self._move(rank, t, RankState.SUSPECT, now, out)
+            t.count += 1
+            if t.count >= cfg.enter_windows:
+                self._move(rank, t, RankState.STRAGGLER, now, out)
+        else:  # STRAGGLER or RECOVERING
+            if not well:
+                self._move(rank, t, RankState.STRAGGLER, now, out)
+                return
+            if s == RankState.STRAGGLER:
+                self._move(rank, t, RankState.RECOVERING, now, out)
+            t.count += 1
+            if t.count >= cfg.leave_windows:
+                self._move(rank, t, RankState.HEALTHY, now, out)

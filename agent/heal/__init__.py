@@ -1,0 +1,1 @@
+"""Healing actions the agent takes on its own (shard migration: migration.py)."""
