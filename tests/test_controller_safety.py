@@ -1,0 +1,222 @@
+"""Controller mechanics against a simulated job: the real RankTable, PlanStore, EventLog and
+PlanWatcher, with ranks simulated in-process (fast, deterministic): warm-up, window bookkeeping,
+divergence rollback + LR cut, world-size rescale, metrics, and no torch in the agent."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from prometheus_client.core import CollectorRegistry
+
+from agent.controller import METRICS, ControllerConfig, Proposal, Setting, Space, WindowResult, install
+from agent.eventlog import EventLog
+from agent.metricspec import index
+from agent.plans import PlanStore
+from agent.ranktable import RankTable
+from agent.wire import Telemetry
+from trainer.agent_link import PlanWatcher
+
+JOB = "sim"
+
+
+class SimJob:
+    """dp ranks that take the plan at a step boundary like trainer/train.py (rank 0 polls during
+    step s, every rank applies it from step s+1) and report telemetry into the agent's table."""
+
+    def __init__(self, plans: PlanStore, table: RankTable, dp: int = 2, batch: int = 8) -> None:
+        self.watcher = PlanWatcher(plans.path(JOB))
+        self.table = table
+        self.dp = dp
+        self.base = batch
+        self.sizes = [batch // dp] * dp
+        self.version = 0
+        self.lr_scale = 1.0
+        self.step = 0
+        self.progress = 0.0
+        self.loss = 3.0
+        self.wall = 1000.0
+        self.pending: Any = None
+        self.applied: dict[int, tuple[int, float, list[int]]] = {}
+
+    def set_dp(self, dp: int) -> None:
+        """A rank is gone: the restarted job keeps the per-rank batch (memory-bound)."""
+        per_rank = self.sizes[0]
+        self.dp = dp
+        self.sizes = [per_rank] * dp
+
+    def run(self, steps: int, agent: Any, controller: Any) -> None:
+        for _ in range(steps):
+            if self.pending is not None:
+                plan, self.pending = self.pending, None
+                self.version, self.lr_scale = plan.version, plan.lr_scale
+                if plan.batch_sizes and len(plan.batch_sizes) == self.dp:
+                    self.sizes = list(plan.batch_sizes)
+            self.step += 1
+            total = sum(self.sizes)
+            if self.lr_scale > 4:
+                self.loss *= 1.3  # too hot: diverges
+            else:
+                self.progress += 0.02 * self.lr_scale * math.sqrt(total / self.base)
+                self.loss = 1.0 + 2.0 * math.exp(-self.progress)
+            step_s = 0.01 + 0.001 * total / self.dp
+            self.wall += step_s
+            g2, s = 1.0, 32.0  # expected norms: |G|^2 + S / b
+            for d in range(self.dp):
+                b = self.sizes[d]
+                self.table.add(Telemetry(
+                    job=JOB, rank=d, local_rank=d, pid=100 + d, step=self.step, wall_time=self.wall, step_s=step_s,
+                    data_s=0.0, fwd_bwd_s=0.001 * b, comm_s=0.005, opt_s=0.005, samples=b, tokens=b * 32,
+                    loss=self.loss, grad_norm=math.sqrt(g2 + s / total), local_grad_sq=g2 + s / b,
+                    lr=1e-3 * self.lr_scale, batch_size=b, mem_bytes=1, plan_version=self.version,
+                    dp_rank=d, world_size=self.dp))
+            self.applied[self.step] = (self.version, self.lr_scale, list(self.sizes))
+            polled = self.watcher.poll()
+            if polled.version != self.version:
+                self.pending = polled
+            controller.tick(agent, self.wall)
+
+
+class Scripted:
+    """A strategy that proposes a fixed sequence of settings (then keeps the last)."""
+
+    name = "scripted"
+
+    def __init__(self, plan: list[Setting]) -> None:
+        self.plan = plan
+        self.observed: list[WindowResult] = []
+        self.space: Space | None = None
+
+    def propose(self, current: Setting, last: WindowResult | None) -> Proposal:
+        target = self.plan.pop(0) if self.plan else current
+        return Proposal(target, f"scripted {target.describe()}")
+
+    def observe(self, result: WindowResult) -> None:
+        self.observed.append(result)
+
+    def close(self) -> None:
+        return None
+
+
+def make_agent(tmp_path: Path, **trainer: Any) -> SimpleNamespace:
+    cfg = {"global_batch": 8, "parallel": {"dp": 2, "tp": 1, "pp": 1}, **trainer}
+    record = SimpleNamespace(spec=SimpleNamespace(trainer=cfg))
+    return SimpleNamespace(
+        table=RankTable(), plans=PlanStore(str(tmp_path / "plans")), events=EventLog(str(tmp_path / "events"), "n1"),
+        supervisor=SimpleNamespace(jobs={JOB: record}), tick_hooks=[])
+
+
+def events(agent: SimpleNamespace, kind: str) -> list[dict[str, Any]]:
+    """Events of one kind, their fields flattened beside kind/cause/severity."""
+    return [{**e, **e.get("fields", {})} for e in agent.events.since(0, 10_000) if e["kind"] == kind]
+
+
+def test_warmup_window_and_change_applied_from_the_plan_version_step(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    strat = Scripted([Setting(1.0, 8), Setting(2.0, 16)])
+    cfg = ControllerConfig(strategy="optuna", every_steps=10, warmup_steps=20)
+    ctl = install(agent, cfg, strategy_factory=lambda c, s, j: strat)
+    assert agent.tick_hooks == [ctl.tick] and agent.controller is ctl
+    sim = SimJob(agent.plans, agent.table)
+    sim.run(19, agent, ctl)
+    assert events(agent, "controller_decision") == []  # warm-up: nothing decided
+    sim.run(40, agent, ctl)
+    decisions = events(agent, "controller_decision")
+    assert [d["changed"] for d in decisions[:2]] == [False, True]
+    change = decisions[1]
+    assert change["lr_scale_to"] == 2.0 and change["batch_to"] == 16 and change["cause"].startswith("scripted")
+    assert agent.plans.get(JOB).batch_sizes == [8, 8]
+    # The first window was scored over exactly every_steps steps; the change's window starts at
+    # the first step run under its plan version.
+    first = strat.observed[0]
+    assert first.end_step - first.start_step + 1 == 10 and first.objective > 0
+    second = strat.observed[1]
+    v = change["plan_version"]
+    assert sim.applied[second.start_step][0] == v and sim.applied[second.start_step - 1][0] < v
+    assert sim.applied[second.start_step][1:] == (2.0, [8, 8])
+    assert second.setting == Setting(2.0, 16)
+
+
+def test_divergence_rolls_back_and_cuts_lr(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    calls: list[tuple[str, str]] = []
+    agent.rollback = lambda job, reason: calls.append((job, reason))
+    strat = Scripted([Setting(1.0, 8), Setting(8.0, 8)])
+    cfg = ControllerConfig(strategy="rl", every_steps=10, warmup_steps=10, lr_scale_max=16.0)
+    ctl = install(agent, cfg, strategy_factory=lambda c, s, j: strat)
+    sim = SimJob(agent.plans, agent.table)
+    sim.run(45, agent, ctl)
+    rollbacks = events(agent, "controller_rollback")
+    assert len(rollbacks) == 1, rollbacks
+    rb = rollbacks[0]
+    assert "diverged" in rb["cause"] and rb["severity"] == "warning" and rb["checkpoint_restored"] is True
+    assert calls and calls[0][0] == JOB
+    # Back to the last good setting (lr x1, batch 8) with the LR cut by lr_cut.
+    assert agent.plans.get(JOB).lr_scale == 0.5 and ctl.jobs[JOB].current == Setting(0.5, 8)
+    assert [o.setting.lr_scale for o in strat.observed if o.diverged] == [8.0]
+    # The job's LR ceiling dropped below the diverged LR, so a strategy cannot go straight back.
+    assert math.isclose(ctl.jobs[JOB].space.lr_high, 8.0 * math.sqrt(0.5))
+    strat.plan = [Setting(16.0, 8)]
+    sim.run(12, agent, ctl)
+    assert math.isclose(ctl.jobs[JOB].current.lr_scale, 8.0 * math.sqrt(0.5))
+    assert "clamped" in events(agent, "controller_decision")[-1]["cause"]
+
+
+def test_world_size_change_rescales_lr_for_the_new_global_batch(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    strat = Scripted([Setting(1.0, 16)])
+    ctl = install(agent, ControllerConfig(strategy="rl", every_steps=10, warmup_steps=10),
+                  strategy_factory=lambda c, s, j: strat)
+    sim = SimJob(agent.plans, agent.table)
+    sim.run(25, agent, ctl)
+    assert sim.sizes == [8, 8]
+    agent.table.forget_job(JOB)  # the job restarted without rank 1
+    sim.set_dp(1)
+    sim.run(5, agent, ctl)
+    rescale = [e for e in events(agent, "controller_decision") if e.get("dp_to") == 1]
+    assert len(rescale) == 1
+    assert "world size changed: dp 2 -> 1, global batch 16 -> 8" in rescale[0]["cause"]
+    plan = agent.plans.get(JOB)
+    # LR rescaled by sqrt(8/16); the per-rank split republished for one dp rank.
+    assert math.isclose(plan.lr_scale, math.sqrt(0.5)) and plan.batch_sizes == [8]
+    sim.run(3, agent, ctl)
+    assert sim.applied[sim.step][1:] == (math.sqrt(0.5), [8])
+
+
+def test_metrics_families_match_spec(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    ctl = install(agent, ControllerConfig(strategy="goodput", every_steps=5, warmup_steps=5))
+    sim = SimJob(agent.plans, agent.table)
+    sim.run(20, agent, ctl)
+    spec = index(METRICS)
+    class Source:
+        def collect(self):  # noqa: ANN202
+            return ctl.metrics()
+
+    registry = CollectorRegistry()
+    registry.register(Source())
+    current = ctl.jobs[JOB].current
+    assert registry.get_sample_value("trainguard_controller_lr_scale", {"job": JOB}) == current.lr_scale
+    assert registry.get_sample_value("trainguard_controller_batch_size", {"job": JOB}) == current.batch
+    assert sum(sim.sizes) == current.batch
+    assert registry.get_sample_value("trainguard_controller_decisions_total", {"job": JOB, "strategy": "goodput"}) >= 2
+    # The simulation reports exact expected norms |G|^2 + S/b with |G|^2 = 1, S = 32.
+    assert 31 < registry.get_sample_value("trainguard_controller_noise_scale", {"job": JOB}) < 33  # type: ignore[operator]
+    assert registry.get_sample_value("trainguard_controller_objective", {"job": JOB}) is not None
+    for family in ctl.metrics():
+        assert family.name in {s.removesuffix("_total") for s in spec}
+        for sample in family.samples:
+            assert set(sample.labels) == set(spec.get(family.name, spec.get(family.name + "_total")).labels)  # type: ignore[union-attr]
+
+
+def test_agent_side_never_imports_torch() -> None:
+    code = ("import sys; from agent.controller import install, ControllerConfig; "
+            "from agent.controller.optuna_strategy import OptunaStrategy; import agent.controller.gp; "
+            "import agent.controller.bandit, agent.controller.goodput; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "False"
