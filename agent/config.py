@@ -183,6 +183,8 @@ class RecoverySection:
     """A job hangs when no rank advanced for hang_factor x its median step time ..."""
     hang_floor_s: float = 30.0
     """... and at least this long."""
+    startup_timeout_s: float = 180.0
+    """A (re)started job that has not finished its first step after this long hangs."""
     loss_spike_factor: float = 4.0
     """Loss above this factor x its recent median (or NaN/inf) is divergence: roll back."""
     rollback_lr_factor: float = 0.5
@@ -196,6 +198,7 @@ class RecoverySection:
         if self.hang_factor <= 1:
             raise ConfigError(f"{key}.hang_factor", "must be > 1")
         _positive(f"{key}.hang_floor_s", self.hang_floor_s)
+        _positive(f"{key}.startup_timeout_s", self.startup_timeout_s)
         if self.loss_spike_factor <= 1:
             raise ConfigError(f"{key}.loss_spike_factor", "must be > 1")
         if not (0 < self.rollback_lr_factor <= 1):

@@ -31,24 +31,33 @@ class HangDetector:
     The clock starts when the ranks start, so a job stuck before its first step is found too.
     """
 
-    def __init__(self, factor: float, floor_s: float) -> None:
+    def __init__(self, factor: float, floor_s: float, startup_s: float = 180.0) -> None:
         self.factor = factor
         self.floor_s = floor_s
+        self.startup_s = startup_s
         self._progress: dict[str, _Progress] = {}
         self._reported: set[tuple[str, int]] = set()
+        self._first: dict[str, bool] = {}
 
     def reset(self, job: str, now: float) -> None:
+        """A new attempt: its first step (imports, rendezvous, restore) gets the startup limit."""
         self._progress[job] = _Progress(-1, now)
+        self._first[job] = True
 
     def forget(self, job: str) -> None:
         self._progress.pop(job, None)
+        self._first.pop(job, None)
 
     def check(self, job: str, max_step: int, median_step_s: float | None, now: float) -> Finding | None:
         p = self._progress.setdefault(job, _Progress(-1, now))
         if max_step > p.step:
+            self._first[job] = False
             p.step, p.since = max_step, now
             return None
-        limit = max(self.factor * (median_step_s or 0.0), self.floor_s)
+        if self._first.get(job, False):
+            limit = self.startup_s
+        else:
+            limit = max(self.factor * (median_step_s or 0.0), self.floor_s)
         stalled = now - p.since
         if stalled < limit or (job, p.step) in self._reported:
             return None

@@ -82,7 +82,7 @@ class RecoveryService:
         self.agent = agent
         self.cfg = agent.cfg.recovery
         self.checkpoints = checkpoints
-        self.hangs = HangDetector(self.cfg.hang_factor, self.cfg.hang_floor_s)
+        self.hangs = HangDetector(self.cfg.hang_factor, self.cfg.hang_floor_s, self.cfg.startup_timeout_s)
         self.losses = LossDetector(self.cfg.loss_spike_factor)
         self._attempt_seen: dict[str, int] = {}
         self._restored: dict[str, Restored] = {}
