@@ -1,0 +1,331 @@
+"""Straggler detector, cause attribution, evidence readers and the service's closed loop, on
+synthetic telemetry fed into the agent's real RankTable, EventLog and PlanStore."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from agent.detect.causes import Evidence, attribute
+from agent.detect.config import DetectionConfigError, StragglerConfig
+from agent.detect.evidence import ProcReader, RankEvidence
+from agent.detect.service import METRICS, install
+from agent.detect.straggler import RankInput, RankState, StepSample, StragglerDetector, mad, median
+from agent.eventlog import EventLog
+from agent.plans import PlanStore
+from agent.ranktable import RankTable
+from agent.wire import Telemetry
+
+# --- config ---------------------------------------------------------------------------------
+
+
+def test_config_errors_name_the_key() -> None:
+    with pytest.raises(DetectionConfigError, match=r"^detection\.window: "):
+        StragglerConfig(window=1)
+    with pytest.raises(DetectionConfigError, match=r"^detection\.leave_score: .*enter_score"):
+        StragglerConfig(enter_score=0.8, leave_score=0.7)
+    with pytest.raises(DetectionConfigError, match=r"^detection\.observe_only: "):
+        StragglerConfig(observe_only="yes")  # type: ignore[arg-type]
+    with pytest.raises(DetectionConfigError, match=r"^detection\.bogus: unknown key"):
+        StragglerConfig().updated({"bogus": 1})
+    cfg = StragglerConfig().updated({"enter_score": 0.5, "mad_k": 2})
+    assert cfg.enter_score == 0.5 and cfg.mad_k == 2.0 and isinstance(cfg.mad_k, float)
+
+
+def test_robust_stats() -> None:
+    assert median([3, 1, 2]) == 2 and median([4, 1, 3, 2]) == 2.5 and math.isnan(median([]))
+    assert mad([1, 2, 3, 4, 100]) == 1
+
+
+# --- detector on synthetic steps ------------------------------------------------------------
+
+
+def _steps(rng: random.Random, first: int, last: int, per_sample: float, samples: int = 8,
+           jitter: float = 0.15, spikes: float = 0.03) -> list[StepSample]:
+    out = []
+    for s in range(first, last):
+        t = per_sample * samples * rng.lognormvariate(0, jitter)
+        if rng.random() < spikes:
+            t *= rng.uniform(2, 5)  # GC pause, page cache miss, a neighbour's burst
+        out.append(StepSample(s, t, 0.001, samples))
+    return out
+
+
+def _run(det: StragglerDetector, series: dict[int, list[StepSample]], upto: int, stride: int = 4) -> list[Any]:
+    trans = []
+    for end in range(stride, upto + 1, stride):
+        inputs = {r: RankInput(r, 0, r, [s for s in steps if s.step < end]) for r, steps in series.items()}
+        trans += det.evaluate(inputs, now=float(end)).transitions
+    return trans
+
+
+def test_slow_rank_detected_within_window_and_recovers_with_hysteresis() -> None:
+    cfg = StragglerConfig(window=12, warmup_steps=5, enter_windows=2, leave_windows=2, eval_every_steps=4)
+    rng = random.Random(1)
+    series = {r: _steps(rng, 0, 200, 0.01) for r in range(4)}
+    # Rank 2 is 2x slower on steps [60, 120).
+    series[2] = [StepSample(s.step, s.fwd_bwd_s * (2 if 60 <= s.step < 120 else 1), s.opt_s, s.samples)
+                 for s in series[2]]
+    det = StragglerDetector(cfg)
+    trans = _run(det, series, 200)
+    detected = [t for t in trans if t.detected]
+    recovered = [t for t in trans if t.recovered]
+    assert [t.rank for t in detected] == [2] and [t.rank for t in recovered] == [2]
+    # Detected within half a window plus enter_windows evaluations of the slowdown starting.
+    det2 = StragglerDetector(cfg)
+    step_found = None
+    for end in range(4, 201, 4):
+        inputs = {r: RankInput(r, 0, r, [s for s in steps if s.step < end]) for r, steps in series.items()}
+        if any(t.detected for t in det2.evaluate(inputs, float(end)).transitions):
+            step_found = end
+            break
+    assert step_found is not None and 60 < step_found <= 60 + cfg.window // 2 + 4 * (cfg.enter_windows + 1)
+    assert det.score(2) > cfg.leave_score and det.state(2) == RankState.HEALTHY
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_no_false_positive_on_noisy_healthy_run(seed: int) -> None:
+    """300 steps of 8 ranks with log-normal jitter and random spikes: never a straggler."""
+    rng = random.Random(seed)
+    series = {r: _steps(rng, 0, 300, 0.01 * rng.uniform(0.95, 1.05), jitter=0.2, spikes=0.05) for r in range(8)}
+    det = StragglerDetector(StragglerConfig())
+    trans = _run(det, series, 300)
+    assert not [t for t in trans if t.new in (RankState.STRAGGLER, RankState.RECOVERING)]
+    assert all(det.state(r) == RankState.HEALTHY for r in range(8))
+
+
+def test_warmup_steps_are_not_judged() -> None:
+    rng = random.Random(3)
+    series = {r: _steps(rng, 0, 30, 0.01) for r in range(4)}
+    series[0] = [StepSample(s.step, s.fwd_bwd_s * (10 if s.step < 10 else 1), s.opt_s, s.samples) for s in series[0]]
+    det = StragglerDetector(StragglerConfig(window=8, warmup_steps=10, eval_every_steps=2))
+    trans = _run(det, series, 30, stride=2)
+    assert not [t for t in trans if t.new == RankState.SUSPECT]
+    # Before warm-up + one window no rank has figures.
+    det = StragglerDetector(StragglerConfig(window=8, warmup_steps=10, eval_every_steps=2))
+    inputs = {r: RankInput(r, 0, r, [s for s in steps if s.step < 17]) for r, steps in series.items()}
+    assert det.evaluate(inputs, 0.0).figures == {}
+
+
+def test_per_sample_judgement_survives_migration() -> None:
+    """After migration the slow rank's step time matches the others, but its time per sample does not:
+    it must stay a straggler (no premature undo)."""
+    cfg = StragglerConfig(window=8, warmup_steps=0, enter_windows=1, leave_windows=1, eval_every_steps=1)
+    det = StragglerDetector(cfg)
+    fast = [StepSample(s, 0.08, 0.001, 8) for s in range(20)]
+    slow = [StepSample(s, 0.16 if s < 10 else 0.08, 0.001, 8 if s < 10 else 4) for s in range(20)]
+    for end in range(8, 21):
+        res = det.evaluate({0: RankInput(0, 0, 0, fast[:end]), 1: RankInput(1, 0, 1, slow[:end])}, float(end))
+    assert det.state(1) == RankState.STRAGGLER and res.scores[1] == pytest.approx(0.5)
+
+
+def test_peer_groups_keep_pipeline_stages_apart() -> None:
+    """A last pipeline stage that is slower by design is not a straggler; only dp peers compare."""
+    cfg = StragglerConfig(window=8, warmup_steps=0, enter_windows=1, eval_every_steps=1)
+    det = StragglerDetector(cfg)
+    inputs = {}
+    for rank in range(4):  # pp=2 x dp=2: ranks 0,1 stage 0; ranks 2,3 stage 1 (3x the work)
+        t = 0.03 if rank >= 2 else 0.01
+        inputs[rank] = RankInput(rank, rank // 2, rank % 2, [StepSample(s, t, 0.0, 4) for s in range(10)])
+    res = det.evaluate(inputs, 0.0)
+    assert all(v == pytest.approx(1.0) for v in res.scores.values())
+    assert not res.transitions or all(t.new == RankState.HEALTHY for t in res.transitions)
+
+
+# --- causes ---------------------------------------------------------------------------------
+
+
+def test_cause_precedence_and_thresholds() -> None:
+    peers = [Evidence(run_delay_s=0.002, throttled_s=0.0, blocked_s=0.05, reclaim_s=0.0)] * 3
+    assert attribute(Evidence(run_delay_s=0.05, throttled_s=0.0), peers, 0.05).cause == "cpu_contention"
+    # Throttled tasks also wait on the run queue: quota wins over plain contention.
+    assert attribute(Evidence(run_delay_s=0.05, throttled_s=0.04), peers, 0.05).cause == "cpu_quota"
+    assert attribute(Evidence(reclaim_s=0.03, run_delay_s=0.002), peers, 0.05).cause == "memory_reclaim"
+    assert attribute(Evidence(blocked_s=0.09), peers, 0.05).cause == "io_wait"
+    # A little extra run delay that explains < 25% of the slowdown is not a cause.
+    assert attribute(Evidence(run_delay_s=0.007), peers, 0.05).cause == "unknown"
+    gpu_peers = [Evidence(gpu_clock_ratio=1.0)] * 3
+    assert attribute(Evidence(gpu_clock_ratio=0.6), gpu_peers, 0.05).cause == "gpu_throttle"
+    assert attribute(Evidence(gpu_slowdown=("hw_thermal",), gpu_clock_ratio=0.95), gpu_peers, 0.05).cause == "gpu_throttle"
+    assert attribute(Evidence(gpu_errors=2, run_delay_s=1.0), peers, 0.05).cause == "gpu_error"
+    assert attribute(Evidence(), [], 0.05).cause == "unknown"
+
+
+# --- evidence readers (fake /proc and /sys) -------------------------------------------------
+
+
+def _fake_proc(root: Path, pid: int, delay_ns: int, cgroup: str) -> None:
+    (root / "proc" / str(pid) / "task" / str(pid)).mkdir(parents=True, exist_ok=True)
+    (root / "proc" / str(pid) / "task" / str(pid) / "schedstat").write_text(f"123 {delay_ns} 7\n")
+    (root / "proc" / str(pid) / "cgroup").write_text(cgroup)
+
+
+def test_proc_reader_cgroup_v1_and_v2(tmp_path: Path) -> None:
+    _fake_proc(tmp_path, 10, 2_500_000_000, "4:memory:/x\n3:cpu,cpuacct:/jobs/r1\n0::/\n")
+    v1 = tmp_path / "sys/fs/cgroup/cpu,cpuacct/jobs/r1"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.stat").write_text("nr_periods 10\nnr_throttled 4\nthrottled_time 300000000\n")
+    _fake_proc(tmp_path, 11, 0, "0::/tg/rank0\n")
+    v2 = tmp_path / "sys/fs/cgroup/tg/rank0"
+    v2.mkdir(parents=True)
+    (v2 / "cpu.stat").write_text("usage_usec 5\nnr_throttled 3\nthrottled_usec 1500000\n")
+    reader = ProcReader(tmp_path / "proc", tmp_path / "sys")
+    assert reader.run_delay_s(10) == pytest.approx(2.5)
+    assert reader.throttled_s(10) == pytest.approx(0.3)
+    assert reader.throttled_s(11) == pytest.approx(1.5)
+    assert reader.run_delay_s(99) is None and reader.throttled_s(99) is None
+
+
+def test_run_delay_per_step_is_a_median_over_ticks(tmp_path: Path) -> None:
+    reader = ProcReader(tmp_path / "proc", tmp_path / "sys")
+    ev = RankEvidence(reader)
+    delays = [0, 10, 20, 30, 530, 540]  # ms cumulative: 10 ms per 10-step tick, one 500 ms burst
+    for i, d in enumerate(delays):
+        _fake_proc(tmp_path, 5, d * 1_000_000, "0::/\n")
+        ev.observe("j", 0, 5, step=10 * i)
+    assert ev.run_delay_per_step("j", 0, ticks=5) == pytest.approx(0.001)
+    e = ev.evidence("j", 0, span_steps=20)
+    # Evidence for causes is a sum over the ticks covering the span (here the last two).
+    assert e.run_delay_source == "schedstat" and e.run_delay_s == pytest.approx(0.510 / 20)
+    # A new process (pid change) starts its counters again.
+    _fake_proc(tmp_path, 6, 0, "0::/\n")
+    ev.observe("j", 0, 6, step=0)
+    assert ev.run_delay_per_step("j", 0, ticks=5) == 0.0
+
+
+# --- the service, closed loop on a simulated job --------------------------------------------
+
+
+class SimJob:
+    """Ranks that obey the plan's batch sizes: compute = fixed + n * per_sample (with jitter)."""
+
+    def __init__(self, table: RankTable, plans: PlanStore, job: str, per_sample: list[float], seed: int = 0) -> None:
+        self.table, self.plans, self.job = table, plans, job
+        self.per_sample = list(per_sample)
+        self.rng = random.Random(seed)
+        self.step = 0
+        self.t = 1000.0
+
+    def run(self, steps: int) -> None:
+        n = len(self.per_sample)
+        for _ in range(steps):
+            plan = self.plans.get(self.job)
+            sizes = plan.batch_sizes or [32 // n] * n
+            self.step += 1
+            computes = [0.002 + sizes[r] * self.per_sample[r] * self.rng.lognormvariate(0, 0.05) for r in range(n)]
+            step_s = max(computes) + 0.005
+            self.t += step_s
+            for r in range(n):
+                self.table.add(Telemetry(
+                    job=self.job, rank=r, local_rank=r, pid=4_000_000 + r, step=self.step, wall_time=self.t,
+                    step_s=step_s, data_s=0.0, fwd_bwd_s=computes[r] - 0.002, comm_s=step_s - computes[r],
+                    opt_s=0.002, samples=sizes[r], tokens=sizes[r] * 64, loss=1.0, grad_norm=1.0,
+                    local_grad_sq=1.0, lr=1e-3, batch_size=sizes[r], mem_bytes=1, plan_version=plan.version,
+                    dp_rank=r, world_size=n))
+
+    def step_time(self, sizes: list[int]) -> float:
+        return max(0.002 + s * p for s, p in zip(sizes, self.per_sample, strict=True))
+
+
+@pytest.fixture
+def sim_agent(tmp_path: Path) -> Any:
+    events = EventLog(str(tmp_path / "events"), "test", fsync=False)
+    agent = SimpleNamespace(
+        table=RankTable(), events=events, plans=PlanStore(str(tmp_path / "plans")),
+        supervisor=SimpleNamespace(jobs={}), collectors=[], tick_hooks=[],
+        exporter=SimpleNamespace(sources=[]))
+    yield agent
+    events.close()
+
+
+def _kinds(agent: Any, *kinds: str) -> list[dict[str, Any]]:
+    return [e for e in agent.events.since(0, limit=100000) if e["kind"] in kinds]
+
+
+def test_service_detects_migrates_converges_and_undoes(sim_agent: Any, tmp_path: Path) -> None:
+    cfg = StragglerConfig(window=12, warmup_steps=5, enter_windows=2, leave_windows=2, eval_every_steps=4,
+                          settle_steps=6)
+    svc = install(sim_agent, cfg, proc_root=tmp_path / "noproc", sys_root=tmp_path / "nosys")
+    assert sim_agent.tick_hooks == [svc] and sim_agent.exporter.sources == [svc]
+    assert sim_agent.detection_config()["window"] == 12
+    sim = SimJob(sim_agent.table, sim_agent.plans, "sim", [0.001] * 4)
+    for _ in range(10):
+        sim.run(5)
+        svc.tick(sim.t)
+    assert not _kinds(sim_agent, "straggler_detected", "shard_migration")
+    healthy_step = sim.step_time([8, 8, 8, 8])
+    sim.per_sample[1] = 0.002  # rank 1 becomes 2x slower
+    slow_step = sim.step_time([8, 8, 8, 8])
+    for _ in range(30):
+        sim.run(4)
+        svc.tick(sim.t)
+    det = _kinds(sim_agent, "straggler_detected")
+    assert [(e["rank"], e["cause"]) for e in det] == [(1, "unknown")]
+    assert det[0]["fields"]["step"] <= 50 + 12 // 2 + 4 * 3
+    sizes = sim_agent.plans.get("sim").batch_sizes
+    assert sizes is not None and sum(sizes) == 32 and sizes[1] < 8 and min(sizes) >= 1
+    mig_step = sim.step_time(sizes)
+    ideal = sim.step_time([9, 5, 9, 9])
+    assert mig_step <= ideal * 1.1 and mig_step < slow_step * 0.75 and healthy_step < mig_step
+    # Per-rank compute times converged (within 20% of each other).
+    views = sim_agent.table.snapshot().jobs["sim"]
+    comp = [v.median_compute_s for v in views.values()]
+    assert max(comp) / min(comp) < 1.2
+    assert svc.scores("sim")[1][1:] == ("unknown", "straggler")
+    migrations = len(_kinds(sim_agent, "shard_migration"))
+    assert 1 <= migrations <= 3  # damped: no oscillation
+    # Recovery: shares return to even.
+    sim.per_sample[1] = 0.001
+    for _ in range(30):
+        sim.run(4)
+        svc.tick(sim.t)
+    assert [e["rank"] for e in _kinds(sim_agent, "straggler_recovered")] == [1]
+    last = _kinds(sim_agent, "shard_migration")[-1]
+    assert last["fields"]["action"] == "undo" and sim_agent.plans.get("sim").batch_sizes is None
+    assert svc.batch_sizes("sim") == [8, 8, 8, 8]
+    names = {m.name for m in svc.metrics()}
+    assert names == {"trainguard_rank_straggler_score", "trainguard_stragglers_detected",
+                     "trainguard_shard_migrations", "trainguard_rank_batch_share"}
+    assert {s.name for s in METRICS} == {"trainguard_rank_straggler_score", "trainguard_stragglers_detected_total",
+                                         "trainguard_shard_migrations_total", "trainguard_rank_batch_share"}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for m in svc.metrics() for s in m.samples}
+    assert samples[("trainguard_stragglers_detected_total", (("cause", "unknown"), ("job", "sim")))] == 1
+    assert samples[("trainguard_rank_batch_share", (("job", "sim"), ("rank", "1")))] == 0.25
+
+
+def test_observe_only_reports_without_acting_and_exclusion(sim_agent: Any, tmp_path: Path) -> None:
+    cfg = StragglerConfig(window=8, warmup_steps=2, enter_windows=1, eval_every_steps=2, observe_only=True,
+                          exclude_after_s=0.5)
+    svc = install(sim_agent, cfg, proc_root=tmp_path / "p", sys_root=tmp_path / "s")
+    sim = SimJob(sim_agent.table, sim_agent.plans, "obs", [0.001, 0.001, 0.003, 0.001])
+    for _ in range(12):
+        sim.run(4)
+        svc.tick(sim.t)
+    det = _kinds(sim_agent, "straggler_detected")
+    assert [e["rank"] for e in det] == [2] and det[0]["fields"]["action"] == "observe_only"
+    assert sim_agent.plans.get("obs").batch_sizes is None and not _kinds(sim_agent, "shard_migration")
+    exc = _kinds(sim_agent, "rank_excluded")
+    assert len(exc) == 1 and exc[0]["fields"]["action"] == "observe_only"
+    # Acting mode without an exclude hook on the agent: says so instead of pretending.
+    svc.update_detection({"observe_only": False})
+    assert sim_agent.detection_config()["observe_only"] is False
+    with pytest.raises(DetectionConfigError, match="detection.enter_score"):
+        sim_agent.update_detection({"enter_score": 2})
+    sim2 = SimJob(sim_agent.table, sim_agent.plans, "act", [0.001, 0.004, 0.001, 0.001])
+    asked: list[tuple[str, int]] = []
+    for _ in range(12):
+        sim2.run(4)
+        svc.tick(sim2.t)
+    exc = [e for e in _kinds(sim_agent, "rank_excluded") if e["job"] == "act"]
+    assert [e["fields"]["action"] for e in exc] == ["exclude_not_available"]
+    sim_agent.exclude_rank = lambda job, rank, reason: asked.append((job, rank))
+    sim3 = SimJob(sim_agent.table, sim_agent.plans, "act2", [0.001, 0.001, 0.001, 0.005])
+    for _ in range(12):
+        sim3.run(4)
+        svc.tick(sim3.t)
+    assert asked == [("act2", 3)]
