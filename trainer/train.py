@@ -231,10 +231,19 @@ class Trainer:
             # Every rank runs the same number of micro-steps (maybe on zero rows): FSDP2's
             # all-gathers and DDP's all-reduce are collectives that all ranks must join.
             self._set_sync(i == len(pieces) - 1)
-            xb, yb = x[rows[0]:rows[-1] + 1] if len(rows) else x[:0], y[rows[0]:rows[-1] + 1] if len(rows) else y[:0]
+            if len(rows):
+                xb, yb, weight = x[rows[0]:rows[-1] + 1], y[rows[0]:rows[-1] + 1], 1.0
+            else:
+                # An idle rank still runs forward and backward (FSDP2's all-gathers and DDP's
+                # all-reduce need every rank) on one placeholder row whose loss counts zero: an
+                # empty batch would not do, DTensor's reshape rules loop forever on a 0-sized dim.
+                xb, yb, weight = torch.zeros_like(x[:1]), torch.zeros_like(y[:1]), 0.0
+                if x.shape[0] == 0:
+                    xb = torch.zeros((1, x.shape[1]), dtype=x.dtype, device=x.device)
+                    yb = torch.zeros_like(xb)
             with self._autocast():
                 logits = model(xb)
-            loss = self._loss_fn(logits, yb)
+            loss = self._loss_fn(logits, yb) * weight
             loss.backward()
             total += float(loss.detach()) / self._loss_scale
         return total
@@ -290,7 +299,7 @@ class Trainer:
         vec = torch.zeros(4 + dp, dtype=torch.float64)
         if self.has_last and lay.tp_rank == 0:
             vec[0] = loss_sum
-        vec[1] = sq_norm_share([p.grad for p in self.params if p.grad is not None], dp * lay.tp)
+        vec[1] = sq_norm_share([p.grad for p in self.params if p.grad is not None], {"dp": dp, "tp": lay.tp})
         if self.env.rank == 0:
             polled = self.plans.poll()
             vec[2] = polled.version
@@ -382,6 +391,7 @@ class Trainer:
     def _report(self, r: StepResult, data_s: float, fwd_bwd_s: float, comm_s: float, opt_s: float,
                 n_local: int, local_sq: float, plan_version: int) -> None:
         cfg, lay = self.cfg, self.layout
+        now = time.time()
         tokens = n_local * cfg.model.context
         flops = flops_per_token(cfg.model) * r.samples * cfg.model.context / self.env.world_size / max(r.step_s, 1e-9)
         comm_b = comm_bytes_estimate(cfg, n_local)
@@ -391,7 +401,7 @@ class Trainer:
             ratio = float(self.compression.ratio)
         msg = Telemetry(
             job=self.env.job, rank=self.env.rank, local_rank=self.env.local_rank, pid=os.getpid(), step=r.step,
-            wall_time=time.time(), step_s=r.step_s, data_s=data_s, fwd_bwd_s=fwd_bwd_s, comm_s=comm_s, opt_s=opt_s,
+            wall_time=now, step_s=r.step_s, data_s=data_s, fwd_bwd_s=fwd_bwd_s, comm_s=comm_s, opt_s=opt_s,
             samples=n_local, tokens=tokens, loss=r.loss, grad_norm=r.grad_norm, local_grad_sq=local_sq, lr=r.lr,
             batch_size=n_local, mem_bytes=mem_bytes(self.device), plan_version=plan_version,
             flops_per_s=flops, mfu=flops / self._peak if self._peak else None, comm_bytes=comm_b,
@@ -403,7 +413,8 @@ class Trainer:
             row: dict[str, Any] = {
                 "step": r.step, "loss": r.loss, "lr": r.lr, "step_s": round(r.step_s, 5),
                 "tokens_per_s": round(r.samples * cfg.model.context / max(r.step_s, 1e-9), 1),
-                "grad_norm": r.grad_norm, "batch": r.samples, "plan_version": plan_version}
+                "grad_norm": r.grad_norm, "batch": r.samples, "plan_version": plan_version,
+                "time": round(now, 4)}
             if r.val_loss is not None:
                 row["val_loss"] = r.val_loss
             if ratio is not None:
