@@ -36,6 +36,9 @@ class LocalGradMeter:
         for chunk in chunks:
             fsdp = [m for m in chunk.modules() if isinstance(m, FSDPModule)]
             if fsdp:
+                # FSDP2 also runs post-accumulate hooks on the sharded parameters once it has
+                # written the reduced shard: those are after reduction, never hook them.
+                self._hooked.update(id(p) for p in chunk.parameters())
                 for m in fsdp:
                     m.register_forward_pre_hook(self._on_forward)
             else:
@@ -56,7 +59,7 @@ class LocalGradMeter:
         g = p.grad
         if g is None:
             return
-        self._latest[id(p)] = local_piece(g).detach().double().pow(2).sum().cpu() / replicas(g, self.tp)
+        self._latest[id(p)] = local_piece(g).detach().double().pow(2).sum().cpu() / replicas(g, {"tp": self.tp})
 
     def reset(self) -> None:
         self._latest.clear()

@@ -151,28 +151,30 @@ def build_schedule(cfg: TrainConfig, layout: Layout, chunks: list[nn.Module],
     return cls(stages[0], p.microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-def replicas(t: torch.Tensor, group_size: int) -> int:
-    """How many ranks of a group of ``group_size`` ranks (all holding this parameter) hold the same
-    values as this rank's local piece of ``t``: squared norms summed over the group are divided
-    by it so that duplicates count once."""
-    if isinstance(t, DTensor):
-        mesh = t.device_mesh
-        dup = group_size // mesh.size()
-        for dim, placement in enumerate(t.placements):
-            if isinstance(placement, Replicate):
-                dup *= mesh.size(dim)
-        return dup
-    return group_size
+def replicas(t: torch.Tensor, group: dict[str, int]) -> int:
+    """How many ranks of ``group`` (mesh dimension name -> size; every rank in it holds this
+    parameter) hold the same values as this rank's local piece of ``t``. Squared norms summed
+    over the group are divided by it so that duplicates count once."""
+    dup = 1
+    names = t.device_mesh.mesh_dim_names or () if isinstance(t, DTensor) else ()
+    for dim_name, size in group.items():
+        if dim_name not in names:
+            dup *= size  # the tensor is not split along this dimension: every rank has it all
+            continue
+        assert isinstance(t, DTensor)
+        if isinstance(t.placements[names.index(dim_name)], Replicate):
+            dup *= size
+    return dup
 
 
 def local_piece(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def sq_norm_share(tensors: list[torch.Tensor], group_size: int) -> torch.Tensor:
+def sq_norm_share(tensors: list[torch.Tensor], group: dict[str, int]) -> torch.Tensor:
     """This rank's share of the squared norm of ``tensors`` over a group (sum the shares: the norm²)."""
     total = torch.zeros((), dtype=torch.float64)
     for t in tensors:
         piece = local_piece(t).detach()
-        total += piece.double().pow(2).sum().cpu() / replicas(t, group_size)
+        total += piece.double().pow(2).sum().cpu() / replicas(t, group)
     return total
