@@ -23,6 +23,7 @@ Every decision (keep, change, rollback, rescale) is an event with its reason and
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import statistics
@@ -114,6 +115,8 @@ class JobControl:
     current: Setting
     good: Setting
     noise: NoiseScale
+    known_version: int = 0
+    """Newest plan version the controller wrote or has taken into account."""
     last_step: int = -1
     origin: float | None = None
     window: Window | None = None
@@ -188,10 +191,19 @@ class Controller:
             reps.setdefault(d, v)
         return reps
 
+    def _dp_now(self, agent: Any, job: str, leader: RankView, reps: dict[int, RankView]) -> int:
+        """The data-parallel degree the ranks run now: their world size over tp x pp (a rank that
+        has not reported yet does not make the world look smaller)."""
+        par = self._trainer_cfg(agent, job).get("parallel", {})
+        model_parallel = int(par.get("tp", 1)) * int(par.get("pp", 1)) if isinstance(par, dict) else 1
+        if leader.world_size:
+            return max(1, leader.world_size // max(1, model_parallel))
+        return len(reps)
+
     def _new_job(self, agent: Any, job: str, reps: dict[int, RankView]) -> JobControl:
         trainer = self._trainer_cfg(agent, job)
         par = trainer.get("parallel", {}) if isinstance(trainer.get("parallel"), dict) else {}
-        dp = len(reps)
+        dp = int(par.get("dp") or len(reps))
         unit = int(par.get("microbatches", 1)) if int(par.get("pp", 1)) > 1 else 1
         base = int(trainer.get("global_batch") or sum(v.batch_size for v in reps.values()) or dp)
         space = self._space(base, dp, unit)
@@ -199,7 +211,8 @@ class Controller:
         batch = sum(plan.batch_sizes) if plan.batch_sizes and len(plan.batch_sizes) == dp else base
         current = Setting(float(plan.lr_scale), int(batch))
         strategy = self.strategy_factory(self.config, space, job)
-        return JobControl(job, space, strategy, dp, current, current, NoiseScale(self.config.noise_ema))
+        return JobControl(job, space, strategy, dp, current, current, NoiseScale(self.config.noise_ema),
+                          known_version=plan.version)
 
     def _space(self, base: int, dp: int, unit: int, lr_high: float | None = None) -> Space:
         low, high = self.config.batch_bounds(base, dp * unit)
@@ -213,7 +226,9 @@ class Controller:
         if jc is None:
             jc = self.jobs[job] = self._new_job(agent, job, reps)
         leader = live[0]
-        if len(reps) != jc.dp and self.config.strategy != "none":
+        self._sync_external(agent, jc)
+        dp_now = self._dp_now(agent, job, leader, reps)
+        if dp_now != jc.dp and len(reps) == dp_now and self.config.strategy != "none":
             self._world_changed(agent, jc, reps, leader)
         msgs = agent.table.window(job, leader.rank, None)
         if not msgs:
@@ -325,6 +340,7 @@ class Controller:
                                   severity="error", cause=str(exc), job=jc.job)
                 return
             jc.current = target
+        jc.known_version = max(jc.known_version, version)
         step = jc.last_step
         jc.decisions += 1
         noise = jc.noise.value
@@ -339,14 +355,18 @@ class Controller:
         ref = statistics.median(jc.recent) if len(jc.recent) >= 3 else None
         jc.window = Window(target, version, ref, recovery=recovery)
 
-    def _rollback(self, agent: Any, jc: JobControl, w: Window) -> None:
+    def _rollback(self, agent: Any, jc: JobControl, w: Window, external: str = "") -> None:
         bad = w.setting
         result = self._result(jc, w, diverged=True)
-        if result is not None and not w.recovery:
-            jc.strategy.observe(result)
-        last = w.points[-1].loss
-        reason = (f"loss diverged under {bad.describe()}: {last:.4g} vs {w.ref_loss if w.ref_loss else float('nan'):.4g} "
-                  f"before the change (factor {self.config.divergence_factor:g})")
+        if not w.recovery:
+            jc.strategy.observe(result if result is not None else self._empty_result(jc, w))
+        last = w.points[-1].loss if w.points else float("nan")
+        if external:
+            reason = f"recovery rolled the job back under {bad.describe()} ({external})"
+        else:
+            reason = (f"loss diverged under {bad.describe()}: {last:.4g} vs "
+                      f"{w.ref_loss if w.ref_loss else float('nan'):.4g} before the change "
+                      f"(factor {self.config.divergence_factor:g})")
         # The job's LR ceiling drops between the diverged LR and its cut, so no strategy goes back.
         ceiling = max(self.config.lr_scale_min, bad.lr_scale * math.sqrt(self.config.lr_cut))
         space = self._space(jc.space.base_batch, jc.dp, jc.space.quantum // jc.dp, min(jc.space.lr_high, ceiling))
@@ -355,18 +375,30 @@ class Controller:
         target = space.clamp(Setting(min(good.lr_scale, bad.lr_scale) * self.config.lr_cut, good.batch))
         restored = False
         hook = getattr(agent, "rollback", None)
-        if callable(hook):
+        if external:
+            restored = True  # the recovery service already restarted the job from a checkpoint
+        elif callable(hook):
             try:
-                hook(jc.job, reason)
+                # Back to a checkpoint from before the change (recovery's rollback takes the step).
+                if "before_step" in inspect.signature(hook).parameters:
+                    hook(jc.job, reason, before_step=w.points[0].step if w.points else None)
+                else:
+                    hook(jc.job, reason)
                 restored = True
             except Exception as exc:  # noqa: BLE001 - the LR cut below still happens
                 log.warning("agent rollback for %s failed: %s", jc.job, exc)
         jc.recent.clear()
         self._apply(agent, jc, target, reason, "controller_rollback",
-                    {"window": [w.points[0].step, w.points[-1].step], "loss": last, "ref_loss": w.ref_loss,
+                    {"window": [w.points[0].step, w.points[-1].step] if w.points else None,
+                     "loss": last, "ref_loss": w.ref_loss,
                      "checkpoint_restored": restored, "lr_ceiling": space.lr_high},
                     recovery=True, severity="warning")
         jc.good = jc.current
+
+    def _empty_result(self, jc: JobControl, w: Window) -> WindowResult:
+        nan = float("nan")
+        return WindowResult(w.setting, jc.last_step, jc.last_step, 0.0, 0, nan, nan, nan, 0.0, nan, nan, nan,
+                            jc.dp, jc.noise.value, diverged=True)
 
     def _set_space(self, jc: JobControl, space: Space) -> None:
         jc.space = space
@@ -394,6 +426,29 @@ class Controller:
         self._apply(agent, jc, target, reason, "controller_decision",
                     {"dp_from": old_dp, "dp_to": new_dp}, recovery=True)
         jc.good = jc.current
+
+    def _sync_external(self, agent: Any, jc: JobControl) -> None:
+        """Take in plan changes made by others (a healer's rollback LR cut, a rank exclusion that
+        dropped batch_sizes, an operator through the API). A shard migration keeps the sum."""
+        plan = agent.plans.get(jc.job)
+        if plan.version <= jc.known_version:
+            return
+        jc.known_version = plan.version
+        sizes = plan.batch_sizes
+        batch = sum(sizes) if sizes and len(sizes) == jc.dp else (jc.current.batch if sizes else jc.space.base_batch)
+        now = Setting(float(plan.lr_scale), int(batch))
+        w = jc.window
+        if plan.reason.startswith("rollback") and w is not None and not w.recovery and w.setting != jc.good:
+            # The recovery service saw the loss diverge first, under a setting of ours: that is our
+            # divergence too (penalise it, return to the last good setting with the LR cut).
+            self._rollback(agent, jc, w, external=plan.reason)
+            return
+        if now == jc.current:
+            return
+        log.info("job %s: plan changed outside the controller: %s -> %s", jc.job, jc.current, now)
+        jc.current = jc.good = now
+        if jc.window is not None:
+            jc.window = Window(now, plan.version, None, recovery=True)
 
     def _restarted(self, jc: JobControl, step: int) -> None:
         """The ranks went back to an earlier step (restored from a checkpoint): the window is void."""

@@ -1,0 +1,143 @@
+"""The controller inside a real agent (in-process ``Agent``) driving a real 2-rank training job
+(trainer/, gloo): a real Optuna strategy with a journal-file study, one deliberately diverging
+proposal, and checks on what the ranks themselves reported.
+
+* every change is applied at one step on both ranks (telemetry plan_version, lr, batch_size);
+* the diverging change (LR x300) is rolled back with an LR cut, logged as controller_rollback;
+* the study on disk survives: a new strategy on the same journal continues it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.config import AgentConfig, apply_state_dir
+from agent.controller import ControllerConfig, Proposal, Setting, Space, WindowResult, install, make_strategy
+from agent.controller.optuna_strategy import OptunaStrategy
+from agent.daemon import Agent
+from agent.jobs import JobSpec
+from agent.wire import Telemetry
+from trainer.config import config_from_cli
+from trainer.data import build_corpus
+
+JOB = "ctl-real"
+STEPS = 90
+
+
+class TooHotOnce:
+    """The configured strategy, except that its second proposal is replaced by LR x300."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.proposals = 0
+        self.sabotaged = False
+
+    @property
+    def space(self) -> Space:
+        return self.inner.space
+
+    @space.setter
+    def space(self, value: Space) -> None:
+        self.inner.space = value
+
+    def propose(self, current: Setting, last: WindowResult | None) -> Proposal:
+        self.proposals += 1
+        if self.proposals == 3:
+            self.sabotaged = True
+            return Proposal(Setting(300.0, current.batch), "test: deliberately too hot")
+        self.sabotaged = False
+        return self.inner.propose(current, last)
+
+    def observe(self, result: WindowResult) -> None:
+        if not self.sabotaged:
+            self.inner.observe(result)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _telemetry(agent: Agent, rank: int) -> list[Telemetry]:
+    return agent.table.window(JOB, rank, None)
+
+
+def test_controller_in_real_agent_and_training(tmp_path: Path) -> None:
+    cfg = apply_state_dir(AgentConfig(), str(tmp_path / "agent"))
+    cfg.metrics.addr = "127.0.0.1:0"
+    cfg.collectors.ebpf = False
+    cfg.collectors.gpu = False
+    agent = Agent(cfg)
+    agent.start()
+    journal = str(tmp_path / "study.log")
+    ccfg = ControllerConfig(strategy="optuna", every_steps=10, warmup_steps=10, storage=journal, seed=0,
+                            lr_scale_max=512.0, batch_min=4, batch_max=16, divergence_factor=1.3)
+    holder: list[TooHotOnce] = []
+
+    def factory(c: ControllerConfig, space: Space, job: str) -> Any:
+        holder.append(TooHotOnce(make_strategy(c, space, job)))
+        return holder[0]
+
+    try:
+        controller = install(agent, ccfg, strategy_factory=factory)
+        trainer = config_from_cli(nproc=2, steps=STEPS, overrides=[
+            "model.layers=1", "model.d_model=32", "model.heads=2", "model.context=32", "global_batch=8",
+            f"data.cache_dir={tmp_path / 'cache'}", "data.max_bytes=2000000", "optim.warmup=2", "optim.lr=0.003",
+            "parallel.dp_mode=ddp"])
+        build_corpus(str(tmp_path / "cache"), 2_000_000)  # once, before two ranks race to build it
+        agent.supervisor.submit(JobSpec(JOB, 2, trainer))
+        deadline = time.monotonic() + 75
+        record = agent.supervisor.jobs[JOB]
+        while time.monotonic() < deadline:
+            agent.tick(time.time())
+            if record.state.finished:
+                agent.tick(time.time())
+                break
+            time.sleep(0.05)
+        assert record.state.value == "succeeded", (record.state, record.reason)
+        events = [{**e, **e.get("fields", {})} for e in agent.events.since(0, 10_000)]
+        decisions = [e for e in events if e["kind"] == "controller_decision"]
+        rollbacks = [e for e in events if e["kind"] == "controller_rollback"]
+        assert decisions and all(e["cause"] for e in decisions)
+
+        r0, r1 = _telemetry(agent, 0), _telemetry(agent, 1)
+        assert r0[-1].step == STEPS and r1[-1].step == STEPS
+        changed = [e for e in decisions + rollbacks if e["changed"]]
+        assert changed, decisions
+        for e in changed:
+            v = e["plan_version"]
+            # Telemetry in arrival order (a rollback restarts the job: steps repeat, plans only grow).
+            m0 = next((m for m in r0 if m.plan_version >= v), None)
+            m1 = next((m for m in r1 if m.plan_version >= v), None)
+            if m0 is None or m1 is None:
+                continue  # published after the last step
+            assert m0.step == m1.step, (e["message"], m0.step, m1.step)  # one step on every rank
+            assert m0.lr == m1.lr
+            assert m0.batch_size + m1.batch_size == e["batch_to"]
+        # The diverging change was rolled back (by the controller, or by the agent's recovery
+        # service noticing first) to the last good setting with the LR cut.
+        assert rollbacks, [e["message"] for e in events]
+        rb = rollbacks[0]
+        good = [e for e in changed if e["seq"] < rb["seq"] and e["lr_scale_to"] != 300.0]
+        good_lr = good[-1]["lr_scale_to"] if good else 1.0
+        assert rb["lr_scale_from"] == 300.0, rb
+        assert math.isclose(rb["lr_scale_to"], min(good_lr, 300.0 * math.sqrt(0.5)) * ccfg.lr_cut), rb
+        hot = [m for m in r0 if m.plan_version >= next(e["plan_version"] for e in changed if e["lr_scale_to"] == 300.0)
+               and m.plan_version < rb["plan_version"]]
+        assert hot and (max(m.loss for m in hot) > 1.3 * hot[0].loss or not all(math.isfinite(m.loss) for m in hot))
+        assert math.isfinite(r0[-1].loss) and r0[-1].loss < max(m.loss for m in hot)
+
+        # The agent exports the controller's metrics.
+        families = {f.name: f for f in controller.metrics()}
+        assert families["trainguard_controller_decisions"].samples[0].value == len(decisions) + len(rollbacks)
+        assert not any("world size" in e["cause"] for e in decisions)  # ranks reporting late are not a change
+        told = holder[0].inner.completed
+        assert told >= 2
+    finally:
+        agent.shutdown()
+    # A restarted agent's controller continues the same study from the journal file.
+    again = OptunaStrategy(ccfg, holder[0].space, JOB)
+    assert again.completed == told
+    assert again.propose(Setting(1.0, 8), None).inputs["trial"] == len(again.study.trials) - 1 > told
