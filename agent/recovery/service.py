@@ -157,7 +157,11 @@ class RecoveryService:
         started = self._failure_at.get(job)
         restored_step = (record.restored_from or {}).get("step", -1)
         if started is not None and ranks and all(v.step > restored_step for v in ranks):
-            took = time.time() - started
+            # The first step of the new attempt by its own clock, not this tick's: ticks are coarse.
+            pids = {v.pid for v in ranks}
+            lead = min(ranks, key=lambda v: v.rank)
+            first = [t.wall_time for t in self.agent.table.window(job, lead.rank, 256) if t.pid in pids and t.step > restored_step]
+            took = (min(first) if first else time.time()) - started
             self.last_recovery_s[job] = took
             del self._failure_at[job]
             self.agent.events.emit(
