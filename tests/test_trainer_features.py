@@ -193,3 +193,38 @@ def test_fault_hooks_nan_and_kill(cache_dir: str, tmp_path) -> None:
     killed = run_job(cfg, 2, tmp_path / "kill", env={"TRAINGUARD_FAULTS": ""})
     assert killed.rc != 0
     assert max(m.step for m in killed.telemetry[1]) == 2
+
+
+def test_slow_fault_shows_as_compute_on_the_slow_rank_and_wait_on_the_other(cache_dir: str, tmp_path) -> None:
+    cfg = tiny_config(cache_dir, parallel={"dp": 2, "dp_mode": "ddp"}, steps=4, faults=["slow:rank=1,factor=4"],
+                      model={"layers": 2, "d_model": 64, "heads": 4, "context": 64})
+    result = run_job(cfg, 2, tmp_path, env={"TRAINGUARD_FAULTS": ""})
+    assert result.rc == 0
+    fast, slow = (result.telemetry[r][1:] for r in (0, 1))
+    fast_compute = sum(m.fwd_bwd_s for m in fast)
+    slow_compute = sum(m.fwd_bwd_s for m in slow)
+    assert slow_compute > 2.0 * fast_compute, (slow_compute, fast_compute)
+    # The healthy rank spends the difference waiting in the step's collectives.
+    assert sum(m.comm_s for m in fast) > 0.5 * (slow_compute - fast_compute)
+
+
+def test_worker_entry_point_runs_one_rank_from_the_environment(cache_dir: str, tmp_path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from trainer.launch import free_port
+    cfg = tiny_config(cache_dir, steps=2)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), TRAINGUARD_JOB_SPEC=cfg.to_json(), TRAINGUARD_JSON="1")
+    env.pop("TRAINGUARD_SOCKET", None)
+    proc = subprocess.run([sys.executable, "-m", "trainer.worker"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    env["TRAINGUARD_JOB_SPEC"] = json.dumps({"parallel": {"tp": 3}})
+    bad = subprocess.run([sys.executable, "-m", "trainer.worker"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "parallel.tp" in bad.stderr

@@ -261,7 +261,7 @@ class Trainer:
                 sched.step(target=y, losses=losses)
             else:
                 sched.step()
-        return float(sum(float(v) for v in losses)) / self._loss_scale if losses else 0.0
+        return float(sum(float(v.detach()) for v in losses)) / self._loss_scale if losses else 0.0
 
     def train_step(self) -> StepResult:
         cfg, lay = self.cfg, self.layout
