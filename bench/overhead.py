@@ -43,6 +43,7 @@ STORM_C = r"""
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -63,16 +64,20 @@ int main(int argc, char **argv) {
         n += 1000; t = now();
     } while (t - t0 < secs);
     kill(child, SIGKILL); waitpid(child, 0, 0);
-    printf("%.1f\n", n / (t - t0));
+    struct rusage me, kid; getrusage(RUSAGE_SELF, &me); getrusage(RUSAGE_CHILDREN, &kid);
+    double cpu = me.ru_utime.tv_sec + me.ru_stime.tv_sec + kid.ru_utime.tv_sec + kid.ru_stime.tv_sec
+        + 1e-6 * (me.ru_utime.tv_usec + me.ru_stime.tv_usec + kid.ru_utime.tv_usec + kid.ru_stime.tv_usec);
+    printf("%.1f %.1f\n", n / (t - t0), n / cpu);
     return 0;
 }
 """
 
-PY_STORM = """import os, sys, time
+PY_STORM = """import os, resource, sys, time
 secs, cpu = float(sys.argv[1]), int(sys.argv[2])
 os.sched_setaffinity(0, {cpu})
 a, b = os.pipe(), os.pipe()
-if os.fork() == 0:
+pid = os.fork()
+if pid == 0:
     while True:
         os.write(b[1], os.read(a[0], 1))
 n, t0 = 0, time.monotonic()
@@ -80,7 +85,11 @@ while time.monotonic() - t0 < secs:
     for _ in range(1000):
         os.write(a[1], b"x"); os.read(b[0], 1)
     n += 1000
-print(n / (time.monotonic() - t0))
+wall = time.monotonic() - t0
+os.kill(pid, 9)
+os.waitpid(pid, 0)
+me, kid = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+print(n / wall, n / (me.ru_utime + me.ru_stime + kid.ru_utime + kid.ru_stime))
 os._exit(0)
 """
 
@@ -95,11 +104,17 @@ def build_storm(workdir: Path) -> tuple[list[str], str]:
     return [sys.executable, "-c", PY_STORM], "Python pipe ping-pong (no C compiler)"
 
 
-def run_storm(cmd: list[str], seconds: float) -> float:
-    """Round trips per second, summed over one ping-pong pair per CPU."""
+def run_storm(cmd: list[str], seconds: float) -> tuple[float, float]:
+    """(round trips per second, round trips per CPU-second the storm used), summed over one
+    ping-pong pair per CPU. The second is robust to other load on the machine: the eBPF
+    programs run in the storm's own context, so their cost lowers it, while CPU taken by
+    unrelated processes does not."""
     cpus = sorted(os.sched_getaffinity(0))
     procs = [subprocess.Popen(cmd + [str(seconds), str(c)], stdout=subprocess.PIPE, text=True) for c in cpus]
-    return sum(float(p.communicate()[0].strip() or 0) for p in procs)
+    outs = [(p.communicate()[0].split() or ["0", "0"]) for p in procs]
+    rate = sum(float(o[0]) for o in outs)
+    per_cpu = statistics.mean(float(o[1]) for o in outs) * len(outs)
+    return rate, per_cpu
 
 
 def cpu_seconds(pid: int) -> float:
@@ -175,23 +190,83 @@ def new_programs(before: set[int]) -> list[bpfstats.ProgStats]:
 
 
 @dataclass
-class Side:
-    storm: list[float] = field(default_factory=list)
-    train: list[float] = field(default_factory=list)
+class Figures:
+    storm_on: list[float] = field(default_factory=list)
+    storm_off: list[float] = field(default_factory=list)
+    storm_cpu_on: list[float] = field(default_factory=list)  # round trips per storm CPU-second
+    storm_cpu_off: list[float] = field(default_factory=list)
+    beside: list[float] = field(default_factory=list)  # standalone job, agent running
+    via: list[float] = field(default_factory=list)  # job launched by the agent, ranks tracked
+    alone: list[float] = field(default_factory=list)  # standalone job, no agent
+    cpu_train: list[float] = field(default_factory=list)
+    cpu_storm: list[float] = field(default_factory=list)
+    events_per_s: list[float] = field(default_factory=list)
+    bpf_share: list[float] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def agent_block(i: int, work: Path, f: Figures, storm_cmd: list[str], storm_s: float, steps: int,
+                warmup: int, train: bool, via: bool, stats: bool) -> None:
+    """Everything measured with the agent up: storm, then the two job arms in alternating order."""
+    sd = work / f"agent{i}"
+    sd.mkdir()
+    before = {p.prog_id for p in bpfstats.program_stats()} if stats else set()
+    agent = Agent(sd)
+    try:
+        if not agent.ebpf_up and "ebpf down" not in f.notes:
+            f.notes.append("ebpf down")
+        s0 = new_programs(before) if stats else []
+        c0, t0 = agent.cpu(), time.monotonic()
+        srate, per_cpu = run_storm(storm_cmd, storm_s)
+        f.storm_on.append(srate)
+        f.storm_cpu_on.append(per_cpu)
+        c1, t1 = agent.cpu(), time.monotonic()
+        s1 = new_programs(before) if stats else []
+        f.cpu_storm.append((c1 - c0) / (t1 - t0))
+        if s1:
+            f.events_per_s.append((sum(p.run_cnt for p in s1) - sum(p.run_cnt for p in s0)) / (t1 - t0))
+            f.bpf_share.append((sum(p.run_time_ns for p in s1) - sum(p.run_time_ns for p in s0)) * 1e-9 / (t1 - t0))
+        if not train:
+            return
+        arms = ("beside", "via") if via else ("beside",)
+        for arm in (arms if i % 2 == 0 else arms[::-1]):
+            c0, t0 = agent.cpu(), time.monotonic()
+            rate, err = run_job(steps, warmup, sd if arm == "via" else None)
+            if rate is None:
+                if arm == "beside":
+                    raise SystemExit(f"standalone job beside the agent failed: {err}")
+                note = f"job through the agent failed ({err})"
+                if note not in f.notes:
+                    f.notes.append(note)
+                continue
+            f.cpu_train.append((agent.cpu() - c0) / (time.monotonic() - t0))
+            (f.via if arm == "via" else f.beside).append(rate)
+    finally:
+        agent.stop()  # stops whatever it launched (on_stop=stop_ranks)
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def ratio(on: list[float], off: list[float]) -> float:
+    return med([a / b for a, b in zip(on, off, strict=False)])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="2 pairs, 20 steps, 4 s storms (< 2 min)")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 pairs, 12 steps, 3 s storms, no agent-launched arm (< 2 min on an idle machine)")
     ap.add_argument("--pairs", type=int)
     ap.add_argument("--steps", type=int)
     ap.add_argument("--storm-s", type=float)
     ap.add_argument("--no-train", action="store_true", help="storm only")
     args = ap.parse_args()
     pairs = args.pairs or (2 if args.quick else 5)
-    steps = args.steps or (20 if args.quick else 60)
-    storm_s = args.storm_s or (4.0 if args.quick else 10.0)
+    steps = args.steps or (12 if args.quick else 60)
+    storm_s = args.storm_s or (3.0 if args.quick else 10.0)
     warmup = min(5, steps // 4)
+    train = not args.no_train
     if os.geteuid() != 0:
         print("note: not root: the agent runs without eBPF; kernel events cannot be counted")
 
@@ -202,90 +277,63 @@ def main() -> int:
         stats_fd = bpfstats.enable_stats()
     except OSError as exc:
         print(f"note: BPF run-time stats unavailable ({exc.strerror}): kernel events not counted")
-    on, off = Side(), Side()
-    agent_cpu_train, agent_cpu_storm, events_per_s, bpf_share = [], [], [], []
-    via_agent, job_note, ebpf_note = True, "", ""
+    f = Figures()
     try:
         for i in range(pairs):
             for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
-                if mode == "off":
-                    off.storm.append(run_storm(storm_cmd, storm_s))
-                    if not args.no_train:
-                        rate, err = run_job(steps, warmup, None)
-                        if rate is None:
-                            raise SystemExit(f"baseline job failed: {err}")
-                        off.train.append(rate)
+                if mode == "on":
+                    agent_block(i, work, f, storm_cmd, storm_s, steps, warmup, train, not args.quick,
+                                stats_fd is not None)
                     continue
-                sd = work / f"agent{i}"
-                sd.mkdir()
-                before = {p.prog_id for p in bpfstats.program_stats()} if stats_fd is not None else set()
-                agent = Agent(sd)
-                try:
-                    if not agent.ebpf_up:
-                        ebpf_note = "eBPF collector was DOWN in the agent (see its log)"
-                    s0 = new_programs(before) if stats_fd is not None else []
-                    c0, t0 = agent.cpu(), time.monotonic()
-                    on.storm.append(run_storm(storm_cmd, storm_s))
-                    c1, t1 = agent.cpu(), time.monotonic()
-                    s1 = new_programs(before) if stats_fd is not None else []
-                    agent_cpu_storm.append((c1 - c0) / (t1 - t0))
-                    if s1:
-                        runs = sum(p.run_cnt for p in s1) - sum(p.run_cnt for p in s0)
-                        ns = sum(p.run_time_ns for p in s1) - sum(p.run_time_ns for p in s0)
-                        events_per_s.append(runs / (t1 - t0))
-                        bpf_share.append(ns * 1e-9 / (t1 - t0))
-                    if not args.no_train:
-                        c0, t0 = agent.cpu(), time.monotonic()
-                        rate, err = run_job(steps, warmup, sd if via_agent else None)
-                        if rate is None and via_agent:
-                            via_agent = False
-                            job_note = f"job through the agent failed ({err}); ran standalone beside it"
-                            agent.stop()  # stops whatever it launched (on_stop=stop_ranks)
-                            sd = work / f"agent{i}-fresh"
-                            sd.mkdir()
-                            agent = Agent(sd)
-                            c0, t0 = agent.cpu(), time.monotonic()
-                            rate, err = run_job(steps, warmup, None)
-                        if rate is None:
-                            raise SystemExit(f"job with agent failed: {err}")
-                        agent_cpu_train.append((agent.cpu() - c0) / (time.monotonic() - t0))
-                        on.train.append(rate)
-                finally:
-                    agent.stop()
-                print(f"pair {i + 1}/{pairs} done", flush=True)
+                srate, per_cpu = run_storm(storm_cmd, storm_s)
+                f.storm_off.append(srate)
+                f.storm_cpu_off.append(per_cpu)
+                if train:
+                    rate, err = run_job(steps, warmup, None)
+                    if rate is None:
+                        raise SystemExit(f"baseline job failed: {err}")
+                    f.alone.append(rate)
+            print(f"pair {i + 1}/{pairs} done", flush=True)
     finally:
         if stats_fd is not None:
             os.close(stats_fd)
         shutil.rmtree(work, ignore_errors=True)
 
-    def med(xs: list[float]) -> float:
-        return statistics.median(xs) if xs else float("nan")
-
-    storm_ratio = med([a / b for a, b in zip(on.storm, off.storm, strict=True)])
-    train_ratio = med([a / b for a, b in zip(on.train, off.train, strict=True)]) if on.train else float("nan")
+    storm_ratio = ratio(f.storm_on, f.storm_off)
+    storm_cpu_ratio = ratio(f.storm_cpu_on, f.storm_cpu_off)
+    beside_ratio = ratio(f.beside, f.alone)
+    via_ratio = ratio(f.via, f.alone)
     print()
-    print(f"{'':34}{'agent on':>14}{'no agent':>14}{'ratio':>9}")
-    if on.train:
-        print(f"{'training tokens/s (median)':34}{med(on.train):14.1f}{med(off.train):14.1f}{train_ratio:9.4f}")
-    print(f"{'storm round trips/s (median)':34}{med(on.storm):14.0f}{med(off.storm):14.0f}{storm_ratio:9.4f}")
-    if on.train:
-        print(f"{'agent CPU share, training (1 s)':34}{med(agent_cpu_train):14.4f}{'-':>14}")
-    print(f"{'agent CPU share, storm (1 s)':34}{med(agent_cpu_storm):14.4f}{'-':>14}")
-    print(f"{'eBPF program runs/s, storm':34}{med(events_per_s):14.0f}{'-':>14}")
-    print(f"{'eBPF kernel time, storm (cores)':34}{med(bpf_share):14.4f}{'-':>14}")
-    print(f"\n{pairs} alternating pairs; job: 4 ranks x {steps} steps (median tokens/s after step {warmup}); "
-          f"storm: {storm_kind}, {storm_s:g} s, one pair per CPU")
-    if on.train:
-        print("job: " + ("through the agent (ranks tracked)" if via_agent else job_note))
+    print(f"{'':40}{'agent on':>12}{'no agent':>12}{'ratio':>9}")
+    if train:
+        print(f"{'job tokens/s, standalone (same launch)':40}{med(f.beside):12.1f}{med(f.alone):12.1f}{beside_ratio:9.4f}")
+        if f.via:
+            print(f"{'job tokens/s, launched by the agent':40}{med(f.via):12.1f}{med(f.alone):12.1f}{via_ratio:9.4f}")
+    print(f"{'storm round trips/s':40}{med(f.storm_on):12.0f}{med(f.storm_off):12.0f}{storm_ratio:9.4f}")
+    print(f"{'storm round trips per storm CPU-s':40}{med(f.storm_cpu_on):12.0f}{med(f.storm_cpu_off):12.0f}"
+          f"{storm_cpu_ratio:9.4f}")
+    if train:
+        print(f"{'agent CPU share during jobs (1 s)':40}{med(f.cpu_train):12.4f}{'-':>12}")
+    print(f"{'agent CPU share during storm (1 s)':40}{med(f.cpu_storm):12.4f}{'-':>12}")
+    print(f"{'eBPF program runs/s during storm':40}{med(f.events_per_s):12.0f}{'-':>12}")
+    print(f"{'eBPF kernel time during storm (cores)':40}{med(f.bpf_share):12.4f}{'-':>12}")
+    print(f"\n{pairs} alternating pairs (medians of per-pair ratios); job: 4 ranks x {steps} steps, median "
+          f"tokens/s after step {warmup}; storm: {storm_kind}, {storm_s:g} s, one pair per CPU, "
+          f"{os.cpu_count()} CPUs")
+    if train:
+        print("throughput_ratio: the same standalone job with the agent (all collectors, eBPF attached, "
+              "1 s interval) running vs not; the job launched by the agent also has its ranks tracked, "
+              "but its launcher differs from --standalone, so that row mixes in launch-path effects")
     else:
         print("no training job (--no-train): throughput_ratio below is the storm's rate ratio")
-    if ebpf_note:
-        print("note: " + ebpf_note)
-    headline = train_ratio if on.train else storm_ratio
-    share = med(agent_cpu_train) if on.train else med(agent_cpu_storm)
+    for note in f.notes:
+        print("note: " + ("eBPF collector was DOWN in the agent (see its log)" if note == "ebpf down" else note))
+    headline = beside_ratio if train else storm_ratio
+    share = med(f.cpu_train) if train else med(f.cpu_storm)
     print(f"RESULT throughput_ratio={headline:.4f} agent_cpu_share={share:.4f} "
-          f"kernel_events_per_s={med(events_per_s):.0f} storm_throughput_ratio={storm_ratio:.4f} "
-          f"ebpf_kernel_cpu_share={med(bpf_share):.4f}")
+          f"kernel_events_per_s={med(f.events_per_s):.0f} storm_throughput_ratio={storm_ratio:.4f} "
+          f"storm_cpu_efficiency_ratio={storm_cpu_ratio:.4f} ebpf_kernel_cpu_share={med(f.bpf_share):.4f} "
+          f"agent_launch_throughput_ratio={via_ratio:.4f}")
     return 0
 
 
