@@ -49,6 +49,7 @@ from .tracefs import CANDIDATE_ROOTS, find_tracefs, mount_tracefs
 
 log = logging.getLogger(__name__)
 
+
 class EbpfCollector:
     name = "ebpf"
 
@@ -94,6 +95,7 @@ class EbpfCollector:
         except CollectorUnavailable as exc:
             self.down_reason = str(exc)
             raise
+        self.down_reason = None
 
     def _start(self) -> None:
         self.skipped = {}
