@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from itertools import islice
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent.wire import Telemetry
 
@@ -138,6 +138,13 @@ class _RankState:
         self.view: RankView | None = None  # cache, valid while view.messages == messages
 
 
+class _Counts(NamedTuple):
+    last_seen: float
+    messages: int
+    samples_total: int
+    tokens_total: int
+
+
 def _rates(recent: list[Telemetry]) -> tuple[float | None, float | None, float | None]:
     """Steps, samples and tokens per second over the newest run of increasing steps.
 
@@ -165,7 +172,7 @@ def _median(values: list[float]) -> float:
     return float(values[mid]) if len(values) % 2 else (values[mid - 1] + values[mid]) / 2.0
 
 
-def _view(job: str, rank: int, state: _RankState, recent: list[Telemetry]) -> RankView:
+def _view(job: str, rank: int, state: _Counts, recent: list[Telemetry]) -> RankView:
     last = recent[-1]
     enough = len(recent) >= 2
     steps_per_s, samples_per_s, tokens_per_s = _rates(recent) if enough else (None, None, None)
@@ -312,7 +319,7 @@ class RankTable:
         """Immutable figures for every rank. Medians are computed outside the lock so a large
         table does not stall the receiver thread."""
         w = self.config.window
-        todo: list[tuple[str, int, _RankState, list[Telemetry]]] = []
+        todo: list[tuple[str, int, _Counts, list[Telemetry]]] = []
         cached: list[tuple[str, int, RankView]] = []
         with self._lock:
             taken_at = self._clock()
@@ -325,18 +332,14 @@ class RankTable:
                     recent = list(islice(reversed(state.ring), w))
                     recent.reverse()
                     # Copy the counters: the live state keeps changing once the lock is released.
-                    frozen = _RankState(1)
-                    frozen.last_seen = state.last_seen
-                    frozen.messages = state.messages
-                    frozen.samples_total = state.samples_total
-                    frozen.tokens_total = state.tokens_total
-                    todo.append((job, rank, frozen, recent))
+                    counts = _Counts(state.last_seen, state.messages, state.samples_total, state.tokens_total)
+                    todo.append((job, rank, counts, recent))
         out: dict[str, dict[int, RankView]] = {}
         for job, rank, view in cached:
             out.setdefault(job, {})[rank] = view
         fresh: list[tuple[str, int, RankView]] = []
-        for job, rank, frozen, recent in todo:
-            view = _view(job, rank, frozen, recent)
+        for job, rank, counts, recent in todo:
+            view = _view(job, rank, counts, recent)
             out.setdefault(job, {})[rank] = view
             fresh.append((job, rank, view))
         if fresh:
