@@ -91,6 +91,17 @@ def test_stop_is_prompt_and_idempotent(sockdir: str) -> None:
     server.stop()
 
 
+def test_restart_after_stop(sockdir: str, sender: socket.socket) -> None:
+    path = os.path.join(sockdir, "t.sock")
+    server = TelemetryServer(path, RankTable())
+    for round_ in range(2):
+        server.start()
+        sender.sendto(make_msg(step=round_).encode(), path)
+        wait_for(lambda: server.messages_total == round_ + 1)  # noqa: B023 - evaluated in this iteration
+        server.stop()
+        assert not os.path.exists(path)
+
+
 def test_stale_socket_is_replaced(sockdir: str, sender: socket.socket) -> None:
     path = os.path.join(sockdir, "t.sock")
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
