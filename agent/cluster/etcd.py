@@ -1,0 +1,283 @@
+"""A small etcd v3 client for the cluster layer: leases, keys, prefixes, create-if-absent.
+
+Transport is ``etcd3gw`` (etcd's gRPC gateway over HTTP/JSON, no grpc wheel needed). We use its
+session and error mapping but build the JSON ourselves, because we need fields it does not expose
+(revisions, per-key leases, a compare-and-delete).
+
+Liveness rules, because a node must never be declared lost while it is alive:
+
+* Every call has a short timeout and tries the next endpoint on a connection failure, so a dead
+  member of a three-member cluster costs one timeout, not the lease.
+* ``LeaseKeeper`` refreshes the lease every ``ttl/3`` and, when a refresh fails, retries every
+  ``retry_s`` until the server answers. Only the *server* saying the lease is gone (keepalive
+  TTL -1, or a put naming a missing lease) counts as expiry; "cannot reach etcd" never does.
+  That is what makes a short etcd stall harmless: the lease outlives it on the server, and the
+  first refresh after the stall extends it.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from etcd3gw import exceptions as etcd_exc
+from etcd3gw.client import Etcd3Client
+
+log = logging.getLogger("trainguard.cluster.etcd")
+
+DEFAULT_TIMEOUT_S = 1.0
+
+
+class EtcdUnavailable(ConnectionError):
+    """No endpoint answered (every one refused, timed out or failed)."""
+
+
+class LeaseExpired(RuntimeError):
+    """The server no longer knows the lease: its keys are gone."""
+
+
+def _b64(data: str | bytes) -> str:
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _unb64(data: str | None) -> bytes:
+    return base64.b64decode(data) if data else b""
+
+
+def _text(exc: BaseException) -> str:
+    """etcd3gw keeps the server's error body in ``detail_text`` and only the reason in str()."""
+    detail = getattr(exc, "detail_text", None)
+    return f"{exc} {detail}" if detail else str(exc)
+
+
+def prefix_end(prefix: str) -> str:
+    """The ``range_end`` that selects every key starting with ``prefix`` (etcd's convention)."""
+    raw = bytearray(prefix.encode())
+    for i in range(len(raw) - 1, -1, -1):
+        if raw[i] < 0xFF:
+            raw[i] += 1
+            return _b64(bytes(raw[: i + 1]))
+    return _b64(b"\0")
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    lease: int
+    create_revision: int
+    mod_revision: int
+
+
+def parse_endpoint(value: str) -> tuple[str, int]:
+    """``host:port`` or ``http://host:port`` -> (host, port); ValueError naming the value."""
+    text = value.removeprefix("http://")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+class EtcdClient:
+    """Thread-safe; each call goes to the endpoint that answered last, then fails over in order."""
+
+    def __init__(self, endpoints: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not endpoints:
+            raise ValueError("at least one etcd endpoint is needed")
+        self._clients = [Etcd3Client(h, p, api_path="/v3/", timeout=timeout_s)
+                         for h, p in (parse_endpoint(e) for e in endpoints)]
+        self.endpoints = list(endpoints)
+        self._current = 0
+        self._lock = threading.Lock()
+        # requests.Session is not safe for concurrent use: one call at a time per client.
+        self._call_lock = threading.Lock()
+
+    # -- transport -------------------------------------------------------------------------------
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            start = self._current
+        errors: list[str] = []
+        n = len(self._clients)
+        for i in range(n):
+            idx = (start + i) % n
+            client = self._clients[idx]
+            try:
+                with self._call_lock:
+                    result: dict[str, Any] = client.post(client.get_url(path), json=body)
+            except (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError) as exc:
+                errors.append(f"{self.endpoints[idx]}: {type(exc).__name__}")
+                continue
+            except etcd_exc.Etcd3Exception as exc:
+                # 503 "etcdserver: no leader" and similar: another member may serve it.
+                text = _text(exc)
+                if "no leader" in text or "Unavailable" in text or "timed out" in text:
+                    errors.append(f"{self.endpoints[idx]}: {text[:120]}")
+                    continue
+                raise
+            with self._lock:
+                self._current = idx
+            return result
+        raise EtcdUnavailable("etcd unreachable: " + "; ".join(errors))
+
+    # -- leases ----------------------------------------------------------------------------------
+    def grant(self, ttl: int) -> int:
+        result = self._post("/lease/grant", {"TTL": int(ttl), "ID": 0})
+        return int(result["ID"])
+
+    def keepalive(self, lease: int) -> int:
+        """Refresh; the remaining TTL in seconds, or -1 when the server no longer has the lease."""
+        result = self._post("/lease/keepalive", {"ID": lease})
+        return int(result.get("result", {}).get("TTL", -1))
+
+    def time_to_live(self, lease: int) -> int:
+        result = self._post("/kv/lease/timetolive", {"ID": lease})
+        return int(result.get("TTL", -1))
+
+    def revoke(self, lease: int) -> None:
+        try:
+            self._post("/kv/lease/revoke", {"ID": lease})
+        except etcd_exc.Etcd3Exception as exc:
+            if "not found" not in _text(exc):
+                raise
+
+    # -- keys ------------------------------------------------------------------------------------
+    def put(self, key: str, value: bytes | str, lease: int = 0) -> int:
+        """Returns the new revision; LeaseExpired when ``lease`` is no longer known."""
+        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = lease
+        try:
+            result = self._post("/kv/put", body)
+        except etcd_exc.Etcd3Exception as exc:
+            if "lease not found" in _text(exc):
+                raise LeaseExpired(_text(exc)) from None
+            raise
+        return int(result.get("header", {}).get("revision", 0))
+
+    def get(self, key: str) -> KeyValue | None:
+        kvs, _ = self._range({"key": _b64(key)})
+        return kvs[0] if kvs else None
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix`` (sorted by key) and the store revision of the read."""
+        return self._range({"key": _b64(prefix), "range_end": prefix_end(prefix),
+                            "sort_order": "ASCEND", "sort_target": "KEY"})
+
+    def _range(self, body: dict[str, Any]) -> tuple[list[KeyValue], int]:
+        result = self._post("/kv/range", body)
+        kvs = [_kv(item) for item in result.get("kvs", [])]
+        return kvs, int(result.get("header", {}).get("revision", 0))
+
+    def delete(self, key: str) -> bool:
+        result = self._post("/kv/deleterange", {"key": _b64(key)})
+        return int(result.get("deleted", 0)) > 0
+
+    def create(self, key: str, value: bytes | str, lease: int = 0) -> tuple[bool, KeyValue | None]:
+        """Put ``key`` only if it does not exist (one txn). Returns (created, current holder)."""
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = lease
+        txn = {
+            "compare": [{"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}],
+            "success": [{"request_put": put}],
+            "failure": [{"request_range": {"key": _b64(key)}}],
+        }
+        try:
+            result = self._post("/kv/txn", txn)
+        except etcd_exc.Etcd3Exception as exc:
+            if "lease not found" in _text(exc):
+                raise LeaseExpired(_text(exc)) from None
+            raise
+        if result.get("succeeded"):
+            return True, None
+        for resp in result.get("responses", []):
+            kvs = resp.get("response_range", {}).get("kvs", [])
+            if kvs:
+                return False, _kv(kvs[0])
+        return False, None
+
+    def delete_if(self, key: str, value: bytes | str) -> bool:
+        """Delete ``key`` only while it still holds ``value`` (a leader resigning its own key)."""
+        txn = {
+            "compare": [{"key": _b64(key), "result": "EQUAL", "target": "VALUE", "value": _b64(value)}],
+            "success": [{"request_delete_range": {"key": _b64(key)}}],
+            "failure": [],
+        }
+        return bool(self._post("/kv/txn", txn).get("succeeded"))
+
+
+def _kv(item: dict[str, Any]) -> KeyValue:
+    return KeyValue(
+        key=_unb64(item.get("key")).decode(errors="replace"),
+        value=_unb64(item.get("value")),
+        lease=int(item.get("lease", 0)),
+        create_revision=int(item.get("create_revision", 0)),
+        mod_revision=int(item.get("mod_revision", 0)),
+    )
+
+
+class LeaseKeeper:
+    """Holds one lease alive from a background thread.
+
+    ``on_expired`` runs (on the keeper thread) when the server reports the lease gone; the keeper
+    then stops: the owner grants a new lease and re-registers. ``healthy`` tells whether the last
+    refresh reached the server recently (within the TTL): false during an etcd stall, which is a
+    reason to hold back job-wide decisions, never a reason to declare anyone lost.
+    """
+
+    def __init__(self, client: EtcdClient, lease: int, ttl: int, *,
+                 on_expired: Callable[[int], None] = lambda lease: None, retry_s: float = 0.2,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.client = client
+        self.lease = lease
+        self.ttl = ttl
+        self.on_expired = on_expired
+        self.retry_s = retry_s
+        self._clock = clock
+        self.last_ok = clock()
+        self.failures = 0  # refresh attempts that did not reach the server (for metrics/tests)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"etcd-lease-{lease:x}", daemon=True)
+
+    def start(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    @property
+    def healthy(self) -> bool:
+        return self._clock() - self.last_ok < self.ttl
+
+    def _run(self) -> None:
+        period = max(self.ttl / 3.0, 0.1)
+        wait = period
+        while not self._stop.wait(wait):
+            try:
+                left = self.client.keepalive(self.lease)
+            except (EtcdUnavailable, etcd_exc.Etcd3Exception) as exc:
+                self.failures += 1
+                log.debug("lease %x refresh failed (will retry): %s", self.lease, exc)
+                wait = self.retry_s
+                continue
+            if left <= 0:
+                log.warning("lease %x expired on the etcd server", self.lease)
+                self._stop.set()
+                self.on_expired(self.lease)
+                return
+            self.last_ok = self._clock()
+            wait = period
+
+    def stop(self, revoke: bool = False) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+        if revoke:
+            try:
+                self.client.revoke(self.lease)
+            except (EtcdUnavailable, etcd_exc.Etcd3Exception) as exc:
+                log.info("could not revoke lease %x (it will expire): %s", self.lease, exc)

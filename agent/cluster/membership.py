@@ -1,0 +1,289 @@
+"""Cluster membership and leader election in etcd.
+
+Keys (``<cluster>`` is the configured cluster name)::
+
+    /trainguard/<cluster>/nodes/<node>   NodeInfo JSON, bound to the node's lease
+    /trainguard/<cluster>/leader         the leader's node name, bound to the leader's lease,
+                                          created only if absent (one txn)
+
+Each agent grants one lease, keeps it alive (``LeaseKeeper``) and binds both keys to it, so a node
+that dies takes its registration and, if it led, its leadership with it when the *server* expires
+the lease. A background thread reads the prefix every ``poll_s`` and diffs it against the last
+successful read: a node key that appeared is ``node_joined``, one that disappeared is ``node_lost``
+(only the server deletes it, after the lease really expired, or the node revoked it on a clean
+stop: ``node_left``). When the leader key is absent every agent campaigns; the txn lets one win.
+A read that fails (etcd stalled or down) changes nothing: no false losses, and the view stays as
+it was until etcd answers again.
+
+Without etcd (no endpoints) the agent is a cluster of one and its own leader.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from etcd3gw import exceptions as etcd_exc
+
+from agent.cluster.etcd import EtcdClient, EtcdUnavailable, LeaseExpired, LeaseKeeper
+
+log = logging.getLogger("trainguard.cluster")
+
+# emit(kind, message, fields): the daemon adapts it to EventLog.emit.
+EmitFn = Callable[[str, str, dict[str, Any]], None]
+ChangeFn = Callable[["ClusterView"], None]
+
+_ETCD_ERRORS = (EtcdUnavailable, etcd_exc.Etcd3Exception)
+
+
+def _noop_emit(kind: str, message: str, fields: dict[str, Any]) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What an agent publishes about itself."""
+
+    node: str
+    api: str = ""  # HOST:PORT of its token-protected TCP API ("" when it has none)
+    slots: int = 0  # ranks (GPUs) it can run
+    started: float = 0.0
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, node: str, data: bytes) -> NodeInfo:
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            return cls(node)
+        if not isinstance(doc, dict):
+            return cls(node)
+        return cls(
+            node=node,
+            api=str(doc.get("api", "")),
+            slots=int(doc.get("slots", 0)) if isinstance(doc.get("slots"), int) else 0,
+            started=float(doc.get("started", 0.0)) if isinstance(doc.get("started"), int | float) else 0.0,
+        )
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """One consistent read of the cluster: who is in, who leads."""
+
+    members: dict[str, NodeInfo] = field(default_factory=dict)
+    leader: str | None = None
+    revision: int = 0
+
+
+class Membership:
+    def __init__(
+        self,
+        client: EtcdClient | None,
+        cluster: str,
+        me: NodeInfo,
+        *,
+        ttl: int = 10,
+        poll_s: float = 0.5,
+        emit: EmitFn = _noop_emit,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.cluster = cluster
+        self.me = me
+        self.ttl = ttl
+        self.poll_s = poll_s
+        self.emit = emit
+        self._clock = clock
+        self.prefix = f"/trainguard/{cluster}/"
+        self.nodes_prefix = f"{self.prefix}nodes/"
+        self.leader_key = f"{self.prefix}leader"
+        self.left_prefix = f"{self.prefix}left/"
+        self._lock = threading.RLock()
+        self._view = ClusterView()
+        self._keeper: LeaseKeeper | None = None
+        self._lease_lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._callbacks: list[ChangeFn] = []
+        self._etcd_ok = True
+        self.polls = 0
+
+    # -- reading ---------------------------------------------------------------------------------
+    @property
+    def solo(self) -> bool:
+        return self.client is None
+
+    @property
+    def view(self) -> ClusterView:
+        with self._lock:
+            return self._view
+
+    def members(self) -> dict[str, NodeInfo]:
+        return dict(self.view.members)
+
+    @property
+    def leader(self) -> str | None:
+        return self.view.leader
+
+    @property
+    def is_leader(self) -> bool:
+        """Leader by the last read *and* our lease refreshed within its TTL.
+
+        A leader cut off from etcd for a whole TTL has lost the key on the server; it stops acting
+        as leader at once instead of waiting to read that (a cheap fence against two leaders).
+        """
+        if self.solo:
+            return True
+        keeper = self._keeper
+        return self.view.leader == self.me.node and keeper is not None and keeper.healthy
+
+    @property
+    def etcd_reachable(self) -> bool:
+        return self.solo or self._etcd_ok
+
+    def on_change(self, fn: ChangeFn) -> None:
+        """``fn(view)`` after every change of members or leader (on the membership thread)."""
+        self._callbacks.append(fn)
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.client is None:
+            self._apply(ClusterView({self.me.node: self.me}, self.me.node, 0))
+            return
+        self._register()
+        self._poll_once()
+        self._thread = threading.Thread(target=self._run, name="cluster-membership", daemon=True)
+        self._thread.start()
+
+    def stop(self, leave: bool = True) -> None:
+        """Stop polling; ``leave``: resign leadership and remove our keys now (clean shutdown)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        keeper, self._keeper = self._keeper, None
+        if self.client is None or keeper is None:
+            return
+        if leave:
+            try:
+                # A marker that outlives our registration by one TTL, so that the others read the
+                # disappearance as a clean leave, not a loss.
+                marker = self.client.grant(self.ttl)
+                self.client.put(self.left_prefix + self.me.node, b"1", marker)
+                self.client.delete_if(self.leader_key, self.me.node)
+            except (*_ETCD_ERRORS, LeaseExpired) as exc:
+                log.info("could not resign cleanly (the lease will expire): %s", exc)
+        keeper.stop(revoke=leave)
+
+    def _register(self) -> None:
+        """Grant a lease, publish our node key under it, start keeping it alive."""
+        assert self.client is not None
+        lease = self.client.grant(self.ttl)
+        self.client.put(self.nodes_prefix + self.me.node, self.me.to_json(), lease)
+        self._lease_lost.clear()
+        self._keeper = LeaseKeeper(self.client, lease, self.ttl, on_expired=self._on_lease_expired).start()
+
+    def _on_lease_expired(self, lease: int) -> None:
+        self._lease_lost.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                if self._lease_lost.is_set():
+                    self._reregister()
+                self._poll_once()
+            except Exception as exc:  # noqa: BLE001 - the membership thread must never die
+                log.exception("membership poll failed: %s", exc)
+
+    def _reregister(self) -> None:
+        old = self._keeper
+        if old is not None:
+            old.stop()
+        try:
+            self._register()
+        except (*_ETCD_ERRORS, LeaseExpired) as exc:
+            log.info("re-registering failed (retrying): %s", exc)
+            self._lease_lost.set()
+            return
+        self.emit("cluster_lease_renewed", f"node {self.me.node}: lease had expired on the etcd server; "
+                  "registered again with a new lease", {"node": self.me.node, "severity": "warning"})
+
+    def _poll_once(self) -> None:
+        assert self.client is not None
+        try:
+            kvs, revision = self.client.get_prefix(self.prefix)
+        except _ETCD_ERRORS as exc:
+            if self._etcd_ok:
+                self._etcd_ok = False
+                self.emit("etcd_unreachable", f"etcd unreachable, membership view frozen: {exc}",
+                          {"severity": "warning", "error": str(exc)[:300]})
+            return
+        if not self._etcd_ok:
+            self._etcd_ok = True
+            self.emit("etcd_reachable", "etcd reachable again", {})
+        self.polls += 1
+        members: dict[str, NodeInfo] = {}
+        leader: str | None = None
+        left: set[str] = set()
+        for kv in kvs:
+            if kv.key.startswith(self.nodes_prefix):
+                name = kv.key[len(self.nodes_prefix):]
+                members[name] = NodeInfo.from_json(name, kv.value)
+            elif kv.key.startswith(self.left_prefix):
+                left.add(kv.key[len(self.left_prefix):])
+            elif kv.key == self.leader_key:
+                leader = kv.value.decode(errors="replace")
+        keeper = self._keeper
+        if self.me.node not in members and keeper is not None and not self._lease_lost.is_set():
+            # Our key is gone although the keeper has not noticed yet: the lease expired.
+            self._lease_lost.set()
+        if leader is None and keeper is not None and not self._lease_lost.is_set() and keeper.healthy:
+            leader = self._campaign(keeper.lease) or leader
+        self._apply(ClusterView(members, leader, revision), left)
+
+    def _campaign(self, lease: int) -> str | None:
+        assert self.client is not None
+        try:
+            created, holder = self.client.create(self.leader_key, self.me.node, lease)
+        except LeaseExpired:
+            self._lease_lost.set()
+            return None
+        except _ETCD_ERRORS:
+            return None
+        if created:
+            return self.me.node
+        return holder.value.decode(errors="replace") if holder is not None else None
+
+    def _apply(self, new: ClusterView, left: set[str] | frozenset[str] = frozenset()) -> None:
+        with self._lock:
+            old, self._view = self._view, new
+        changed = False
+        for name, info in new.members.items():
+            if name not in old.members and name != self.me.node:
+                changed = True
+                self.emit("node_joined", f"node {name} joined the cluster", {"node": name, "api": info.api})
+        for name in old.members:
+            if name not in new.members:
+                changed = True
+                if name in left:
+                    self.emit("node_left", f"node {name} left the cluster", {"node": name})
+                else:
+                    self.emit("node_lost", f"node {name} lost: its etcd lease expired",
+                              {"node": name, "severity": "error"})
+        if new.leader != old.leader:
+            changed = True
+            if new.leader is not None:
+                self.emit("leader_elected", f"node {new.leader} is the cluster leader",
+                          {"leader": new.leader, "previous": old.leader, "self": new.leader == self.me.node})
+        if changed or not old.members:
+            for fn in list(self._callbacks):
+                try:
+                    fn(new)
+                except Exception as exc:  # noqa: BLE001
+                    log.exception("cluster change callback failed: %s", exc)
