@@ -227,3 +227,56 @@ def test_exit_status_decoding() -> None:
 
 def test_block_dev_t_split() -> None:
     assert dev_major_minor((254 << 20) | 3) == (254, 3)
+
+
+# --- Prometheus families from a snapshot (no kernel needed) ----------------------------------------
+def test_families_from_a_snapshot_label_and_convert_units() -> None:
+    from prometheus_client.core import CollectorRegistry
+
+    from agent.collectors.base import TrackedProcess
+    from agent.collectors.ebpf.metrics import METRICS, families
+    from agent.collectors.ebpf.programs.events import CountSnapshot
+    from agent.collectors.ebpf.programs.io import BlockIoSnapshot
+    from agent.collectors.ebpf.programs.mem import FaultSnapshot, Reclaim, ReclaimSnapshot
+    from agent.collectors.ebpf.programs.net import TcpSnapshot
+
+    slots = [0] * NSLOTS
+    slots[3] = 5  # [8, 16) µs
+    h = Log2Hist(tuple(slots), 60_000)
+    snap = KernelSnapshot(
+        1.0, {0: 111, 1: 222}, runq=RunqSnapshot(node=h + h, ranks={0: h, 1: Log2Hist()}),
+        offcpu=OffCpuSnapshot({0: OffCpu(runnable_ns=2 * 10**9, blocked_ns=5 * 10**8)}),
+        blockio=BlockIoSnapshot({(254 << 20): h}), tcp=TcpSnapshot(7, {0: 3}),
+        faults=FaultSnapshot(100, {0: 40, 1: 2}), reclaim=ReclaimSnapshot(Reclaim(10**9, 2), {0: Reclaim(10**8, 1)}),
+        exits=CountSnapshot(9, {1: 1}), ooms=CountSnapshot(1, {}), events_dropped=0,
+        prog_runs={"tg_runq_switch": (1000, 2_000_000)})
+    procs = {0: TrackedProcess(111, "j", 0, 0), 1: TrackedProcess(222, "j", 1, 1)}
+
+    class Source:
+        def collect(self):  # noqa: ANN202
+            return families(snap, procs, lambda dev: "vda", {"runqlat": True, "oomkill": False})
+
+    reg = CollectorRegistry()
+    reg.register(Source())
+    get = reg.get_sample_value
+    node = {"scope": "node", "job": "", "rank": ""}
+    r0 = {"scope": "rank", "job": "j", "rank": "0"}
+    assert get("trainguard_runqueue_latency_seconds_count", node) == 10
+    assert get("trainguard_runqueue_latency_seconds_bucket", {**r0, "le": "8e-06"}) == 0
+    assert get("trainguard_runqueue_latency_seconds_bucket", {**r0, "le": "1.6e-05"}) == 5
+    assert get("trainguard_runqueue_latency_seconds_sum", r0) == pytest.approx(60e-6)
+    assert get("trainguard_offcpu_seconds_total", {"job": "j", "rank": "0", "kind": "runnable"}) == 2.0
+    assert get("trainguard_block_io_latency_seconds_count", {"device": "vda"}) == 5
+    assert get("trainguard_tcp_retransmits_total", r0) == 3 and get("trainguard_tcp_retransmits_total", node) == 7
+    assert get("trainguard_page_faults_total", {"scope": "rank", "job": "j", "rank": "1"}) == 2
+    assert get("trainguard_direct_reclaim_seconds_total", r0) == pytest.approx(0.1)
+    assert get("trainguard_process_exits_total", {"scope": "rank", "job": "j", "rank": "1"}) == 1
+    assert get("trainguard_oom_kills_total", node) == 1
+    assert get("trainguard_ebpf_program_up", {"program": "oomkill"}) == 0
+    assert get("trainguard_ebpf_program_run_seconds_total", {"function": "tg_runq_switch"}) == pytest.approx(0.002)
+    names = {m.name for m in reg.collect()}
+    for name, mtype, *_ in METRICS:
+        assert (name[: -len("_total")] if mtype == "counter" else name) in names
+    # a slot whose process is no longer tracked is not exported
+    procs.pop(1)
+    assert get("trainguard_page_faults_total", {"scope": "rank", "job": "j", "rank": "1"}) is None
