@@ -59,14 +59,15 @@ class LocalGradMeter:
         g = p.grad
         if g is None:
             return
-        self._latest[id(p)] = local_piece(g).detach().double().pow(2).sum().cpu() / replicas(g, {"tp": self.tp})
+        self._latest[id(p)] = local_piece(g).detach().double().pow(2).sum() / replicas(g, {"tp": self.tp})
 
     def reset(self) -> None:
         self._latest.clear()
 
     def share(self) -> float:
         """This rank's share; summed over the dp rank's tp and pp ranks it is the full norm²."""
-        return float(sum(self._latest.values())) if self._latest else 0.0
+        # One device sync per step, not one per parameter inside backward.
+        return float(torch.stack(list(self._latest.values())).sum()) if self._latest else 0.0
 
 
 def mem_bytes(device: torch.device) -> int:

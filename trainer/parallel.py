@@ -116,8 +116,13 @@ def build_parallel_model(cfg: TrainConfig, layout: Layout) -> list[nn.Module]:
         if p.tp > 1:
             apply_tp(model, layout.mesh["tp"])
         if p.uses_ddp:
+            # PowerSGD issues its second all-reduce (Q) from a callback of the first (P): with
+            # several buckets, ranks can interleave one bucket's Q with the next bucket's P
+            # differently, which gloo reports as a size mismatch. One bucket keeps the order fixed
+            # (an explicit cap also sets the first bucket's size, otherwise 1 MiB).
+            cap = {"bucket_cap_mb": 1024} if cfg.compression == "powersgd" and layout.device.type == "cpu" else {}
             ddp = DDP(model, process_group=layout.dp_group,
-                      device_ids=[layout.device.index] if layout.device.type == "cuda" else None)
+                      device_ids=[layout.device.index] if layout.device.type == "cuda" else None, **cap)
             chunks.append(ddp)
             continue
         if p.dp > 1:

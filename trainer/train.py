@@ -296,7 +296,7 @@ class Trainer:
 
         # The one per-step collective of the loop itself: loss, norms, and the plan version.
         dp = lay.dp
-        vec = torch.zeros(4 + dp, dtype=torch.float64)
+        vec = torch.zeros(4 + dp, dtype=torch.float64, device=self.device)  # NCCL needs device tensors
         if self.has_last and lay.tp_rank == 0:
             vec[0] = loss_sum
         vec[1] = sq_norm_share([p.grad for p in self.params if p.grad is not None], {"dp": dp, "tp": lay.tp})
@@ -340,7 +340,7 @@ class Trainer:
         t5 = time.perf_counter()
 
         plan_version = self.plan.version
-        if int(vec[2]) != self.plan.version:
+        if int(vec[2]) > self.plan.version:
             box: list[Any] = [polled if self.env.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             self._pending = box[0]
@@ -364,7 +364,7 @@ class Trainer:
         idx = self.val_idx[lay.dp_rank::lay.dp]
         data = torch.from_numpy(windows(self.corpus.val, cfg.model.context, idx)).to(self.device)
         x, y = data[:, :-1], data[:, 1:]
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
         n_stages = cfg.parallel.num_stages
         act_shape = (x.shape[0], x.shape[1], cfg.model.d_model)
         act: torch.Tensor = x
