@@ -120,9 +120,10 @@ def build_parallel_model(cfg: TrainConfig, layout: Layout) -> list[nn.Module]:
             # several buckets, ranks can interleave one bucket's Q with the next bucket's P
             # differently, which gloo reports as a size mismatch. One bucket keeps the order fixed
             # (an explicit cap also sets the first bucket's size, otherwise 1 MiB).
-            cap = {"bucket_cap_mb": 1024} if cfg.compression == "powersgd" and layout.device.type == "cpu" else {}
+            one_bucket = cfg.compression == "powersgd" and layout.device.type == "cpu"
             ddp = DDP(model, process_group=layout.dp_group,
-                      device_ids=[layout.device.index] if layout.device.type == "cuda" else None, **cap)
+                      device_ids=[layout.device.index] if layout.device.type == "cuda" else None,
+                      bucket_cap_mb=1024 if one_bucket else None)
             chunks.append(ddp)
             continue
         if p.dp > 1:
