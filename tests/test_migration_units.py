@@ -77,7 +77,7 @@ def test_sizes_always_valid(speeds: list[float], fixed: float, quantum: int, ext
 
 
 def test_policy_first_move_then_damped_rebalance_then_undo() -> None:
-    pol = MigrationPolicy(min_change_frac=0.01, gain=0.5, settle_steps=4)
+    pol = MigrationPolicy(min_gain=0.01, gain=0.5, settle_steps=4)
     slow = [ReplicaModel(0, 1.0), ReplicaModel(1, 2.0), ReplicaModel(2, 1.0), ReplicaModel(3, 1.0)]
     d = pol.decide(slow, 56, stragglers=True)
     assert d is not None and d.action == "migrate" and d.sizes == [16, 8, 16, 16]
@@ -102,7 +102,7 @@ def test_policy_first_move_then_damped_rebalance_then_undo() -> None:
 
 
 def test_policy_noise_below_dead_band_is_ignored() -> None:
-    pol = MigrationPolicy(min_change_frac=0.1)
+    pol = MigrationPolicy(min_gain=0.1)
     # 3% speed differences: the balanced split differs from even by less than the dead band.
     noisy = [ReplicaModel(0, 1.0), ReplicaModel(1, 1.03), ReplicaModel(2, 0.98), ReplicaModel(3, 1.01)]
     assert pol.decide(noisy, 32, stragglers=True) is None

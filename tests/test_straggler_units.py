@@ -147,8 +147,13 @@ def test_cause_precedence_and_thresholds() -> None:
     assert attribute(Evidence(run_delay_s=0.05, throttled_s=0.04), peers, 0.05).cause == "cpu_quota"
     assert attribute(Evidence(reclaim_s=0.03, run_delay_s=0.002), peers, 0.05).cause == "memory_reclaim"
     assert attribute(Evidence(blocked_s=0.09), peers, 0.05).cause == "io_wait"
-    # A little extra run delay that explains < 25% of the slowdown is not a cause.
+    # A little extra run delay that explains under half of the slowdown is not a cause.
     assert attribute(Evidence(run_delay_s=0.007), peers, 0.05).cause == "unknown"
+    # Run delay in proportion to compute is a consequence: a rank computing 3x longer on a busy
+    # node waits 3x longer too. Only a higher delay *rate* is contention.
+    busy = [Evidence(run_delay_s=0.02, cpu_s=0.01)] * 3
+    assert attribute(Evidence(run_delay_s=0.06, cpu_s=0.03), busy, 0.06).cause == "unknown"
+    assert attribute(Evidence(run_delay_s=0.06, cpu_s=0.01), busy, 0.04).cause == "cpu_contention"
     gpu_peers = [Evidence(gpu_clock_ratio=1.0)] * 3
     assert attribute(Evidence(gpu_clock_ratio=0.6), gpu_peers, 0.05).cause == "gpu_throttle"
     assert attribute(Evidence(gpu_slowdown=("hw_thermal",), gpu_clock_ratio=0.95), gpu_peers, 0.05).cause == "gpu_throttle"
@@ -187,15 +192,15 @@ def test_run_delay_per_step_is_a_median_over_ticks(tmp_path: Path) -> None:
     delays = [0, 10, 20, 30, 530, 540]  # ms cumulative: 10 ms per 10-step tick, one 500 ms burst
     for i, d in enumerate(delays):
         _fake_proc(tmp_path, 5, d * 1_000_000, "0::/\n")
-        ev.observe("j", 0, 5, step=10 * i)
-    assert ev.run_delay_per_step("j", 0, ticks=5) == pytest.approx(0.001)
+        ev.observe("j", 0, 5, step=10 * i, now=float(i))
+    assert ev.run_delay_per_step("j", 0, now=5.0, span_s=5.0) == pytest.approx(0.001)
     e = ev.evidence("j", 0, span_steps=20)
     # Evidence for causes is a sum over the ticks covering the span (here the last two).
     assert e.run_delay_source == "schedstat" and e.run_delay_s == pytest.approx(0.510 / 20)
     # A new process (pid change) starts its counters again.
     _fake_proc(tmp_path, 6, 0, "0::/\n")
-    ev.observe("j", 0, 6, step=0)
-    assert ev.run_delay_per_step("j", 0, ticks=5) == 0.0
+    ev.observe("j", 0, 6, step=0, now=6.0)
+    assert ev.run_delay_per_step("j", 0, now=6.0, span_s=5.0) == 0.0
 
 
 # --- the service, closed loop on a simulated job --------------------------------------------

@@ -4,8 +4,13 @@ Pure: evidence per rank comes in as per-step seconds (or flags) from evidence.py
 figures are compared with the median of its peers, because what matters is what this rank suffers
 *more* than the others (on a busy node every rank waits for a CPU a little).
 
+Run delay is compared as a rate: on a busy node a rank that computes longer (a slow kernel, more
+samples) also waits longer for a CPU in proportion, and that is a consequence, not contention. The
+excess is the rank's run delay minus its compute time times the peers' median delay per second of
+compute; a core shared with a hog or a throttled cgroup raises the rate itself.
+
 A quantity explains the slowdown when its excess over the peers covers at least
-``cause_min_frac`` of the rank's extra compute time per step. Order of precedence:
+``cause_min_frac`` of the rank's extra time per step (compute plus run delay). Order of precedence:
 GPU errors (a failing device explains anything), CPU quota throttling (a throttled cgroup's tasks
 also wait on the run queue, so quota is checked before plain contention), GPU throttling or a clock
 drop, then the largest of CPU contention, memory reclaim and I/O waits; "unknown" otherwise.
@@ -40,6 +45,8 @@ class Evidence:
     """Current / max SM clock of the rank's GPU."""
     gpu_errors: int = 0
     """New XID / ECC errors on the rank's GPU since the last look (or 1 when the GPU was lost)."""
+    cpu_s: float = math.nan
+    """The rank's own compute per step (what it ran, without waiting), to scale peers' run delay."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -66,13 +73,21 @@ def _excess(rank_value: float, peers: Sequence[float]) -> float:
     return rank_value - (0.0 if math.isnan(base) else base)
 
 
-def attribute(rank: Evidence, peers: Sequence[Evidence], extra_s: float, *, min_frac: float = 0.25,
+def _delay_excess(rank: Evidence, peers: Sequence[Evidence]) -> float:
+    rates = [p.run_delay_s / p.cpu_s for p in peers
+             if not math.isnan(p.run_delay_s) and not math.isnan(p.cpu_s) and p.cpu_s > 0]
+    if math.isnan(rank.run_delay_s) or math.isnan(rank.cpu_s) or not rates:
+        return _excess(rank.run_delay_s, [p.run_delay_s for p in peers])
+    return rank.run_delay_s - rank.cpu_s * _peer_median(rates)
+
+
+def attribute(rank: Evidence, peers: Sequence[Evidence], extra_s: float, *, min_frac: float = 0.5,
               clock_drop: float = 0.85) -> Attribution:
     """The cause of a straggler whose compute takes ``extra_s`` more per step than the fastest peer."""
     extra_s = max(extra_s, 1e-9)
     amounts = {
         "cpu_quota": _excess(rank.throttled_s, [p.throttled_s for p in peers]),
-        "cpu_contention": _excess(rank.run_delay_s, [p.run_delay_s for p in peers]),
+        "cpu_contention": _delay_excess(rank, peers),
         "memory_reclaim": _excess(rank.reclaim_s, [p.reclaim_s for p in peers]),
         "io_wait": _excess(rank.blocked_s, [p.blocked_s for p in peers]),
     }

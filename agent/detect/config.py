@@ -48,7 +48,8 @@ class StragglerConfig:
     """Steps of a job (from its first step, and after a rank restarts) that are never judged:
     start-up, first-touch allocations and lazy initialisation make them slow on every rank."""
     enter_score: float = 0.65
-    """A rank whose score (fastest rank's median time per sample / its own) is below this is slow."""
+    """A rank whose score (fastest rank's median compute time at the even batch / its own) is below
+    this is slow."""
     leave_score: float = 0.85
     """A straggler is healthy again once its score is at or above this (> enter_score: hysteresis)."""
     enter_windows: int = 3
@@ -61,17 +62,18 @@ class StragglerConfig:
     """Besides the score, a rank's median must exceed the fastest median by this many robust standard
     deviations (1.4826 x MAD, pooled over the job's ranks): noise alone never makes a straggler."""
     include_run_delay: bool = True
-    """Add the time a rank's main thread waited for a CPU (run-queue delay, /proc schedstat) to its
+    """Score with run delay: add the time a rank's main thread waited for a CPU (run-queue delay, /proc schedstat) to its
     compute time. On CPU the trainer reports thread CPU time, which hides a rank that shares its
     core with another process or is throttled by a CPU quota; on GPU it reports wall time anyway."""
-    delay_ticks: int = 5
-    """Run delay per step is the median over this many recent agent ticks, so a burst of load
-    from some other process on the node for a second or two does not make a straggler."""
+    delay_window_s: float = 10.0
+    """Run delay per step is the median of the per-tick figures over this many recent seconds, so
+    a burst of load from some other process on the node for a second or two does not make a
+    straggler, while a rank that shares its core for good is seen within a few seconds."""
     migrate: bool = True
     """Move batch share away from stragglers (shard migration) through the job's plan."""
-    min_change_frac: float = 0.05
-    """Dead band: a new split is published only when some rank's share moves by at least this
-    fraction of the global batch (and by at least one sample)."""
+    min_gain: float = 0.05
+    """Dead band: a new split is published only when it makes the modelled compute time of a step
+    (the slowest replica's) at least this fraction shorter than the current split does."""
     rebalance_gain: float = 0.5
     """After the first migration, re-evaluations move this fraction of the way to the new target
     (damping against oscillation while speeds are re-measured)."""
@@ -80,9 +82,11 @@ class StragglerConfig:
     exclude_after_s: float = 600.0
     """A rank still a straggler this long after detection is excluded (restart without it);
     0 disables exclusion."""
-    cause_min_frac: float = 0.25
+    cause_min_frac: float = 0.5
     """A cause is attached when its evidence explains at least this fraction of the rank's extra
-    compute time per step over the fastest rank; otherwise the cause is "unknown"."""
+    time per step over the fastest rank (compute plus run delay); otherwise the cause is "unknown".
+    Half, because on an oversubscribed node a rank that computes more also waits more for a CPU:
+    that share of its run delay is a consequence, not the cause."""
     gpu_clock_drop: float = 0.85
     """GPU throttling when the rank's SM clock ratio is below this fraction of its peers' median."""
 
@@ -96,14 +100,14 @@ class StragglerConfig:
         _int(self, "leave_windows", 1, 1000)
         _int(self, "eval_every_steps", 1, 4096)
         _int(self, "settle_steps", 0, 1 << 20)
-        _int(self, "delay_ticks", 1, 1000)
+        _num(self, "delay_window_s", 0.0, 3600.0, lo_open=True)
         _num(self, "enter_score", 0.0, 1.0, lo_open=True)
         _num(self, "leave_score", 0.0, 1.0, lo_open=True)
         if self.leave_score <= self.enter_score:
             raise DetectionConfigError(
                 "leave_score", f"{self.leave_score} must be above detection.enter_score ({self.enter_score})")
         _num(self, "mad_k", 0.0, 100.0)
-        _num(self, "min_change_frac", 0.0, 1.0)
+        _num(self, "min_gain", 0.0, 1.0)
         _num(self, "rebalance_gain", 0.0, 1.0, lo_open=True)
         _num(self, "exclude_after_s", 0.0, 1e9)
         _num(self, "cause_min_frac", 0.0, 1.0)

@@ -82,6 +82,7 @@ class ProcReader:
 
 @dataclass
 class _Tick:
+    at: float
     steps: int
     run_delay: float = math.nan
     throttled: float = math.nan
@@ -118,7 +119,7 @@ class RankEvidence:
             self._last.pop(key, None)
             self._ticks.pop(key, None)
 
-    def observe(self, job: str, rank: int, pid: int, step: int, ebpf: Any | None = None) -> None:
+    def observe(self, job: str, rank: int, pid: int, step: int, now: float, ebpf: Any | None = None) -> None:
         key = (job, rank)
         delay = self.reader.run_delay_s(pid)
         throttled = self.reader.throttled_s(pid)
@@ -127,7 +128,7 @@ class RankEvidence:
         if last is None or last.pid != pid or step < last.step:
             self._ticks.pop(key, None)  # a new process: its counters start again
             return
-        tick = _Tick(steps=step - last.step, run_delay=_delta(delay, last.run_delay),
+        tick = _Tick(at=now, steps=step - last.step, run_delay=_delta(delay, last.run_delay),
                      throttled=_delta(throttled, last.throttled))
         if ebpf is not None:
             tick.ebpf_runq = float(ebpf.runq_total_s)
@@ -158,12 +159,13 @@ class RankEvidence:
             return math.nan
         return sum(v for v, _ in vals) / steps
 
-    def run_delay_per_step(self, job: str, rank: int, ticks: int) -> float:
-        """Median over the newest ``ticks`` ticks of the main thread's run delay per step (0 if unknown).
+    def run_delay_per_step(self, job: str, rank: int, now: float, span_s: float) -> float:
+        """Median over the ticks of the last ``span_s`` seconds of the main thread's run delay per
+        step (0 when unknown).
 
         A median over ticks rather than a sum: a short burst of load from elsewhere on the node
-        moves one tick, a rank that shares its core for good moves all of them."""
-        recent = list(self._ticks.get((job, rank), ()))[-ticks:]
+        moves one or two ticks, a rank that shares its core for good moves all of them."""
+        recent = [t for t in self._ticks.get((job, rank), ()) if t.at >= now - span_s]
         values = sorted(t.run_delay / t.steps for t in recent if t.steps > 0 and not math.isnan(t.run_delay))
         if not values:
             return 0.0

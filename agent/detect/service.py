@@ -14,6 +14,7 @@ has one (the recovery path restarts the job without it), or reported as not excl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -121,7 +122,7 @@ class StragglerService:
             self.config = new
             for st in self._jobs.values():
                 st.detector.config = new
-                st.policy.min_change_frac = new.min_change_frac
+                st.policy.min_gain = new.min_gain
                 st.policy.gain = new.rebalance_gain
                 st.policy.settle_steps = new.settle_steps
         self.agent.events.emit("config_changed", f"detection settings changed: {sorted(fields)}",
@@ -175,7 +176,7 @@ class StragglerService:
         st = self._jobs.get(job)
         if st is None:
             st = self._jobs[job] = _JobState(
-                StragglerDetector(cfg), MigrationPolicy(cfg.min_change_frac, cfg.rebalance_gain, cfg.settle_steps))
+                StragglerDetector(cfg), MigrationPolicy(cfg.min_gain, cfg.rebalance_gain, cfg.settle_steps))
         layout = _layout(self.agent, job, views)
         ebpf = self._collector("ebpf")
         inputs: dict[int, RankInput] = {}
@@ -183,10 +184,10 @@ class StragglerService:
             if rank in st.excluded:
                 continue
             stats = ebpf.rank_stats(job, rank) if ebpf is not None else None
-            self.evidence.observe(job, rank, view.pid, view.step, stats)
+            self.evidence.observe(job, rank, view.pid, view.step, now, stats)
             window = self.agent.table.window(job, rank, 2 * cfg.window + cfg.warmup_steps)
             steps = [StepSample(m.step, m.fwd_bwd_s, m.opt_s, m.samples) for m in window]
-            delay = self.evidence.run_delay_per_step(job, rank, cfg.delay_ticks) if cfg.include_run_delay else 0.0
+            delay = self.evidence.run_delay_per_step(job, rank, now, cfg.delay_window_s)
             dp_rank = view.dp_rank if view.dp_rank is not None else rank
             inputs[rank] = RankInput(rank, layout.group(rank) if layout.known else 0, dp_rank, steps, delay)
         result = st.detector.evaluate(inputs, now)
@@ -225,19 +226,24 @@ class StragglerService:
         self._gpu_errors_seen[gpu] = total
         return stats, max(0, total - before)
 
-    def _evidence(self, job: str, rank: int, pid: int) -> Evidence:
+    def _evidence(self, job: str, rank: int, pid: int, fig: RankFigures | None) -> Evidence:
         gpu, errors = self._gpu_errors(pid)
-        return self.evidence.evidence(job, rank, self.config.window, gpu, errors)
+        ev = self.evidence.evidence(job, rank, self.config.window, gpu, errors)
+        if fig is not None:
+            ev = dataclasses.replace(ev, cpu_s=fig.compute_s - fig.delay_s)
+        return ev
 
     def _attribute(self, job: str, rank: int, figures: Mapping[int, RankFigures], views: Mapping[int, Any]) -> Attribution:
         fig = figures.get(rank)
         peers = [f for r, f in figures.items() if r != rank and (fig is None or f.group == fig.group)]
         extra = 0.0
         if fig is not None and peers:
-            fastest = min(p.per_sample_s for p in peers)
-            extra = (fig.per_sample_s - fastest) * fig.samples
-        mine = self._evidence(job, rank, views[rank].pid)
-        others = [self._evidence(job, p.rank, views[p.rank].pid) for p in peers if p.rank in views]
+            # Extra compute per step at the even batch, run delay included (as the score sees it).
+            even = sum(f.samples for f in [fig, *peers]) / (len(peers) + 1)
+            fastest = min(p.per_sample_s * even + p.delay_s for p in peers)
+            extra = fig.per_sample_s * even + fig.delay_s - fastest
+        mine = self._evidence(job, rank, views[rank].pid, fig)
+        others = [self._evidence(job, p.rank, views[p.rank].pid, p) for p in peers if p.rank in views]
         return attribute(mine, others, extra, min_frac=self.config.cause_min_frac,
                          clock_drop=self.config.gpu_clock_drop)
 
@@ -252,7 +258,7 @@ class StragglerService:
         fields: dict[str, Any] = {"score": round(tr.score, 4), "action": action, "details": attr.details}
         if fig is not None:
             fields.update(step=fig.last_step, per_sample_s=fig.per_sample_s, compute_s=fig.compute_s,
-                          dp_rank=fig.dp_rank)
+                          run_delay_s=fig.delay_s, dp_rank=fig.dp_rank)
             peers = [f.per_sample_s for f in figures.values() if f.group == fig.group and f.rank != tr.rank]
             if peers:
                 fields["fastest_per_sample_s"] = min(peers)
@@ -283,11 +289,12 @@ class StragglerService:
         if not st.policy.settled(min_version, min_step):
             return
         slow = any(st.detector.state(r) in (RankState.STRAGGLER, RankState.RECOVERING) for r in live)
-        models: dict[int, ReplicaModel] = {}
+        slowest: dict[int, RankFigures] = {}  # dp replica -> its slowest member
         for fig in figures.values():
-            m = models.get(fig.dp_rank)
+            m = slowest.get(fig.dp_rank)
             if m is None or fig.per_sample_s > m.per_sample_s:
-                models[fig.dp_rank] = ReplicaModel(fig.dp_rank, fig.per_sample_s, fig.fixed_s)
+                slowest[fig.dp_rank] = fig
+        models = {d: self._model(f) for d, f in slowest.items()}
         if slow and sorted(models) != list(range(layout.dp)):
             return  # not every replica measured yet
         plan = self.agent.plans.get(job)
@@ -306,6 +313,16 @@ class StragglerService:
             return
         if decision is not None:
             self._publish(job, st, layout, decision, total, figures)
+
+    def _model(self, f: RankFigures) -> ReplicaModel:
+        """The migration model of one replica. Run delay counts only when the score counts it, and
+        then as a slower per-sample rate (a rank that gets half a CPU computes at half speed): as a
+        per-step constant, the load of other processes on the node would swing the split around."""
+        marginal = f.marginal_s
+        if self.config.include_run_delay and f.delay_s > 0:
+            busy = max(f.per_sample_s * f.samples, 1e-9)
+            marginal *= 1.0 + f.delay_s / busy
+        return ReplicaModel(f.dp_rank, marginal, f.fixed_s)
 
     def _publish(self, job: str, st: _JobState, layout: Layout, d: Decision, total: int,
                  figures: Mapping[int, RankFigures]) -> None:

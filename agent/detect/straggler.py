@@ -3,14 +3,16 @@
 Pure logic over numbers: the service (service.py) feeds it each rank's recent steps and reads back
 scores and state changes, so every threshold can be tested on synthetic telemetry.
 
-What is compared is the time a rank needs per *sample* of forward+backward (plus, where the service
-measured it, the time the rank waited for a CPU). With the even split every rank has, that is the
-compute time of SPEC §3 divided by a constant, so the score is the spec's "fastest-rank median ÷
-this rank's median". Once shard migration has given a slow rank fewer samples its compute time per
-step drops to match the others, while its time per sample does not: judging per sample is what lets
-the detector tell "balanced by migration" from "recovered" (and avoids undoing a migration that works).
-Optimizer time is a per-step constant (it does not scale with the batch) and stays out of the
-per-sample figure; it is reported as ``fixed_s`` for the migration model.
+What is compared is each rank's compute time per step *at the job's even batch size*: its median
+forward+backward time per sample times the even share, plus (where the service measured it) the
+time per step the rank waited for a CPU. With the even split every rank runs, that is exactly the
+compute time of SPEC §3, so the score is the spec's "fastest-rank median ÷ this rank's median".
+Once shard migration has given a slow rank fewer samples its compute time per step drops to match
+the others, while its time per sample does not: judging at the even batch is what lets the
+detector tell "balanced by migration" from "recovered" (and not undo a migration that works).
+Run delay is counted per step, not per sample: much of it is the wake-up after each collective,
+which does not shrink with the batch. Optimizer time is a per-step constant too; it stays out of
+the score and goes into ``fixed_s`` for the migration model.
 
 Ranks are compared only with their peers: ranks at the same pipeline stage and tensor-parallel
 position (a first and a last pipeline stage do different work). Peers are the dp replicas.
@@ -96,10 +98,16 @@ class RankFigures:
     group: int
     dp_rank: int
     per_sample_s: float
-    """Median over the window of (fwd+bwd time + run delay) / samples."""
+    """Median over the window of forward+backward time / samples."""
     per_sample_mad_s: float
     fixed_s: float
-    """Median optimizer time per step (does not scale with the batch)."""
+    """Per-step compute that does not scale with the batch: median optimizer time, plus the intercept
+    of forward+backward time against batch size when the window holds more than one batch size."""
+    marginal_s: float
+    """Forward+backward seconds per additional sample (the slope; ``per_sample_s`` until the window
+    holds two batch sizes to fit it from)."""
+    delay_s: float
+    """CPU run delay per step (0 when not measured)."""
     compute_s: float
     """Median compute time per step (fwd+bwd+opt, plus run delay)."""
     samples: int
@@ -112,6 +120,25 @@ class RankFigures:
     def speed(self) -> float:
         """Samples per second of forward+backward (the migration weight)."""
         return 1.0 / self.per_sample_s if self.per_sample_s > 0 else math.inf
+
+
+def fit_cost(points: Sequence[tuple[int, float]], min_group: int = 3) -> tuple[float, float] | None:
+    """(intercept, slope) of time against batch size from the medians of the smallest and the largest
+    batch size seen at least ``min_group`` times; None with fewer than two such sizes.
+
+    Medians per size rather than least squares: one slow step (a GC pause) must not tilt the line."""
+    groups: dict[int, list[float]] = {}
+    for n, t in points:
+        groups.setdefault(n, []).append(t)
+    sizes = sorted(n for n, ts in groups.items() if len(ts) >= min_group)
+    if len(sizes) < 2:
+        return None
+    lo, hi = sizes[0], sizes[-1]
+    m_lo, m_hi = median(groups[lo]), median(groups[hi])
+    slope = (m_hi - m_lo) / (hi - lo)
+    if slope <= 0:
+        return None
+    return max(0.0, m_lo - slope * lo), slope
 
 
 @dataclass
@@ -154,15 +181,20 @@ def figures_for(inp: RankInput, window: int, from_step: int) -> RankFigures | No
     usable = [s for s in inp.steps if s.step >= from_step and s.samples > 0][-window:]
     if len(usable) < window:
         return None
-    per = [(s.fwd_bwd_s + inp.delay_per_step_s) / s.samples for s in usable]
+    per = [s.fwd_bwd_s / s.samples for s in usable]
     center = median(per)
+    opt = median([s.opt_s for s in usable])
+    fit = fit_cost([(s.samples, s.fwd_bwd_s) for s in usable])
+    intercept, slope = fit if fit is not None else (0.0, center)
     return RankFigures(
         rank=inp.rank,
         group=inp.group,
         dp_rank=inp.dp_rank,
         per_sample_s=center,
         per_sample_mad_s=mad(per, center),
-        fixed_s=median([s.opt_s for s in usable]),
+        fixed_s=opt + intercept,
+        marginal_s=slope,
+        delay_s=inp.delay_per_step_s,
         compute_s=median([s.fwd_bwd_s + s.opt_s for s in usable]) + inp.delay_per_step_s,
         samples=usable[-1].samples,
         last_step=usable[-1].step,
@@ -170,21 +202,25 @@ def figures_for(inp: RankInput, window: int, from_step: int) -> RankFigures | No
     )
 
 
-def group_scores(figs: Iterable[RankFigures], mad_k: float) -> dict[int, tuple[float, bool]]:
+def group_scores(figs: Iterable[RankFigures], mad_k: float, with_delay: bool = True) -> dict[int, tuple[float, bool]]:
     """rank -> (score, significant) within one peer group.
 
-    score = fastest rank's per-sample median / this rank's (1.0 for the fastest); ``significant``
-    when this rank's median exceeds the fastest by more than ``mad_k`` pooled robust deviations.
+    Each rank's time at the group's even batch ``b`` is ``per_sample * b + delay``; score = the
+    fastest rank's time / this rank's (1.0 for the fastest). ``significant`` when this rank's time
+    exceeds the fastest by more than ``mad_k`` pooled robust deviations of the per-step times.
     """
     figs = list(figs)
     if not figs:
         return {}
-    fastest = min(f.per_sample_s for f in figs)
-    pooled = median([f.per_sample_mad_s for f in figs]) * _MAD_TO_SIGMA
+    even = sum(f.samples for f in figs) / len(figs)
+    times = {f.rank: f.per_sample_s * even + (f.delay_s if with_delay else 0.0) for f in figs}
+    fastest = min(times.values())
+    pooled = median([f.per_sample_mad_s for f in figs]) * _MAD_TO_SIGMA * even
     out: dict[int, tuple[float, bool]] = {}
     for f in figs:
-        score = fastest / f.per_sample_s if f.per_sample_s > 0 else 1.0
-        out[f.rank] = (min(1.0, max(0.0, score)), f.per_sample_s - fastest > mad_k * pooled)
+        t = times[f.rank]
+        score = fastest / t if t > 0 else 1.0
+        out[f.rank] = (min(1.0, max(0.0, score)), t - fastest > mad_k * pooled)
     return out
 
 
@@ -255,7 +291,7 @@ class StragglerDetector:
         for fig in result.figures.values():
             groups.setdefault(fig.group, []).append(fig)
         for figs in groups.values():
-            for rank, (score, significant) in group_scores(figs, cfg.mad_k).items():
+            for rank, (score, significant) in group_scores(figs, cfg.mad_k, cfg.include_run_delay).items():
                 result.scores[rank] = score
                 self._step_state(rank, score, significant and len(figs) > 1, now, result.transitions)
         return result

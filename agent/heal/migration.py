@@ -16,7 +16,9 @@ can split the batch unevenly).
 
 ``MigrationPolicy`` decides when to publish: the first move goes straight to the target, later
 re-evaluations only after every rank ran the current plan for ``settle_steps``, move a damped
-fraction of the way, and only beyond a dead band, so measurement noise cannot make shares oscillate.
+fraction of the way, and only when the model says the step gets at least ``min_gain`` faster (a
+dead band on the outcome, not on sample counts: moving 2 of 64 samples off a rank that holds 5 can
+matter), so measurement noise cannot make shares oscillate.
 When no straggler is left the shares go back to even.
 """
 
@@ -98,6 +100,12 @@ def balanced_sizes(models: Sequence[ReplicaModel], total: int, quantum: int = 1,
     return round_preserving_sum(real, total, quantum, min_units)
 
 
+def step_time(models: Sequence[ReplicaModel], sizes: Sequence[int]) -> float:
+    """Modelled compute time of one step: the slowest replica's ``fixed + n * per_sample``."""
+    ms = sorted(models, key=lambda m: m.dp_rank)
+    return max(m.fixed_s + n * m.per_sample_s for m, n in zip(ms, sizes, strict=True))
+
+
 @dataclass(frozen=True)
 class Decision:
     sizes: list[int] | None
@@ -111,7 +119,7 @@ class Decision:
 class MigrationPolicy:
     """Per-job migration state. ``decide`` is called after each detector evaluation."""
 
-    min_change_frac: float = 0.05
+    min_gain: float = 0.05
     gain: float = 0.5
     settle_steps: int = 8
     sizes: list[int] | None = None
@@ -149,7 +157,6 @@ class MigrationPolicy:
         else:
             damped = [c + self.gain * (t - c) for c, t in zip(current, target, strict=True)]
             proposal, action = round_preserving_sum(damped, total, quantum), "rebalance"
-        moved = max(abs(p - c) for p, c in zip(proposal, current, strict=True))
-        if moved < max(quantum, self.min_change_frac * total):
+        if proposal == current or step_time(models, proposal) > (1.0 - self.min_gain) * step_time(models, current):
             return None
         return Decision(proposal, action, target)
