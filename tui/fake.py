@@ -9,6 +9,7 @@ For snapshot tests and for trying the dashboard without an agent
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,12 +39,17 @@ def _hist(peak: int, width: int, total: int) -> dict[str, Any]:
     return {"slots": slots, "sum_ns": sum(n * (1 << s) * 1000 for s, n in enumerate(slots))}
 
 
-def scene_status(node: str = "node-a") -> dict[str, Any]:
+def scene_status(node: str = "node-a", tick: int = 30) -> dict[str, Any]:
+    """The scene after ``tick`` polls: 20 steps per poll; the controller halves the LR at tick 10 and
+    the healer moves part of rank 2's shard to the others at tick 15."""
+    step = 600 + 20 * tick
+    lr = 1.2e-3 if tick < 10 else 6e-4
+    batches = [32, 32, 32, 32] if tick < 15 else [40, 40, 24, 40]
     gpt_ranks = []
     for r in range(4):
         slow = r == 2
-        tel = _tel("gpt-small", r, 1200 if not slow else 1199, 0.412, 0.300 if not slow else 0.395,
-                   24 if slow else 40 if r else 40, 2.31 + r * 0.01, 6e-4,
+        loss = 1.5 + 2.0 * math.exp(-step / 600) + 0.01 * r
+        tel = _tel("gpt-small", r, step - (1 if slow else 0), 0.412, 0.395 if slow else 0.300, batches[r], loss, lr,
                    straggler_score=0.76 if slow else 1.0 - r * 0.01,
                    straggler_cause="cpu contention (run-queue p99 8ms)" if slow else "")
         gpt_ranks.append({"rank": r, "pid": 4100 + r, "alive": True, "exit_code": None, "exit_signal": None,
@@ -59,7 +65,7 @@ def scene_status(node: str = "node-a") -> dict[str, Any]:
         "collectors": {"host": {"up": True, "reason": None}, "ebpf": {"up": True, "reason": None},
                        "gpu": {"up": True, "reason": None}},
         "jobs": [
-            {"job": "gpt-small", "state": "running", "attempt": 2, "restarts": 1, "nproc": 4, "progress_step": 1200,
+            {"job": "gpt-small", "state": "running", "attempt": 2, "restarts": 1, "nproc": 4, "progress_step": step,
              "ranks": gpt_ranks,
              "plan": {"version": 3, "lr_scale": 0.5, "lr": None, "batch_sizes": [40, 40, 24, 40],
                       "checkpoint_id": 4, "stop": False, "reason": "shard migration off rank 2", "extra": {}}},
@@ -124,6 +130,7 @@ class FakeSource:
         self.refusals: dict[str, ApiClientError] = {}
         self.calls: list[tuple[str, str, str, dict[str, Any]]] = []
         self._events_sent: set[str] = set()
+        self.ticks = 0
 
     def agents(self) -> Sequence[str]:
         return self._agents
@@ -132,11 +139,12 @@ class FakeSource:
         if self.down:
             return [AgentSnapshot(a, error=f"no agent at {a}: is `trainguard agent` running?") for a in self._agents]
         out = []
+        tick, self.ticks = self.ticks, self.ticks + 1
         for i, a in enumerate(self._agents):
             node = "node-a" if i == 0 else f"node-{chr(ord('a') + i)}"
             events = [] if a in self._events_sent else scene_events()
             self._events_sent.add(a)
-            out.append(AgentSnapshot(a, status=copy.deepcopy(scene_status(node)), events=events,
+            out.append(AgentSnapshot(a, status=copy.deepcopy(scene_status(node, tick)), events=events,
                                      checkpoints=scene_checkpoints()))
         return out
 

@@ -105,6 +105,20 @@ class RankRow:
     def healthy(self) -> bool:
         return self.state in ("running", "external")
 
+    def detail(self) -> str:
+        """The whole row in one line, for narrow terminals where the table scrolls sideways."""
+        parts = [f"{self.job} rank {self.rank} on {self.node}: {self.state}",
+                 f"step {NA if self.step is None else self.step}",
+                 f"{fmt_ms(self.step_s)} ms = compute {fmt_ms(self.compute_s)} + comm {fmt_ms(self.comm_s)}"
+                 f" + data {fmt_ms(self.data_s)}",
+                 f"score {NA if self.score is None else f'{self.score:.2f}'}"
+                 + (f" ({self.cause})" if self.cause else ""),
+                 f"batch {NA if self.batch_size is None else self.batch_size} ({fmt_pct(self.batch_share)})",
+                 f"loss {fmt_float(self.loss)}"]
+        if self.pid is not None:
+            parts.append(f"pid {self.pid}")
+        return ", ".join(parts)
+
     def text(self) -> str:
         """Everything a filter may match."""
         return " ".join(str(c) for c in (self.node, self.job, f"rank{self.rank}", self.rank, self.state, self.cause,
@@ -126,13 +140,14 @@ def _none_last(value: Any) -> tuple[int, Any]:
 RANK_COLUMNS: tuple[Column, ...] = (
     Column("node", "node", lambda r: r.node, lambda r: r.node),
     Column("job", "job", lambda r: r.job, lambda r: r.job),
-    Column("rank", "rank", lambda r: str(r.rank), lambda r: r.rank),
+    Column("rank", "rank", lambda r: str(r.rank), lambda r: (r.job, r.rank)),
     Column("state", "state", lambda r: r.state, lambda r: r.state),
     Column("step", "step", lambda r: NA if r.step is None else str(r.step), lambda r: _none_last(r.step)),
     Column("step_ms", "step ms", lambda r: fmt_ms(r.step_s), lambda r: _none_last(r.step_s)),
     Column("compute_ms", "comp ms", lambda r: fmt_ms(r.compute_s), lambda r: _none_last(r.compute_s)),
     Column("comm_ms", "comm ms", lambda r: fmt_ms(r.comm_s), lambda r: _none_last(r.comm_s)),
-    Column("score", "score", lambda r: NA if r.score is None else f"{r.score:.2f}", lambda r: _none_last(r.score)),
+    Column("score", "score", lambda r: NA if r.score is None else f"{r.score:.2f}" + (" !" if r.straggling else ""),
+           lambda r: _none_last(r.score)),
     Column("cause", "cause", lambda r: r.cause or ("-" if r.score is not None else NA), lambda r: r.cause),
     Column("share", "batch", lambda r: (NA if r.batch_size is None else f"{r.batch_size} {fmt_pct(r.batch_share)}"),
            lambda r: _none_last(r.batch_share)),

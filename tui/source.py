@@ -73,8 +73,14 @@ class ApiDataSource:
     def __init__(self, clients: Sequence[ApiClient]) -> None:
         if not clients:
             raise ValueError("ApiDataSource needs at least one agent")
-        self._clients = {c.where: c for c in clients}
-        self._cursor = {c.where: 0 for c in clients}
+        self._clients: dict[str, ApiClient] = {}
+        for c in clients:
+            name, n = c.where, 1
+            while name in self._clients:  # the same address twice (e.g. with two tokens)
+                n += 1
+                name = f"{c.where} #{n}"
+            self._clients[name] = c
+        self._cursor = {name: 0 for name in self._clients}
 
     def agents(self) -> Sequence[str]:
         return list(self._clients)

@@ -20,7 +20,7 @@ HELP = """\
   [b]p[/b]        pause / resume live updates
   [b]r[/b]        refresh now (retry an unreachable agent)
   [b]c[/b]        checkpoint the highlighted rank's job now
-  [b]d[/b]        drain the highlighted rank (move its shard away)
+  [b]d[/b]        drain the highlighted rank (its shard moves)
   [b]n[/b]        drain the highlighted rank's node
   [b]?[/b]        this help        [b]q[/b]  quit
 

@@ -17,7 +17,7 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.reactive import reactive
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Input, TabbedContent, TabPane
+from textual.widgets import DataTable, Footer, Header, Input, Static, TabbedContent, TabPane
 
 from agent.api.client import ApiClientError
 from tui import model
@@ -115,6 +115,7 @@ class MainScreen(Screen[None]):
         self._last_good: dict[str, AgentSnapshot] = {}
         self._polling = False
         self._filter_target = "ranks"
+        self._view: tuple[list[AgentSnapshot], list[model.RankRow], float] | None = None
         self.last_action = ""
 
     # -- layout -------------------------------------------------------------------------------------
@@ -126,6 +127,7 @@ class MainScreen(Screen[None]):
                 yield OverviewPanel()
             with TabPane("ranks", id="ranks"):
                 yield RanksTable(id="ranks-table")
+                yield Static(id="rank-detail", classes="note")
             with TabPane("GPUs", id="gpus"):
                 yield GpuPanel()
             with TabPane("kernel", id="kernel"):
@@ -136,6 +138,7 @@ class MainScreen(Screen[None]):
                 yield ControllerPanel()
             with TabPane("events", id="events"):
                 yield EventsTable(self.clock_text, id="events-table")
+                yield Static(id="event-detail", classes="note")
         yield Input(placeholder="filter: words every row must contain (enter: keep, esc: clear)", id="filter")
         yield StatusLine(id="status")
         yield Footer()
@@ -202,15 +205,35 @@ class MainScreen(Screen[None]):
             if s.up:
                 events.add_events(s.agent, s.events)
         self.history.add(s for s in snaps if s.up)
-        warnings = [e for e in events.events if e.get("severity") in ("warning", "error", "critical")][-3:]
-        self.query_one(OverviewPanel).show(shown, rows, now, warnings)
-        self.query_one(GpuPanel).show_gpus(model.gpu_rows(shown), self._why_none(shown, "gpu", "gpus", "GPU readings"))
-        self.query_one(KernelPanel).show_hists(model.kernel_lines(shown),
-                                               self._why_none(shown, "ebpf", "kernel", "kernel histograms"))
-        ckpt = model.checkpoint_rows(shown, now, self.clock_text)
-        self.query_one(CheckpointPanel).show_checkpoints(
-            ckpt, f"{len(ckpt)} job/tier row(s)" if ckpt else "no checkpoints yet (none committed in any tier)")
-        self._show_controller()
+        self._view = (shown, rows, now)
+        self._render_panel(self.active_panel)
+
+    def _render_panel(self, panel: str) -> None:
+        """Draw the panel the user sees; the others are drawn when their tab is opened (drawing
+        all of them on every poll costs a busy machine the UI's responsiveness)."""
+        if self._view is None:
+            return
+        shown, rows, now = self._view
+        if panel == "overview":
+            warnings = [e for e in self.events_table.events
+                        if e.get("severity") in ("warning", "error", "critical")][-3:]
+            self.query_one(OverviewPanel).show(shown, rows, now, warnings)
+        elif panel == "gpus":
+            self.query_one(GpuPanel).show_gpus(model.gpu_rows(shown),
+                                               self._why_none(shown, "gpu", "gpus", "GPU readings"))
+        elif panel == "kernel":
+            self.query_one(KernelPanel).show_hists(model.kernel_lines(shown),
+                                                   self._why_none(shown, "ebpf", "kernel", "kernel histograms"))
+        elif panel == "checkpoints":
+            ckpt = model.checkpoint_rows(shown, now, self.clock_text)
+            self.query_one(CheckpointPanel).show_checkpoints(
+                ckpt, f"{len(ckpt)} job/tier row(s)" if ckpt else "no checkpoints yet (none committed in any tier)")
+        elif panel == "controller":
+            self._show_controller()
+
+    @on(TabbedContent.TabActivated)
+    def _tab_opened(self, event: TabbedContent.TabActivated) -> None:
+        self._render_panel(self.active_panel)
 
     @staticmethod
     def _why_none(snaps: Sequence[AgentSnapshot], collector: str, key: str, what: str) -> str:
@@ -242,8 +265,13 @@ class MainScreen(Screen[None]):
     # -- messages from widgets ----------------------------------------------------------------------
     @on(RanksTable.Selected)
     def _rank_selected(self, message: RanksTable.Selected) -> None:
-        if self.snapshots:
-            self._show_controller()
+        self.query_one("#rank-detail", Static).update(
+            message.row.detail() if message.row else "no rank matches" if self.ranks.filter_text else "no ranks")
+
+    @on(DataTable.RowHighlighted, "#events-table")
+    def _event_highlighted(self, message: DataTable.RowHighlighted) -> None:
+        e = self.events_table.event_at(message.row_key.value)
+        self.query_one("#event-detail", Static).update(self.events_table.detail(e) if e else "")
 
     @on(RanksTable.Sorted)
     def _sorted(self, message: RanksTable.Sorted) -> None:

@@ -22,12 +22,10 @@ class ConnectionBanner(Static):
             self.update("")
             return
         text = Text()
-        for i, snap in enumerate(down):
-            if i:
-                text.append("\n")
-            text.append("AGENT UNREACHABLE ", style="bold")
-            text.append(f"{snap.agent}: {snap.error}")
-        text.append(f"\nretrying every {retry_s:g}s (r: retry now); showing the last data received")
+        text.append("AGENT UNREACHABLE", style="bold")
+        text.append(f" - retrying every {retry_s:g}s (r: now); showing the last data received")
+        for snap in down:
+            text.append(f"\n{snap.error}")
         self.update(text)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -23,6 +24,7 @@ class EventsTable(DataTable[Text]):
         self._clock_text = clock_text
         self._events: deque[Mapping[str, Any]] = deque(maxlen=KEEP)
         self._seen: set[tuple[str, int]] = set()
+        self._by_key: dict[str, Mapping[str, Any]] = {}
         self.filter_text = ""
         self.with_node = False
 
@@ -47,7 +49,8 @@ class EventsTable(DataTable[Text]):
             if len(self._events) == KEEP:
                 old = self._events[0]
                 self._seen.discard((str(old.get("_agent")), int(old.get("seq", -1))))
-            e = dict(e, _agent=agent)
+                self._by_key.pop(str(old.get("_key")), None)
+            e = dict(e, _agent=agent, _key=f"{agent}#{e.get('seq')}")
             self._events.append(e)
             added += 1
             if not self.filter_text or matches(event_text(e), self.filter_text):
@@ -68,11 +71,27 @@ class EventsTable(DataTable[Text]):
             str(e.get("message", "")),
             event_cause(e),
         )
-        self.add_row(*(Text(c, style=style) for c in cells))
+        self._by_key[str(e["_key"])] = e
+        self.add_row(*(Text(c, style=style) for c in cells), key=str(e["_key"]))
+
+    def event_at(self, key: str | None) -> Mapping[str, Any] | None:
+        return self._by_key.get(key) if key else None
+
+    def detail(self, e: Mapping[str, Any]) -> str:
+        """The whole event in one line: message, cause, action and the remaining fields."""
+        ts = e.get("ts")
+        fields = {k: v for k, v in (e.get("fields") or {}).items() if k != "action"}
+        text = (f"#{e.get('seq')} {self._clock_text(float(ts)) if isinstance(ts, int | float) else '-'} "
+                f"{e.get('severity', '')} {e.get('kind', '')} [{event_where(e, True)}] {e.get('message', '')}"
+                f" | cause/action: {event_cause(e)}")
+        if fields:
+            text += " | " + json.dumps(fields, separators=(",", ":"), default=str)[:300]
+        return text
 
     def filter(self, query: str) -> None:
         self.filter_text = query.strip()
         self.clear()
+        self._by_key.clear()
         for e in self._events:
             if not self.filter_text or matches(event_text(e), self.filter_text):
                 self._add_row(e)

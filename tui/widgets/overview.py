@@ -18,7 +18,7 @@ ATTENTION_MAX = 6
 
 
 def _agents_table(snapshots: Sequence[AgentSnapshot]) -> Table:
-    t = Table(title="agents", title_justify="left", expand=True, box=None, padding=(0, 1))
+    t = Table(title="agents", title_justify="left", box=None, padding=(0, 1))
     for col in ("node", "agent", "version", "up", "collectors"):
         t.add_column(col, no_wrap=col != "collectors")
     for s in snapshots:
@@ -33,15 +33,20 @@ def _agents_table(snapshots: Sequence[AgentSnapshot]) -> Table:
     return t
 
 
-def _jobs_table(snapshots: Sequence[AgentSnapshot], now: float) -> Table:
-    t = Table(title="jobs", title_justify="left", expand=True, box=None, padding=(0, 1))
-    for col in ("node", "job", "state", "att", "rst", "ranks", "step", "speed", "plan"):
-        t.add_column(col, no_wrap=True)
+def _jobs_table(snapshots: Sequence[AgentSnapshot], now: float, show_node: bool, wide: bool) -> Table:
+    t = Table(title="jobs", title_justify="left", box=None, padding=(0, 1))
+    cols = ["node"] if show_node else []
+    cols += ["job", "state", "try/rst", "ranks", "step", "speed", "plan"]
+    for col in cols:
+        t.add_column(col, no_wrap=True, overflow="ellipsis")
     for j in job_lines(snapshots, now):
         style = {"running": "green", "failed": "bold red", "crashloop": "bold red", "restarting": "yellow"}.get(j.state, "")
-        t.add_row(j.node, j.job, Text(j.state, style=style), j.attempt, j.restarts, j.ranks, j.step, j.speed, j.plan)
+        speed = j.speed if wide else j.speed.split(" st/s")[0] + (" st/s" if "st/s" in j.speed else "")
+        cells: list[str | Text] = [j.node] if show_node else []
+        cells += [j.job, Text(j.state, style=style), f"{j.attempt}/{j.restarts}", j.ranks, j.step, speed, j.plan]
+        t.add_row(*cells)
     if not t.row_count:
-        t.add_row("-", "no jobs", "", "", "", "", "", "", "")
+        t.add_row(*(["no jobs"] + [""] * (len(cols) - 1)))
     return t
 
 
@@ -79,8 +84,22 @@ class OverviewPanel(VerticalScroll):
 
     def show(self, snapshots: Sequence[AgentSnapshot], ranks: Sequence[RankRow], now: float,
              warnings: Sequence[Mapping[str, Any]]) -> None:
+        self._last: tuple[Sequence[AgentSnapshot], Sequence[RankRow], float, Sequence[Mapping[str, Any]]] | None = (
+            snapshots, ranks, now, warnings)
+        self._render_all()
+
+    def on_resize(self) -> None:
+        # Hidden tabs have no width: what was drawn there is drawn again once the panel is seen.
+        if getattr(self, "_last", None) is not None:
+            self._render_all()
+
+    def _render_all(self) -> None:
+        if self._last is None:
+            return
+        snapshots, ranks, now, warnings = self._last
         self.query_one("#ov-agents", Static).update(_agents_table(snapshots))
-        self.query_one("#ov-jobs", Static).update(_jobs_table(snapshots, now))
+        wide = self.size.width >= 110
+        self.query_one("#ov-jobs", Static).update(_jobs_table(snapshots, now, len(snapshots) > 1, wide))
         att = Table(title="attention", title_justify="left", expand=True, box=None, show_header=False)
         att.add_column("what")
         att.add_row(_attention(snapshots, ranks, warnings))

@@ -87,10 +87,8 @@ class RanksTable(DataTable[Text]):
         self._select(self._shown[index])
 
     def _select(self, row: RankRow | None) -> None:
-        key = row.key if row else None
-        if key != self._selected_key or row is None:
-            self._selected_key = key
-            self.post_message(self.Selected(row))
+        self._selected_key = row.key if row else None
+        self.post_message(self.Selected(row))
 
     @on(DataTable.RowHighlighted)
     def _highlighted(self, event: DataTable.RowHighlighted) -> None:
