@@ -9,6 +9,7 @@ proposal, and checks on what the ranks themselves reported.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -28,7 +29,8 @@ STEPS = 90
 
 
 class TooHotOnce:
-    """The configured strategy, except that its second proposal is replaced by LR x300."""
+    """The configured strategy, except that its third proposal is replaced by LR x300. The wrapped
+    strategy itself searches LR scales up to x2 only, so the only divergence is the planted one."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -42,7 +44,7 @@ class TooHotOnce:
 
     @space.setter
     def space(self, value: Space) -> None:
-        self.inner.space = value
+        self.inner.space = dataclasses.replace(value, lr_high=min(value.lr_high, 2.0))
 
     def propose(self, current: Setting, last: WindowResult | None) -> Proposal:
         self.proposals += 1
@@ -77,7 +79,7 @@ def test_controller_in_real_agent_and_training(tmp_path: Path) -> None:
     holder: list[TooHotOnce] = []
 
     def factory(c: ControllerConfig, space: Space, job: str) -> Any:
-        holder.append(TooHotOnce(make_strategy(c, space, job)))
+        holder.append(TooHotOnce(make_strategy(c, dataclasses.replace(space, lr_high=2.0), job)))
         return holder[0]
 
     try:
@@ -88,7 +90,7 @@ def test_controller_in_real_agent_and_training(tmp_path: Path) -> None:
             "parallel.dp_mode=ddp"])
         build_corpus(str(tmp_path / "cache"), 2_000_000)  # once, before two ranks race to build it
         agent.supervisor.submit(JobSpec(JOB, 2, trainer))
-        deadline = time.monotonic() + 75
+        deadline = time.monotonic() + 120
         record = agent.supervisor.jobs[JOB]
         while time.monotonic() < deadline:
             agent.tick(time.time())
@@ -118,7 +120,7 @@ def test_controller_in_real_agent_and_training(tmp_path: Path) -> None:
             assert m0.batch_size + m1.batch_size == e["batch_to"]
         # The diverging change was rolled back (by the controller, or by the agent's recovery
         # service noticing first) to the last good setting with the LR cut.
-        assert rollbacks, [e["message"] for e in events]
+        assert len(rollbacks) == 1, [e["message"] for e in events]
         rb = rollbacks[0]
         good = [e for e in changed if e["seq"] < rb["seq"] and e["lr_scale_to"] != 300.0]
         good_lr = good[-1]["lr_scale_to"] if good else 1.0

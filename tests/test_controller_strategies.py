@@ -13,7 +13,7 @@ import pytest
 from agent.config import ConfigError
 from agent.controller import ControllerConfig, Setting, Space, WindowResult
 from agent.controller.bandit import BanditStrategy
-from agent.controller.goodput import GoodputStrategy, efficiency, sqrt_rule
+from agent.controller.goodput import GoodputStrategy, efficiency, fit_step_time, gain_ratio
 from agent.controller.noise import NoiseScale, noise_point
 from agent.controller.optuna_strategy import OptunaStrategy
 from agent.controller.strategy import loglog_slope
@@ -159,16 +159,25 @@ def test_goodput_picks_batch_maximising_throughput_times_efficiency() -> None:
     # goodput(B) = B / (a + k B) * (Bn + B0) / (Bn + B) peaks at B* = sqrt(a Bn / k), k = c / dp.
     a, c, dp, bn = 0.2, 0.004, 2, 64.0
     b_star = math.sqrt(a * bn / (c / dp))  # 80
+
+    def measured(s: Setting) -> WindowResult:  # what the ranks' telemetry would show at batch s.batch
+        return window(s, 0.3, fixed_s=a, step_s=a + c * s.batch / dp, per_sample_s=c, dp=dp, noise_scale=bn)
+
     strat = GoodputStrategy(ControllerConfig(strategy="goodput", gain_threshold=0.05), SPACE)
     current = Setting(1.0, BASE)
     for _ in range(3):
-        p = strat.propose(current, window(current, 0.3, fixed_s=a, per_sample_s=c, dp=dp, noise_scale=bn))
-        current = p.setting
+        last = measured(current)
+        strat.observe(last)
+        current = strat.propose(current, last).setting
     assert abs(math.log2(current.batch / b_star)) <= 0.5, (current, b_star)
     assert current.batch == 64
-    assert current.lr_scale == pytest.approx(sqrt_rule(1.0, current.batch, BASE))
+    # LR by the AdaScale gain ratio from the same noise scale (1 at the base batch).
+    assert current.lr_scale == pytest.approx(gain_ratio(64, BASE, bn))
+    # Two batch sizes measured: the step-time model is the fit, which recovers a and c / dp.
+    alpha, beta = fit_step_time(strat.step_times)  # type: ignore[misc]
+    assert alpha == pytest.approx(a) and beta == pytest.approx(c / dp)
     # Settled: no further change when the best candidate is the current batch.
-    again = strat.propose(current, window(current, 0.3, fixed_s=a, per_sample_s=c, dp=dp, noise_scale=bn))
+    again = strat.propose(current, measured(current))
     assert again.setting == current and "keep" in again.reason
 
 

@@ -53,7 +53,7 @@ class ControllerConfig:
     """LR multiplier applied on top of the last good setting after a rollback."""
     gain_threshold: float = 0.05
     """goodput: change the batch only when the predicted goodput gain exceeds this fraction."""
-    noise_ema: float = 0.9
+    noise_ema: float = 0.95
     """goodput: EMA factor for the |G|^2 and S estimates behind the gradient noise scale."""
     exploration: float = 1.0
     """rl: initial exploration (posterior variance inflation); it decays as 1/sqrt(decisions)."""

@@ -5,15 +5,20 @@ the LR follow it.
 * Statistical efficiency of batch B relative to the base batch B0 (Pollux / AdaptDL, for SGD-like
   updates): E(B) = (B_noise + B0) / (B_noise + B). A step at batch B makes E(B) * B / B0 base
   steps' worth of progress; E < 1 once B grows past the noise scale.
-* Throughput: step time T(B) = fixed + per_sample * B / dp, with ``fixed`` the median per-step time
-  that does not grow with the batch (collectives and optimizer) and ``per_sample`` the median
-  forward/backward and data time per local sample, both from rank 0's telemetry over the last
-  window; throughput(B) = B / T(B) samples per second.
+* Throughput: step time T(B) = alpha + beta * B, throughput(B) = B / T(B) samples per second.
+  Once windows ran at two or more batch sizes, alpha and beta are the least-squares fit of the
+  median step times measured at each batch (the newest window per batch). Before that, the split
+  comes from rank 0's telemetry over the last window: alpha = the median per-step time that does
+  not grow with the batch (collectives, optimizer), beta = the rest of the measured step time per
+  sample of the global batch.
 * goodput(B) = throughput(B) * E(B). Candidates are the base batch times powers of two inside the
   bounds; the batch changes only when goodput(best) > (1 + gain_threshold) * goodput(current).
-* LR follows the batch by the square-root rule (the usual rule for Adam-type optimizers):
-  lr_scale(B) = lr_ref * sqrt(B / B0), where lr_ref is the LR scale at the base batch (1.0, or what
-  a rollback cut it to).
+* LR follows the batch by the AdaScale gain ratio, from the same noise scale:
+  lr_scale(B) = lr_ref * (1 + B_noise / B0) / (1 + B_noise / B), where lr_ref is the LR scale at
+  the base batch (1.0, or what a rollback cut it to). It is AdaScale's r = (S/B0 + |G|^2) /
+  (S/B + |G|^2) with S = B_noise |G|^2: linear scaling while B << B_noise, no change once
+  B >> B_noise (McCandlish's optimal step size eps(B) = eps_max / (1 + B_noise / B)).
+  ``sqrt_rule`` is kept for callers that want the square-root rule instead.
 """
 
 from __future__ import annotations
@@ -34,8 +39,29 @@ def step_time(batch: float, dp: int, fixed_s: float, per_sample_s: float) -> flo
 
 
 def goodput(batch: float, base: float, noise: float, dp: int, fixed_s: float, per_sample_s: float) -> float:
+    """Samples per second times efficiency, with T(B) = fixed_s + per_sample_s * B / dp."""
     t = step_time(batch, dp, fixed_s, per_sample_s)
     return batch / t * efficiency(batch, base, noise) if t > 0 else 0.0
+
+
+def gain_ratio(batch: float, base: float, noise: float) -> float:
+    """AdaScale gain of ``batch`` over ``base``: (1 + B_noise / base) / (1 + B_noise / batch)."""
+    return (1.0 + noise / base) / (1.0 + noise / batch)
+
+
+def fit_step_time(points: dict[int, float]) -> tuple[float, float] | None:
+    """Least-squares (alpha, beta) of T(B) = alpha + beta * B over (batch, seconds); both >= 0."""
+    if len(points) < 2:
+        return None
+    xs, ys = list(points), [points[b] for b in points]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx <= 0:
+        return None
+    beta = max(1e-12, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx)
+    alpha = max(0.0, my - beta * mx)
+    return alpha, beta
 
 
 def sqrt_rule(lr_ref: float, batch: float, base: float) -> float:
@@ -50,34 +76,49 @@ class GoodputStrategy:
         self.threshold = config.gain_threshold
         self.lr_ref: float | None = None
         self.last_table: dict[int, float] = {}
+        self.step_times: dict[int, float] = {}
 
     def observe(self, result: WindowResult) -> None:
         if result.diverged:
             # The rollback cut the LR: keep the cut relation for later batches.
             self.lr_ref = None
+            return
+        if math.isfinite(result.step_s) and result.step_s > 0:
+            self.step_times[result.setting.batch] = result.step_s
+
+    def _time_model(self, last: WindowResult, batch: int) -> tuple[float, float, str]:
+        """(alpha, beta per global sample, how it was obtained)."""
+        fit = fit_step_time(self.step_times)
+        if fit is not None:
+            return fit[0], fit[1], f"fit over batches {sorted(self.step_times)}"
+        alpha = min(last.fixed_s, last.step_s)
+        beta = max(1e-12, (last.step_s - alpha) / max(1, batch))
+        return alpha, beta, "telemetry split of one batch size"
 
     def propose(self, current: Setting, last: WindowResult | None) -> Proposal:
         base = self.space.base_batch
-        if self.lr_ref is None:
-            self.lr_ref = current.lr_scale / math.sqrt(current.batch / base)
         if last is None or last.noise_scale is None:
             why = "no window yet" if last is None else "gradient noise scale not estimable yet (needs dp >= 2)"
             return Proposal(current, f"goodput: keep {current.describe()} ({why})")
-        noise, dp = last.noise_scale, last.dp
-        table = {b: goodput(b, base, noise, dp, last.fixed_s, last.per_sample_s) for b in self.space.batches()}
-        table.setdefault(current.batch, goodput(current.batch, base, noise, dp, last.fixed_s, last.per_sample_s))
+        noise = last.noise_scale
+        if self.lr_ref is None:
+            self.lr_ref = current.lr_scale / gain_ratio(current.batch, base, noise)
+        alpha, beta, how = self._time_model(last, current.batch)
+        # goodput() takes the per-rank form; beta is per global sample, so dp = 1 here.
+        table = {b: goodput(b, base, noise, 1, alpha, beta) for b in self.space.batches()}
+        table.setdefault(current.batch, goodput(current.batch, base, noise, 1, alpha, beta))
         self.last_table = table
         best = max(table, key=lambda b: table[b])
         gain = table[best] / table[current.batch] - 1.0 if table[current.batch] > 0 else 0.0
-        inputs = {"noise_scale": noise, "fixed_s": last.fixed_s, "per_sample_s": last.per_sample_s, "dp": dp,
+        inputs = {"noise_scale": noise, "step_time_alpha_s": alpha, "step_time_beta_s": beta, "time_model": how,
                   "goodput": {str(b): round(g, 3) for b, g in sorted(table.items())}, "gain": gain}
         if best == current.batch or gain <= self.threshold:
             return Proposal(current, f"goodput: keep batch {current.batch} (B_noise {noise:.1f}; best {best} "
                                      f"would gain {gain:+.1%} <= {self.threshold:.0%})", inputs)
-        lr = sqrt_rule(self.lr_ref, best, base)
+        lr = self.lr_ref * gain_ratio(best, base, noise)
         target = self.space.clamp(Setting(lr, best))
         return Proposal(target, f"goodput: batch {current.batch} -> {target.batch} (B_noise {noise:.1f}, predicted "
-                                f"goodput {gain:+.1%}); LR by sqrt rule x{target.lr_scale:.3g}", inputs)
+                                f"goodput {gain:+.1%}); LR by AdaScale gain x{target.lr_scale:.3g}", inputs)
 
     def close(self) -> None:
         return None
