@@ -202,6 +202,17 @@ class EtcdClient:
                 return False, _kv(kvs[0])
         return False, None
 
+    def replace(self, key: str, value: bytes | str, mod_revision: int) -> bool:
+        """Put ``key`` only if its mod revision is still ``mod_revision`` (0: only if absent)."""
+        target = ({"target": "MOD", "mod_revision": mod_revision} if mod_revision
+                  else {"target": "CREATE", "create_revision": 0})
+        txn = {
+            "compare": [{"key": _b64(key), "result": "EQUAL", **target}],
+            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}],
+            "failure": [],
+        }
+        return bool(self._post("/kv/txn", txn).get("succeeded"))
+
     def delete_if(self, key: str, value: bytes | str) -> bool:
         """Delete ``key`` only while it still holds ``value`` (a leader resigning its own key)."""
         txn = {

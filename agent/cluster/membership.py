@@ -157,8 +157,16 @@ class Membership:
         if self.client is None:
             self._apply(ClusterView({self.me.node: self.me}, self.me.node, 0))
             return
-        self._register()
-        self._poll_once()
+        try:
+            self._register()
+        except (*_ETCD_ERRORS, LeaseExpired) as exc:
+            # etcd down at start-up: run on, keep trying from the thread (never crash the agent).
+            self.emit("etcd_unreachable", f"cannot register in etcd yet, retrying: {exc}",
+                      {"severity": "warning", "error": str(exc)[:300]})
+            self._etcd_ok = False
+            self._lease_lost.set()
+        else:
+            self._poll_once()
         self._thread = threading.Thread(target=self._run, name="cluster-membership", daemon=True)
         self._thread.start()
 
@@ -280,7 +288,7 @@ class Membership:
             changed = True
             if new.leader is not None:
                 self.emit("leader_elected", f"node {new.leader} is the cluster leader",
-                          {"leader": new.leader, "previous": old.leader, "self": new.leader == self.me.node})
+                          {"leader": new.leader, "previous": old.leader, "is_self": new.leader == self.me.node})
         if changed or not old.members:
             for fn in list(self._callbacks):
                 try:

@@ -1,0 +1,139 @@
+"""Job state in etcd, and moving the jobs of a lost node (the leader's healing decision).
+
+One key per job, without a lease (it must outlive the node that ran it)::
+
+    /trainguard/<cluster>/jobs/<job>  {"spec": {...}, "node": owner, "peer": node holding the
+                                       owner's peer-tier copy, "state": "running"|"finished",
+                                       "epoch": n, "cause": why it was (re)assigned}
+
+Level-triggered, so a leader change in the middle changes nothing:
+
+* every agent publishes the jobs it runs (owner = itself, peer = where its checkpoints go);
+* the leader moves every running job whose owner is not a member any more to the owner's peer
+  (which holds the newest memory checkpoint of that node in RAM) or, failing that, to the next
+  member by name; epoch + 1, written with compare-and-swap on the key's revision;
+* the agent named owner of a running job it does not run submits it; its recovery service then
+  restores from the newest verified checkpoint across tiers (the peer tier holds the lost node's
+  copy in this agent's own RAM);
+* an agent that still runs a job whose record names another owner with a newer epoch (it was cut
+  off long enough to be declared lost) stops its copy: one job never runs twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from agent.cluster.etcd import EtcdClient
+
+log = logging.getLogger("trainguard.cluster.jobs")
+
+
+@dataclass(frozen=True)
+class JobRecordDoc:
+    job: str
+    spec: dict[str, Any]
+    node: str
+    peer: str = ""
+    state: str = "running"
+    epoch: int = 0
+    cause: str = ""
+    history: list[str] = field(default_factory=list)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> JobRecordDoc | None:
+        try:
+            doc = json.loads(data)
+            return cls(job=str(doc["job"]), spec=dict(doc["spec"]), node=str(doc["node"]),
+                       peer=str(doc.get("peer", "")), state=str(doc.get("state", "running")),
+                       epoch=int(doc.get("epoch", 0)), cause=str(doc.get("cause", "")),
+                       history=[str(h) for h in doc.get("history", [])][-20:])
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def shrink_spec(spec: dict[str, Any], slots: int) -> tuple[dict[str, Any], str]:
+    """Fit a job into ``slots`` ranks by lowering its data-parallel degree (tp x pp kept whole).
+
+    Returns the new spec and a one-line reason ("" when unchanged). A node that cannot hold one
+    model replica (tp x pp > slots) gets the spec unchanged; the launch there fails loudly.
+    """
+    nproc = int(spec.get("nproc", 1))
+    if slots <= 0 or nproc <= slots:
+        return spec, ""
+    trainer = dict(spec.get("trainer", {}))
+    parallel = dict(trainer.get("parallel", {}))
+    tp, pp = int(parallel.get("tp", 1)), int(parallel.get("pp", 1))
+    replica = tp * pp
+    if replica > slots:
+        return spec, ""
+    dp = slots // replica
+    parallel["dp"] = dp
+    trainer["parallel"] = parallel
+    new = {**spec, "nproc": dp * replica, "trainer": trainer}
+    return new, f"dp {nproc // replica} -> {dp} to fit {slots} slots"
+
+
+@dataclass(frozen=True)
+class Move:
+    job: str
+    src: str
+    dst: str
+    epoch: int
+    reason: str
+
+
+def plan_moves(records: dict[str, tuple[JobRecordDoc, int]], members: dict[str, int]) -> list[tuple[JobRecordDoc, int, Move]]:
+    """Which running jobs to move where. ``records``: job -> (record, mod_revision);
+    ``members``: node -> slots. Pure: the leader applies the result with CAS."""
+    out: list[tuple[JobRecordDoc, int, Move]] = []
+    names = sorted(members)
+    if not names:
+        return out
+    for job, (rec, rev) in sorted(records.items()):
+        if rec.state != "running" or rec.node in members:
+            continue
+        if rec.peer in members:
+            dst = rec.peer
+        else:
+            after = [n for n in names if n > rec.node]
+            dst = after[0] if after else names[0]
+        spec, why = shrink_spec(rec.spec, members[dst])
+        new = replace(rec, spec=spec, node=dst, epoch=rec.epoch + 1, cause=f"node {rec.node} lost",
+                      history=[*rec.history, f"{rec.node}->{dst}"][-20:])
+        out.append((new, rev, Move(job, rec.node, dst, new.epoch, why)))
+    return out
+
+
+class JobTable:
+    """Reads and writes job records under ``<prefix>jobs/``."""
+
+    def __init__(self, client: EtcdClient, prefix: str) -> None:
+        self.client = client
+        self.prefix = f"{prefix}jobs/"
+
+    def read(self) -> dict[str, tuple[JobRecordDoc, int]]:
+        kvs, _ = self.client.get_prefix(self.prefix)
+        out = {}
+        for kv in kvs:
+            rec = JobRecordDoc.from_json(kv.value)
+            if rec is not None:
+                out[rec.job] = (rec, kv.mod_revision)
+        return out
+
+    def write(self, rec: JobRecordDoc, expect_revision: int | None) -> bool:
+        """Put the record; with ``expect_revision`` only if nobody changed it since (0: absent)."""
+        key = self.prefix + rec.job
+        if expect_revision is None:
+            self.client.put(key, rec.to_json())
+            return True
+        return self.client.replace(key, rec.to_json(), expect_revision)
+
+
+ApplyFn = Callable[[Move], None]

@@ -1,0 +1,221 @@
+"""The cluster part of one agent: membership, leader, peer tier, blob store, job records.
+
+Daemon wiring (see ``agent.cluster.runner.ClusterAgent`` for the same thing as working code)::
+
+    cluster = ClusterService(cfg.cluster, node=cfg.agent.node, memory_root=..., token=...,
+                             emit=...)                      # before the checkpoint manager
+    CheckpointManager(..., extra_tiers=cluster.tiers, extra_intervals=cluster.intervals,
+                      extra_keep=cluster.keep)
+    agent.blob_store = cluster.store                        # before the API starts
+    cluster.start(api_address, agent.supervisor)            # after the API is bound
+    cluster.stop()                                          # first thing in shutdown
+
+Without etcd endpoints: no peer tier, no threads; the agent is its own leader.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from etcd3gw import exceptions as etcd_exc
+
+from agent.checkpoint.tier import Tier
+from agent.cluster.blobstore import BlobStore
+from agent.cluster.config import ClusterConfig
+from agent.cluster.etcd import EtcdClient, EtcdUnavailable, LeaseExpired
+from agent.cluster.jobs import JobRecordDoc, JobTable, plan_moves
+from agent.cluster.membership import EmitFn, Membership, NodeInfo
+from agent.cluster.peertier import PeerRef, PeerTier, ring_peer, token_client_factory
+
+if TYPE_CHECKING:
+    from agent.supervisor import Supervisor
+
+log = logging.getLogger("trainguard.cluster")
+_ETCD_ERRORS = (EtcdUnavailable, etcd_exc.Etcd3Exception, LeaseExpired)
+
+
+def _noop(kind: str, message: str, fields: dict[str, Any]) -> None:
+    pass
+
+
+class ClusterService:
+    def __init__(self, cfg: ClusterConfig, *, node: str, memory_root: str, token: str | None = None,
+                 emit: EmitFn = _noop, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.node = node
+        self.emit = emit
+        self._clock = clock
+        self.store = BlobStore(cfg.blob_root or os.path.join(memory_root, ".peer-held"))
+        self.client = None if cfg.solo else EtcdClient(cfg.etcd_endpoints, timeout_s=cfg.etcd_timeout_s)
+        self.peer_tier: PeerTier | None = None
+        if self.client is not None:
+            self.peer_tier = PeerTier(node, self.store, self.peer, token_client_factory(token, cfg.peer_timeout_s))
+        self.membership: Membership | None = None
+        self.jobs = JobTable(self.client, f"/trainguard/{cfg.name}/") if self.client is not None else None
+        self.supervisor: Supervisor | None = None
+        self._epochs: dict[str, int] = {}
+        self._conflicts: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.moves = 0
+        self.adoptions = 0
+
+    # -- checkpoint manager wiring ---------------------------------------------------------------
+    @property
+    def tiers(self) -> list[Tier]:
+        return [self.peer_tier] if self.peer_tier is not None else []
+
+    @property
+    def intervals(self) -> dict[str, int]:
+        return {"peer": self.cfg.peer_interval} if self.peer_tier is not None else {}
+
+    @property
+    def keep(self) -> dict[str, int]:
+        return {"peer": self.cfg.peer_keep} if self.peer_tier is not None else {}
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def start(self, api_address: str | None, supervisor: Supervisor | None = None) -> None:
+        """``api_address``: HOST:PORT of this agent's bound TCP API (None: peers cannot reach us)."""
+        self.supervisor = supervisor
+        advertise = self.cfg.advertise or (api_address or "")
+        if advertise.startswith("0.0.0.0:"):
+            log.warning("cluster: API bound to 0.0.0.0; set cluster.advertise so peers can reach this node")
+        me = NodeInfo(self.node, advertise, self.cfg.slots, self._clock())
+        self.store.cleanup_tmp()
+        self.membership = Membership(self.client, self.cfg.name, me, ttl=self.cfg.lease_ttl_s,
+                                     poll_s=self.cfg.poll_s, emit=self.emit)
+        self.membership.start()
+        if self.client is not None and supervisor is not None:
+            self._thread = threading.Thread(target=self._job_loop, name="cluster-jobs", daemon=True)
+            self._thread.start()
+
+    def stop(self, leave: bool = True) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        if self.membership is not None:
+            self.membership.stop(leave=leave)
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        return self.membership is not None and self.membership.is_leader
+
+    @property
+    def leader(self) -> str | None:
+        return self.membership.leader if self.membership is not None else self.node
+
+    def members(self) -> dict[str, NodeInfo]:
+        return self.membership.members() if self.membership is not None else {}
+
+    def peer(self) -> PeerRef | None:
+        """Where this node's peer-tier copies go now (configured peer, else the ring successor)."""
+        members = {n: i.api for n, i in self.members().items()}
+        return ring_peer(self.node, members, self.cfg.peer)
+
+    def status(self) -> dict[str, Any]:
+        peer = self.peer()
+        return {
+            "cluster": self.cfg.name,
+            "node": self.node,
+            "leader": self.leader,
+            "is_leader": self.is_leader,
+            "etcd": self.cfg.etcd_endpoints,
+            "etcd_reachable": self.membership.etcd_reachable if self.membership else False,
+            "members": {n: {"api": i.api, "slots": i.slots} for n, i in sorted(self.members().items())},
+            "peer": peer.node if peer else None,
+            "held_origins": self.store.origins(),
+        }
+
+    # -- jobs ------------------------------------------------------------------------------------
+    def _job_loop(self) -> None:
+        while not self._stop.wait(self.cfg.poll_s):
+            try:
+                self.sync_jobs()
+            except _ETCD_ERRORS as exc:
+                log.debug("job sync skipped, etcd unavailable: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+                log.exception("job sync failed: %s", exc)
+
+    def sync_jobs(self) -> None:
+        """Publish our jobs, adopt jobs assigned to us, and (leader) move jobs of lost nodes."""
+        if self.jobs is None or self.supervisor is None or self.membership is None:
+            return
+        if not self.membership.etcd_reachable:
+            return  # a frozen view must not drive decisions
+        records = self.jobs.read()
+        self._publish(records)
+        self._adopt(records)
+        if self.cfg.heal and self.is_leader:
+            self._heal(records)
+
+    def _publish(self, records: dict[str, tuple[JobRecordDoc, int]]) -> None:
+        assert self.jobs is not None and self.supervisor is not None
+        peer = self.peer()
+        for job, local in list(self.supervisor.jobs.items()):
+            cur = records.get(job)
+            mine = self._epochs.get(job)
+            if cur is not None and cur[0].node != self.node:
+                if mine is not None and cur[0].epoch > mine and not local.state.finished:
+                    self.supervisor.stop(job, f"job moved to {cur[0].node} (epoch {cur[0].epoch})")
+                    self.emit("job_fenced", f"job {job} now runs on {cur[0].node}; stopping the copy here",
+                              {"job": job, "owner": cur[0].node, "severity": "warning"})
+                    self._epochs[job] = cur[0].epoch
+                elif mine is None and cur[0].state == "running" and job not in self._conflicts:
+                    self._conflicts.add(job)
+                    self.emit("job_conflict", f"job {job} already runs on {cur[0].node}",
+                              {"job": job, "owner": cur[0].node, "severity": "warning"})
+                continue
+            if cur is not None and mine is not None and cur[0].epoch < mine:
+                continue
+            state = "finished" if local.state.finished else "running"
+            base = cur[0] if cur is not None else None
+            desired = JobRecordDoc(job, local.spec.to_dict(), self.node, peer.node if peer else "", state,
+                                   base.epoch if base else 0, base.cause if base else "submitted",
+                                   base.history if base else [self.node])
+            if base is not None and base == desired:
+                self._epochs[job] = desired.epoch
+                continue
+            if self.jobs.write(desired, cur[1] if cur is not None else 0):
+                self._epochs[job] = desired.epoch
+
+    def _adopt(self, records: dict[str, tuple[JobRecordDoc, int]]) -> None:
+        assert self.supervisor is not None
+        from agent.jobs import JobSpec, JobSpecError
+
+        for job, (rec, _) in records.items():
+            if rec.node != self.node or rec.state != "running" or self._epochs.get(job, -1) >= rec.epoch:
+                continue
+            local = self.supervisor.jobs.get(job)
+            if local is not None and not local.state.finished:
+                self._epochs[job] = rec.epoch
+                continue
+            try:
+                spec = JobSpec.from_dict(rec.spec)
+                self.supervisor.submit(spec)
+            except (JobSpecError, ValueError) as exc:
+                self.emit("job_adopt_failed", f"cannot take over job {job}: {exc}",
+                          {"job": job, "severity": "error"})
+                self._epochs[job] = rec.epoch
+                continue
+            self._epochs[job] = rec.epoch
+            self.adoptions += 1
+            self.emit("job_adopted", f"job {job} taken over from {rec.history[-1] if rec.history else '?'} "
+                      f"({rec.cause}); restoring from the newest checkpoint across tiers",
+                      {"job": job, "epoch": rec.epoch, "cause_": rec.cause, "nproc": spec.nproc, "severity": "warning"})
+
+    def _heal(self, records: dict[str, tuple[JobRecordDoc, int]]) -> None:
+        assert self.jobs is not None and self.membership is not None
+        members = {n: i.slots for n, i in self.membership.members().items()}
+        for new, rev, move in plan_moves(records, members):
+            if self.jobs.write(new, rev):
+                self.moves += 1
+                self.emit("job_moved", f"leader moves job {move.job} from lost node {move.src} to {move.dst}"
+                          + (f" ({move.reason})" if move.reason else ""),
+                          {"job": move.job, "src": move.src, "dst": move.dst, "epoch": move.epoch,
+                           "action": "restart_elsewhere", "cause_": f"node {move.src} lost", "severity": "warning"})
