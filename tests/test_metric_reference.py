@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -83,9 +84,17 @@ def test_command_line_prints_the_reference() -> None:
 
 def test_a_live_agent_exports_only_referenced_metrics(agent_factory) -> None:
     agent = agent_factory()
-    with urllib.request.urlopen(agent.metrics_url(), timeout=10) as resp:
-        text = resp.read().decode()
-    seen = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    # Collectors read once per main-loop tick: before the first tick their families are empty.
+    deadline = time.monotonic() + 30
+    while True:
+        with urllib.request.urlopen(agent.metrics_url(), timeout=10) as resp:
+            text = resp.read().decode()
+        samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+        ticks = [s.value for s in samples if s.name == "trainguard_agent_ticks_total"]
+        if (ticks and ticks[0] >= 2) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    seen = {s.name for s in samples}
     assert len(seen) > 30, "the agent exported almost nothing"
     unknown = sorted(n for n in seen if n not in exported_names())
     assert not unknown, f"exported but missing from agent.metric_reference.MODULES: {unknown}"

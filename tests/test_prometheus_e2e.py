@@ -1,5 +1,6 @@
 """End to end: a real Prometheus server scrapes a real agent running jobs with injected faults and
-the project's own alert rules fire through Prometheus' HTTP API.
+the project's own alert rules fire through Prometheus' HTTP API (rank gone, job failed, crash
+loop, then the agent itself down).
 
 The rules are the real files with every duration in the alert rules scaled from minutes to quarter
 seconds (``for: 2m`` -> ``500ms``, ``[15m]`` -> ``[3750ms]``), so the alerts keep their logic and
@@ -212,3 +213,14 @@ def test_alerts_fire_from_real_faults(agent_factory, prometheus_for) -> None:  #
     # The agent says the same about the crash loop in its own event log.
     kinds = [e["kind"] for e in client.events(since=0, limit=1000)["events"]]
     assert "crash_loop" in kinds
+
+    # Fault 3: the agent itself goes away.
+    assert agent.stop() == 0
+
+    def agent_down() -> bool:
+        return any(
+            a["labels"]["alertname"] == "TrainguardAgentDown" and a["labels"]["instance"] == target and a["state"] == "firing"
+            for a in prom.alerts()
+        )
+
+    _wait(agent_down, 20, "TrainguardAgentDown to fire")
