@@ -331,6 +331,32 @@ def test_grafana_queries_name_only_exported_metrics() -> None:
         assert not names - allowed, f"{where}: not exported by the agent: {names - allowed}"
 
 
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "${datasource}": "x"}
+
+
+def as_promql(expr: str) -> str:
+    """A dashboard query as plain PromQL: variables filled in, label_values() reduced to its selector."""
+    m = _LABEL_VALUES.match(expr)
+    if m:
+        expr = m.group(1)
+    for var, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(var, value)
+    return re.sub(r"\$\{?(\w+)\}?", ".*", expr)  # $job, $node, $rank: multi-value regex matchers
+
+
+@needs_promtool
+def test_grafana_queries_parse_as_promql(tmp_path: Path) -> None:
+    # promtool has no expression parser of its own in 2.42; as recording rules it parses them all.
+    rules = [
+        {"record": f"grafana_check:query_{i}:parse", "expr": as_promql(expr)}
+        for i, (_where, expr) in enumerate(panel_queries(grafana()))
+    ]
+    path = tmp_path / "grafana-queries.rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "grafana", "rules": rules}]}))
+    out = _promtool("check", "rules", str(path), cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_grafana_dashboard_structure() -> None:
     dash = grafana()
     variables = {v["name"]: v for v in dash["templating"]["list"]}

@@ -210,6 +210,19 @@ def test_alerts_fire_from_real_faults(agent_factory, prometheus_for) -> None:  #
         for text in alert["annotations"].values():
             assert "error expanding" not in text and "<no value>" not in text, text
         assert alert["annotations"]["runbook"].lstrip().startswith("1.")
+    # The dashboard's queries run on the real server, and the core panels show the running job.
+    dashboard = json.loads((REPO / "dashboards" / "grafana" / "trainguard.json").read_text())
+    with_data: set[str] = set()
+    for panel in dashboard["panels"]:
+        for tgt in panel.get("targets", []):
+            expr = tgt["expr"].replace("$__rate_interval", "5s")
+            expr = re.sub(r"\$\{?\w+\}?", ".*", expr)
+            if prom.query(expr):  # raises on a query the server refuses
+                with_data.add(panel["title"])
+    core = {"Step time per rank", "Loss", "Learning rate", "Batch size per rank", "Samples per second per rank",
+            "Job state", "Training progress (step)", "Run-queue latency, node-wide", "CPU busy"}
+    assert core <= with_data, f"panels without data: {sorted(core - with_data)}"
+
     # The agent says the same about the crash loop in its own event log.
     kinds = [e["kind"] for e in client.events(since=0, limit=1000)["events"]]
     assert "crash_loop" in kinds
