@@ -19,9 +19,9 @@ import pytest
 from textual.pilot import Pilot
 from textual.widgets import TabbedContent
 
-from agent.api.client import ApiClient
+from agent.api.client import ApiClient, ApiClientError
 from tui.app import TrainguardApp, create_app, run_dashboard
-from tui.fake import screen_text
+from tui.fake import FakeSource, screen_text
 from tui.screens.dialogs import ConfirmDialog, HelpScreen
 from tui.screens.main import PANELS
 from tui.source import ApiDataSource
@@ -128,13 +128,15 @@ async def test_navigation_filter_sort_and_actions(agent_factory, tmp_path: Path)
         await until(pilot, lambda: any(e.get("kind") == "checkpoint_requested" for e in main.events_table.events),
                     "the checkpoint_requested event in the log")
 
-        # Drain: this agent has no healing module; the refusal is one polite line, not a traceback.
+        # Drain: whatever the agent answers (today: 501, no healing module) is one line, not a traceback.
         await pilot.press("down", "d")
         assert isinstance(app.screen, ConfirmDialog)
         assert "Drain rank" in screen_text(app)
         await pilot.press("y")
-        await until(pilot, lambda: "not available on this agent" in main.last_action, "drain refusal")
-        assert "draining needs" in main.last_action and "Traceback" not in screen_text(app)
+        answers = ("rank 1 of fake-1 drained", "drain of rank 1 not available on this agent: ",
+                   "drain of rank 1 refused by the agent: ")
+        await until(pilot, lambda: main.last_action.startswith(answers), "the drain's answer")
+        assert "Traceback" not in screen_text(app)
 
         # Pause: no polls while paused; resuming polls again.
         await pilot.press("p")
@@ -194,3 +196,30 @@ def test_run_dashboard_without_an_agent_or_token(tmp_path: Path, capsys) -> None
     assert "no agent at" in capsys.readouterr().out
     assert run_dashboard(Namespace(state_dir=None, agent="127.0.0.1:1", token_file=None, json=False)) == 2
     assert "--token-file" in capsys.readouterr().err
+
+
+@pytest.mark.asyncio
+async def test_refusals_are_polite() -> None:
+    """The agent's refusals (501 no such module, 403 read-only token) as the user sees them."""
+    source = FakeSource()
+    source.refusals["drain"] = ApiClientError(501, "POST /v1/jobs/gpt-small/drain: draining needs the "
+                                                   "straggler/healing module, which is not enabled on this agent")
+    source.refusals["checkpoint"] = ApiClientError(403, "POST /v1/jobs/gpt-small/checkpoint: this token is read-only")
+    app = create_app(source, poll_s=3600)
+    async with app.run_test(size=(80, 24)) as pilot:
+        main = app.main
+        await until(pilot, lambda: main.polls == 1, "the first poll")
+        await pilot.press("down", "down", "d", "y")
+        await until(pilot, lambda: "draining needs" in main.last_action, "the drain refusal")
+        assert main.last_action == ("drain of rank 2 not available on this agent: draining needs the "
+                                    "straggler/healing module, which is not enabled on this agent")
+        assert source.calls[-1] == ("drain", source.agents()[0], "gpt-small", {"rank": 2, "node": None})
+        await pilot.press("n", "y")
+        await until(pilot, lambda: source.calls[-1][3].get("node") == "node-a", "the node drain")
+        await pilot.press("c", "y")
+        await until(pilot, lambda: "may only read" in main.last_action, "the checkpoint refusal")
+        assert "STALE" not in screen_text(app) and "Traceback" not in screen_text(app)
+        del source.refusals["checkpoint"]
+        await pilot.press("c", "y")
+        await until(pilot, lambda: main.last_action.startswith("checkpoint requested for gpt-small (id 5"),
+                    "the checkpoint answer")

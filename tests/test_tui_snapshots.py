@@ -91,7 +91,7 @@ def test_filtered_ranks_sorted_by_score(snap_compare) -> None:
     assert snap_compare(make_app(), run_before=run_before)
 
 
-def test_confirm_dialog_and_refusal(snap_compare) -> None:
+def test_drain_confirm_dialog(snap_compare) -> None:
     source = FakeSource()
     source.refusals["drain"] = ApiClientError(
         501, "POST /v1/jobs/gpt-small/drain: draining needs the straggler/healing module")
