@@ -157,7 +157,7 @@ def test_node_loss_job_resumes_on_survivor_from_peer_tier(cluster: Callable[...,
 
     wait_for(lambda: held_steps() and max(held_steps()) >= 8, 150, f"a peer copy on b\n{a.log()[-3000:]}")
     # kill node a: its agent and its ranks, no clean anything
-    ranks = [r["pid"] for r in a.client.get_job("big")["ranks"]]
+    ranks = [r["pid"] for r in a.client.job("big")["ranks"]]
     a.proc.kill()
     for pid in ranks:
         try:
@@ -182,7 +182,7 @@ def test_node_loss_job_resumes_on_survivor_from_peer_tier(cluster: Callable[...,
                        f"job resumed on b\n{b.log()[-3000:]}")
     assert resumed
     took = time.monotonic() - killed_at
-    job = b.client.get_job("big")
+    job = b.client.job("big")
     assert job["nproc"] == 1 and job["state"] in ("running", "starting")
 
     # the parameters b restored are exactly a's memory checkpoint at that step

@@ -86,7 +86,8 @@ class ClusterAgent(Agent):
 
         settings = checkpoint_settings(self.cfg)
         self.cluster = ClusterService(self.cluster_cfg, node=self.cfg.agent.node, memory_root=settings.memory_root,
-                                      token=self._peer_token(), emit=self._cluster_event)
+                                      token=self._peer_token(), emit=self._cluster_event,
+                                      on_adopt=lambda job, when: self.recovery.note_failure(job, "node_lost", when))
         self.blob_store = self.cluster.store
         self.checkpoints = CheckpointManager(settings, emit=self._on_checkpoint_event,
                                              extra_tiers=self.cluster.tiers,

@@ -45,8 +45,12 @@ def _noop(kind: str, message: str, fields: dict[str, Any]) -> None:
 
 class ClusterService:
     def __init__(self, cfg: ClusterConfig, *, node: str, memory_root: str, token: str | None = None,
-                 emit: EmitFn = _noop, clock: Callable[[], float] = time.time) -> None:
+                 emit: EmitFn = _noop, clock: Callable[[], float] = time.time,
+                 on_adopt: Callable[[str, float], None] | None = None) -> None:
+        """``on_adopt(job, when)``: a job of a lost node is started here (the daemon passes
+        ``recovery.note_failure``-like so the recovery clock runs and ``job_resumed`` follows)."""
         self.cfg = cfg
+        self.on_adopt = on_adopt
         self.node = node
         self.emit = emit
         self._clock = clock
@@ -197,6 +201,8 @@ class ClusterService:
                 continue
             try:
                 spec = JobSpec.from_dict(rec.spec)
+                if self.on_adopt is not None:
+                    self.on_adopt(job, self._clock())
                 self.supervisor.submit(spec)
             except (JobSpecError, ValueError) as exc:
                 self.emit("job_adopt_failed", f"cannot take over job {job}: {exc}",
