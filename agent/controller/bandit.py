@@ -84,6 +84,8 @@ class BanditStrategy:
         return mean, cov * noise
 
     def propose(self, current: Setting, last: WindowResult | None) -> Proposal:
+        if not self.observations:
+            return Proposal(current, "rl: the first window measures the current setting", {"move": [1.0, 1.0]})
         mean, cov = self.posterior()
         scale = self.exploration / (1.0 + self.decisions) ** 0.25
         draw = self.rng.multivariate_normal(mean, cov * scale * scale + 1e-12 * np.eye(len(mean))) if scale > 0 else mean
