@@ -2,8 +2,10 @@
 
 ask() at the start of a window, tell(objective) at its end. The LR scale is log-uniform in the
 bounds; the batch is the base batch times 2^k (an integer k inside the bounds), so both samplers
-search in log space. TPE by default, the Gaussian-process sampler when configured. The first trial
-of a fresh study is the job's current setting, so the study always holds the baseline.
+search in log space. TPE (multivariate) by default; ``sampler = "gp"`` uses the numpy Gaussian
+process of gp.py (Optuna's own GPSampler needs torch and scipy, which the agent never imports).
+Both start modelling after 4 trials. The first trial of a fresh study is the job's current setting,
+so the study always holds the baseline.
 
 Storage: "" keeps the study in memory; an RDB URL (``sqlite:///path``) or a journal file path
 (``/path/study.log``, or ``journal:///path``) persists it, so a restarted agent loads the same
