@@ -37,15 +37,16 @@ pytestmark = [
     pytest.mark.skipif(PROMETHEUS is None, reason="prometheus server not installed (Debian package prometheus)"),
 ]
 
-_MINUTES = re.compile(r"(?<![\w.])(\d+)m\b")
+_DURATION = re.compile(r"(?<![\w.])(\d+)([mh])\b")
 
 
 def _scale(text: str) -> str:
-    return _MINUTES.sub(lambda m: f"{int(m.group(1)) * 250}ms", text)
+    return _DURATION.sub(lambda m: f"{int(m.group(1)) * (60 if m.group(2) == 'h' else 1) * 250}ms", text)
 
 
 def scaled_alert_rules(text: str) -> str:
-    """The alert rules with minutes turned into quarter seconds (in ``for:`` and in expressions)."""
+    """The alert rules with minutes turned into quarter seconds (hours into 15 s), in ``for:`` and in
+    expressions."""
     doc = yaml.safe_load(text)
     for group in doc["groups"]:
         for rule in group["rules"]:
@@ -59,6 +60,7 @@ def test_scaling_keeps_names_and_scales_durations() -> None:
     rule = "rate(x[5m]) > 0 and on (instance) (y offset 15m) and job:z:p99_5m > 1"
     assert _scale(rule) == "rate(x[1250ms]) > 0 and on (instance) (y offset 3750ms) and job:z:p99_5m > 1"
     assert _scale("0m") == "0ms"
+    assert _scale("x[1h]") == "x[15000ms]"
 
 
 def _free_port() -> int:
