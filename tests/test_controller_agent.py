@@ -131,9 +131,11 @@ def test_controller_in_real_agent_and_training(tmp_path: Path) -> None:
         assert hot and (max(m.loss for m in hot) > 1.3 * hot[0].loss or not all(math.isfinite(m.loss) for m in hot))
         assert math.isfinite(r0[-1].loss) and r0[-1].loss < max(m.loss for m in hot)
 
-        # The agent exports the controller's metrics.
-        families = {f.name: f for f in controller.metrics()}
-        assert families["trainguard_controller_decisions"].samples[0].value == len(decisions) + len(rollbacks)
+        # The agent's /metrics registry carries the controller's families.
+        registry = agent.exporter.registry
+        n = registry.get_sample_value("trainguard_controller_decisions_total", {"job": JOB, "strategy": "optuna"})
+        assert n == len(decisions) + len(rollbacks) == controller.jobs[JOB].decisions
+        assert registry.get_sample_value("trainguard_controller_lr_scale", {"job": JOB}) == controller.jobs[JOB].current.lr_scale
         assert not any("world size" in e["cause"] for e in decisions)  # ranks reporting late are not a change
         told = holder[0].inner.completed
         assert told >= 2
