@@ -4,6 +4,7 @@ duplicates, and METRICS.md is what the code generates now."""
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 import time
@@ -47,6 +48,17 @@ def test_every_declared_metric_is_in_the_reference() -> None:
     text = render_markdown()
     for spec in specs:
         assert f"| `{spec.name}` | {spec.type} |" in text
+
+
+def test_every_module_declaring_metrics_is_listed() -> None:
+    """A module with a top-level METRICS that MODULES forgot (directly or through its package)."""
+    listed = [importlib.import_module(m).METRICS for m in MODULES]
+    for path in sorted((REPO / "agent").rglob("*.py")):
+        if not re.search(r"^METRICS\b", path.read_text(), re.M):
+            continue
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        declared = importlib.import_module(module).METRICS
+        assert any(declared is m for m in listed), f"{module}.METRICS is not in agent.metric_reference.MODULES"
 
 
 def test_a_name_declared_twice_is_refused() -> None:
