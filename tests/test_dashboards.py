@@ -366,11 +366,16 @@ def test_grafana_dashboard_structure() -> None:
     panels = [p for p in dash["panels"] if p["type"] != "row"]
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
+    cells: dict[tuple[int, int], str] = {}
+    for panel in dash["panels"]:
+        g = panel["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, panel["title"]
+        for cell in ((x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])):
+            assert cell not in cells, f"{panel['title']!r} overlaps {cells[cell]!r}"
+            cells[cell] = panel["title"]
     for panel in panels:
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         assert panel["targets"], panel["title"]
-        g = panel["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, panel["title"]
     # Panels over rank metrics follow the variables.
     for panel in panels:
         for target in panel["targets"]:
