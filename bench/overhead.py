@@ -245,6 +245,17 @@ def agent_block(i: int, work: Path, f: Figures, storm_cmd: list[str], storm_s: f
         agent.stop()  # stops whatever it launched (on_stop=stop_ranks)
 
 
+def machine_load() -> str:
+    """Load average and CPU pressure: other work on the machine skews wall-clock ratios."""
+    text = f"load average {os.getloadavg()[0]:.1f}"
+    try:
+        some = Path("/proc/pressure/cpu").read_text().split("\n")[0]
+        text += ", CPU pressure " + some.split()[1].replace("=", " ")
+    except (OSError, IndexError):
+        pass
+    return text
+
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -319,7 +330,7 @@ def main() -> int:
     print(f"{'eBPF kernel time during storm (cores)':40}{med(f.bpf_share):12.4f}{'-':>12}")
     print(f"\n{pairs} alternating pairs (medians of per-pair ratios); job: 4 ranks x {steps} steps, median "
           f"tokens/s after step {warmup}; storm: {storm_kind}, {storm_s:g} s, one pair per CPU, "
-          f"{os.cpu_count()} CPUs")
+          f"{os.cpu_count()} CPUs; {machine_load()} at the end")
     if train:
         print("throughput_ratio: the same standalone job with the agent (all collectors, eBPF attached, "
               "1 s interval) running vs not; the job launched by the agent also has its ranks tracked, "
