@@ -292,12 +292,27 @@ def test_alertmanager_example_routes_every_alert() -> None:
         assert _matched_alerts(rule["target_matchers"], names)
 
 
-def test_alertmanager_example_with_amtool(tmp_path: Path) -> None:
+EXPECTED_RECEIVERS = {"critical": "ml-infra-pager", "warning": "ml-infra-chat", "info": "ml-infra-low-priority"}
+
+
+def test_alertmanager_example_with_amtool() -> None:
     amtool = shutil.which("amtool")
     if amtool is None:
         pytest.skip("amtool not installed (Debian package prometheus-alertmanager); structure checked above")
     out = subprocess.run([amtool, "check-config", str(ALERTMANAGER)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+    # Where each alert goes, by Alertmanager's own routing code.
+    for rule in alerts():
+        name, severity = rule["alert"], rule["labels"]["severity"]
+        out = subprocess.run(
+            [amtool, "config", "routes", "test", f"--config.file={ALERTMANAGER}", f"alertname={name}",
+             f"severity={severity}", "instance=n1:9478", "job=j1"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        receivers = set(out.stdout.strip().split(","))
+        expected = {EXPECTED_RECEIVERS[severity]} | ({"datacenter-ops"} if name.startswith("TrainguardGpu") else set())
+        assert receivers == expected, f"{name}: routed to {receivers}"
 
 
 # --- Grafana ------------------------------------------------------------------------------------
