@@ -222,7 +222,9 @@ def test_alerts_fire_from_real_faults(agent_factory, prometheus_for) -> None:  #
             if prom.query(expr):  # raises on a query the server refuses
                 with_data.add(panel["title"])
     core = {"Step time per rank", "Loss", "Learning rate", "Batch size per rank", "Samples per second per rank",
-            "Job state", "Training progress (step)", "Run-queue latency, node-wide", "CPU busy"}
+            "Job state", "Training progress (step)", "Run-queue latency, node-wide", "CPU busy",
+            # from the recording rules, evaluated by the server on the agent's data
+            "Step time per job (p50 and worst rank)", "Samples per second per job"}
     assert core <= with_data, f"panels without data: {sorted(core - with_data)}"
 
     # The agent says the same about the crash loop in its own event log.
