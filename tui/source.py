@@ -14,12 +14,14 @@ lacks the right; 501: the agent does not offer it), so the UI can explain them i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agent.api.client import ApiClient, ApiClientError
 
 EVENTS_PER_POLL = 500
+TIMEOUT_S = 3.0  # per call: a dashboard that says "no answer" soon beats one that waits 10 s
 
 
 @dataclass
@@ -81,6 +83,7 @@ class ApiDataSource:
                 name = f"{c.where} #{n}"
             self._clients[name] = c
         self._cursor = {name: 0 for name in self._clients}
+        self._pool: ThreadPoolExecutor | None = None
 
     def agents(self) -> Sequence[str]:
         return list(self._clients)
@@ -113,7 +116,13 @@ class ApiDataSource:
                              checkpoints=checkpoints if isinstance(checkpoints, list) else [])
 
     def poll(self) -> list[AgentSnapshot]:
-        return [self._poll_one(where, client) for where, client in self._clients.items()]
+        # In parallel: one agent that does not answer must not hold up the others' updates.
+        if len(self._clients) == 1:
+            return [self._poll_one(where, client) for where, client in self._clients.items()]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=min(16, len(self._clients)), thread_name_prefix="tg-poll")
+        futures = [self._pool.submit(self._poll_one, where, client) for where, client in self._clients.items()]
+        return [f.result() for f in futures]
 
     def checkpoint_now(self, agent: str, job: str) -> dict[str, Any]:
         return self._client(agent).checkpoint_now(job)
@@ -129,7 +138,7 @@ def clients_from_args(state_dir: str | None, agents: str | Sequence[str] | None,
     from agent.paths import AgentPaths
 
     if not agents:
-        return [ApiClient.local(AgentPaths.for_state_dir(state_dir).control_socket)]
+        return [ApiClient.local(AgentPaths.for_state_dir(state_dir).control_socket, timeout=TIMEOUT_S)]
     names = [agents] if isinstance(agents, str) else list(agents)
     targets = [t.strip() for name in names for t in name.split(",") if t.strip()]
     if not token_file:
@@ -139,5 +148,5 @@ def clients_from_args(state_dir: str | None, agents: str | Sequence[str] | None,
         host, _, port = target.rpartition(":")
         if not port.isdigit():
             raise ValueError(f"--agent {target!r}: want HOST:PORT")
-        clients.append(ApiClient.remote(host or "127.0.0.1", int(port), token_file))
+        clients.append(ApiClient.remote(host or "127.0.0.1", int(port), token_file, timeout=TIMEOUT_S))
     return clients

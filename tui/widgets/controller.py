@@ -49,7 +49,15 @@ class ControllerPanel(Vertical):
         if points:
             xs, ys = zip(*points, strict=True)
             plt.plot(list(xs), list(ys), marker="braille")
+            plt.xticks([float(t) for t in step_ticks(xs[0], xs[-1])])
         widget.refresh()
+
+
+def step_ticks(first: int, last: int, n: int = 5) -> list[int]:
+    """Whole step numbers for the x axis (plotext's own ticks are fractional)."""
+    if last <= first:
+        return [first]
+    return sorted({round(first + (last - first) * i / (n - 1)) for i in range(n)})
 
 
 def series_for(history: ControllerHistory, job: str | None) -> Series | None:

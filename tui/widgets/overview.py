@@ -26,9 +26,9 @@ def _agents_table(snapshots: Sequence[AgentSnapshot]) -> Table:
             t.add_row(s.node, s.agent, "-", Text("DOWN", style="bold red"), Text(s.error or "", style="red"))
             continue
         cols = Text()
-        for name, up, _reason in collector_summary(s.status):
-            cols.append(f"{name} ", style="" if up else "dim")
-            cols.append("ok  " if up else "off  ", style="green" if up else "red")
+        for i, (name, up, _reason) in enumerate(collector_summary(s.status)):
+            cols.append(("" if i == 0 else " ") + f"{name}:")
+            cols.append("ok" if up else "OFF", style="green" if up else "bold red")
         t.add_row(s.node, s.agent, str(s.status.get("version", "?")), fmt_age(s.status.get("uptime_s")), cols)
     return t
 
