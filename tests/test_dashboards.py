@@ -203,6 +203,20 @@ def test_promtool_alert_unit_tests(tmp_path: Path) -> None:
 
 
 @needs_promtool
+def test_annotations_render_for_every_alert() -> None:
+    """Run the unit tests against the real rules: they fail on the annotations (the tests expect
+    none), and promtool prints what each firing alert's templates rendered to."""
+    out = _promtool("test", "rules", ALERT_TESTS.name, cwd=ALERT_TESTS.parent)
+    report = out.stdout + out.stderr
+    assert "error expanding" not in report and "<no value>" not in report, report
+    rendered = re.findall(r'Labels:\{alertname="(\w+)".*\n\s*Annotations:\{description="([^"]+)", runbook="1\. .*'
+                          r'summary="([^"]+)"\}', report)
+    assert {name for name, _, _ in rendered} == {r["alert"] for r in alerts()}
+    for name, description, summary in rendered:
+        assert "{{" not in description + summary, name
+
+
+@needs_promtool
 def test_promtool_recording_unit_tests() -> None:
     out = _promtool("test", "rules", RECORDING_TESTS.name, cwd=RECORDING_TESTS.parent)
     assert out.returncode == 0, out.stdout + out.stderr
