@@ -333,8 +333,10 @@ def main() -> int:
           f"{os.cpu_count()} CPUs; {machine_load()} at the end")
     if train:
         print("throughput_ratio: the same standalone job with the agent (all collectors, eBPF attached, "
-              "1 s interval) running vs not; the job launched by the agent also has its ranks tracked, "
-              "but its launcher differs from --standalone, so that row mixes in launch-path effects")
+              "1 s interval) running vs not"
+              + ("; the job launched by the agent also has its ranks tracked, but its launcher differs "
+                 "from --standalone, so that row mixes in launch-path effects" if f.via else
+                 " (--quick skips the agent-launched arm)"))
     else:
         print("no training job (--no-train): throughput_ratio below is the storm's rate ratio")
     for note in f.notes:
@@ -343,8 +345,8 @@ def main() -> int:
     share = med(f.cpu_train) if train else med(f.cpu_storm)
     print(f"RESULT throughput_ratio={headline:.4f} agent_cpu_share={share:.4f} "
           f"kernel_events_per_s={med(f.events_per_s):.0f} storm_throughput_ratio={storm_ratio:.4f} "
-          f"storm_cpu_efficiency_ratio={storm_cpu_ratio:.4f} ebpf_kernel_cpu_share={med(f.bpf_share):.4f} "
-          f"agent_launch_throughput_ratio={via_ratio:.4f}")
+          f"storm_cpu_efficiency_ratio={storm_cpu_ratio:.4f} ebpf_kernel_cpu_share={med(f.bpf_share):.4f}"
+          + (f" agent_launch_throughput_ratio={via_ratio:.4f}" if f.via else ""))
     return 0
 
 
