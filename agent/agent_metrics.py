@@ -25,9 +25,15 @@ TICKS = MetricSpec("trainguard_agent_ticks_total", "counter", "", (), "Main-loop
 METRICS: tuple[MetricSpec, ...] = (EVENTS, JOB_STATE, JOB_RESTARTS, JOB_PROGRESS, JOB_ALIVE, JOB_RANKS, START_TIME, TICKS)
 
 
+# Kinds that alerts take increase() of: exported from 0 so the first one is an increase.
+ALERTED_EVENT_KINDS = (("crash_loop", "critical"), ("job_failed", "error"), ("loss_diverged", "error"), ("hang_detected", "error"))
+
+
 def agent_metrics(agent: Agent) -> Iterator[Metric]:
     events = EVENTS.counter()
-    for (kind, severity), n in sorted(agent.event_counts.items()):
+    counts = dict.fromkeys(ALERTED_EVENT_KINDS, 0)
+    counts.update(agent.event_counts)
+    for (kind, severity), n in sorted(counts.items()):
         events.add_metric([kind, severity], n)
     yield events
     state, restarts, progress = JOB_STATE.gauge(), JOB_RESTARTS.counter(), JOB_PROGRESS.gauge()
