@@ -43,7 +43,7 @@ def test_rank_rows_from_status_and_missing_fields() -> None:
     status = {"node": "n", "jobs": [{"job": "j", "state": "running", "ranks": [
         {"rank": 0, "alive": True, "telemetry": {"step": 3, "step_s": 0.2, "compute_s": 0.1, "loss": float("nan"),
                                                  "batch_size": 8}},
-        {"rank": 1, "alive": True}]}]}
+        {"rank": 1, "alive": True}, {"rank": None, "alive": True}]}]}
     r0, r1 = model.rank_rows([snap(status)], T0)
     assert r0.score is None and r0.loss is None and r0.step_s == 0.2 and r0.compute_s == 0.1
     cells = {c.key: c.cell(r0) for c in model.RANK_COLUMNS}

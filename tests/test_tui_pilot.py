@@ -223,3 +223,22 @@ async def test_refusals_are_polite() -> None:
         await pilot.press("c", "y")
         await until(pilot, lambda: main.last_action.startswith("checkpoint requested for gpt-small (id 5"),
                     "the checkpoint answer")
+
+
+class GarbageSource(FakeSource):
+    """An agent whose answer has an unexpected shape (a newer or broken agent)."""
+
+    def poll(self):  # noqa: ANN201
+        snaps = super().poll()
+        snaps[0].status["jobs"] = {"gpt-small": "running"}  # type: ignore[index]
+        return snaps
+
+
+@pytest.mark.asyncio
+async def test_an_answer_of_unexpected_shape_is_a_message_not_a_crash() -> None:
+    app = create_app(GarbageSource(), poll_s=3600)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.main.polls == 1, "the first poll")
+        assert app.main.last_action.startswith("could not show the agents' answer: AttributeError")
+        await pilot.press("1", "3", "7")
+        assert app.is_running and "Traceback" not in screen_text(app)

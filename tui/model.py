@@ -188,6 +188,8 @@ def rank_rows(snapshots: Iterable[AgentSnapshot], now: float) -> list[RankRow]:
             sizes = [num((r.get("telemetry") or {}).get("batch_size")) for r in ranks]
             total = sum(s for s in sizes if s is not None)
             for r, size in zip(ranks, sizes, strict=True):
+                if not isinstance(r.get("rank"), int):
+                    continue  # not a rank this dashboard can name; the rest of the job still shows
                 tel = r.get("telemetry") or {}
                 step_s = num(tel.get("median_step_s")) if num(tel.get("median_step_s")) is not None else num(tel.get("step_s"))
                 compute_s = num(tel.get("median_compute_s"))
@@ -202,7 +204,7 @@ def rank_rows(snapshots: Iterable[AgentSnapshot], now: float) -> list[RankRow]:
                 step = tel.get("step")
                 pid = r.get("pid", tel.get("pid"))
                 rows.append(RankRow(
-                    agent=snap.agent, node=snap.node, job=str(job.get("job", "?")), rank=int(r.get("rank", -1)),
+                    agent=snap.agent, node=snap.node, job=str(job.get("job", "?")), rank=r["rank"],
                     state=rank_state(r, str(job.get("state", "")), now),
                     step=step if isinstance(step, int) else None,
                     step_s=step_s, compute_s=compute_s, comm_s=comm_s, data_s=data_s,

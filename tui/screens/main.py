@@ -184,7 +184,13 @@ class MainScreen(Screen[None]):
         self.polls += 1
         if self.paused:
             return
-        snaps = message.snapshots
+        try:
+            self._show(message.snapshots)
+        except Exception as exc:  # noqa: BLE001 - an answer of an unexpected shape: say so, keep running
+            self.log.error("could not show the agents' answer", exc)  # textual devtools, not the terminal
+            self._say(f"could not show the agents' answer: {type(exc).__name__}: {exc}", False)
+
+    def _show(self, snaps: list[AgentSnapshot]) -> None:
         self.snapshots = snaps
         now = self.clock()
         for s in snaps:
@@ -209,6 +215,13 @@ class MainScreen(Screen[None]):
         self._render_panel(self.active_panel)
 
     def _render_panel(self, panel: str) -> None:
+        try:
+            self._draw_panel(panel)
+        except Exception as exc:  # noqa: BLE001 - same as in _apply: one line, not a traceback
+            self.log.error(f"could not draw panel {panel}", exc)
+            self._say(f"could not draw the {panel} panel: {type(exc).__name__}: {exc}", False)
+
+    def _draw_panel(self, panel: str) -> None:
         """Draw the panel the user sees; the others are drawn when their tab is opened (drawing
         all of them on every poll costs a busy machine the UI's responsiveness)."""
         if self._view is None:
