@@ -18,6 +18,7 @@ from trainer.config import TrainConfig
 
 def preimport() -> None:
     """Import what every rank needs, once, in the parent (children inherit it through fork)."""
+    import torch._dynamo  # noqa: F401  # DDP() imports it on first use: 3-5 s in every rank otherwise
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.checkpoint.state_dict  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
