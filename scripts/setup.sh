@@ -58,6 +58,20 @@ system_packages() {
       say "no kernel headers found: eBPF collectors will be off"
     fi
   fi
+  # bcc also includes from the arch-independent half of the headers (…-common) through `source`.
+  local source="/lib/modules/$(uname -r)/source"
+  if [ -e "$build/include" ] && [ ! -e "$source/include" ] && [ "$(id -u)" = 0 ]; then
+    local common
+    common="$(readlink -f "$build" | sed 's/-amd64$/-common/')"
+    if [ -d "$common" ]; then
+      ln -sfn "$common" "$source"
+      say "linked $source -> $common"
+    fi
+  fi
+  # Tracepoint formats are read from tracefs; mount it where the kernel offers it and nobody did.
+  if [ "$(id -u)" = 0 ] && [ -d /sys/kernel/tracing ] && [ ! -e /sys/kernel/tracing/events ]; then
+    mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null && say "mounted tracefs at /sys/kernel/tracing" || true
+  fi
 }
 
 python_env() {
