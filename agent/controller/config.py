@@ -16,8 +16,6 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from agent.config import ConfigError
-
 Strategy = Literal["none", "optuna", "rl", "goodput"]
 STRATEGIES = ("none", "optuna", "rl", "goodput")
 SAMPLERS = ("tpe", "gp")
@@ -63,6 +61,9 @@ class ControllerConfig:
 
     def validate(self, key: str = "controller") -> None:
         """Raise ConfigError naming ``key.field`` for the first bad value (AgentConfig calls this)."""
+        # Imported here: agent.config imports this module for its [controller] section.
+        from agent.config import ConfigError
+
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"{key}.strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if self.sampler not in SAMPLERS:
