@@ -47,6 +47,8 @@ def _check_against_reference(cfg, result, ckpt_dir: str) -> None:
         # Adam hides a wrong gradient scale from the weights; the pre-clip norm does not.
         assert math.isclose(row["grad_norm"], want_norm, rel_tol=1e-4), f"step {step}: grad norm"
     assert ref.losses[-1] < ref.losses[0]  # the weights moved, so equality below means something
+    # Validation through every layout (pipeline stages pass activations point to point).
+    assert math.isclose(result.rows[-1]["val_loss"], ref.val_loss, rel_tol=1e-4)
     path = latest_checkpoint(ckpt_dir)
     assert path is not None and path.endswith(f"step_{cfg.steps:08d}")
     saved = load_full_model_state(path)

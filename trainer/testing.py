@@ -150,6 +150,7 @@ class Reference:
     losses: list[float]
     grad_norms: list[float]
     state: dict[str, Any]
+    val_loss: float
 
 
 def reference_run(cfg: TrainConfig, steps: int | None = None) -> Reference:
@@ -197,4 +198,9 @@ def reference_run(cfg: TrainConfig, steps: int | None = None) -> Reference:
         opt.zero_grad()
         losses.append(float(loss.detach()))
         norms.append(norm)
-    return Reference(losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    from trainer.data import val_index
+    vidx = val_index(len(corpus.val) // (cfg.model.context + 1), cfg.data.val_samples)
+    vb = torch.from_numpy(windows(corpus.val, cfg.model.context, vidx))
+    with torch.no_grad():
+        val = float(F.cross_entropy(model(vb[:, :-1]).reshape(-1, 256), vb[:, 1:].reshape(-1)))
+    return Reference(losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, val)
