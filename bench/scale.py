@@ -43,7 +43,6 @@ from agent.controller import ControllerConfig  # noqa: E402
 from agent.controller.controller import Controller  # noqa: E402
 from agent.detect import StragglerConfig  # noqa: E402
 from agent.detect.service import StragglerService  # noqa: E402
-from agent.jobs import JobSpec  # noqa: E402
 from agent.plans import PlanStore  # noqa: E402
 from agent.ranktable import RankTable, RankTableConfig  # noqa: E402
 from agent.wire import Telemetry, decode_telemetry  # noqa: E402
@@ -106,7 +105,8 @@ class Result:
 
 def leader_for(ranks: int, tmp: str) -> SimpleNamespace:
     trainer = {"parallel": {"dp": ranks, "tp": 1, "pp": 1}, "global_batch": ranks * PER_RANK_BATCH}
-    spec = JobSpec.from_dict({"job": JOB, "nproc": ranks, "trainer": trainer})
+    # JobSpec caps one agent's ranks at 1,024; the leader only reads the trainer layout.
+    spec = SimpleNamespace(job=JOB, nproc=ranks, trainer=trainer)
     return SimpleNamespace(
         table=RankTable(RankTableConfig(ring=64, window=32)),
         supervisor=SimpleNamespace(jobs={JOB: SimpleNamespace(spec=spec)}),
