@@ -14,6 +14,8 @@ from tui.model import EVENT_HEADERS, event_cause, event_text, event_where, match
 
 KEEP = 2000
 SEVERITY_STYLE = {"warning": "yellow", "error": "bold red", "critical": "bold red"}
+# Short, and loud in capitals where it matters (a monochrome terminal shows no colour).
+SEVERITY_LABEL = {"info": "info", "debug": "dbg", "warning": "WARN", "error": "ERR", "critical": "CRIT"}
 
 
 class EventsTable(DataTable[Text]):
@@ -65,7 +67,7 @@ class EventsTable(DataTable[Text]):
         cells = (
             str(e.get("seq", "")),
             self._clock_text(float(ts)) if isinstance(ts, int | float) else "-",
-            str(e.get("severity", ""))[:4],
+            SEVERITY_LABEL.get(str(e.get("severity", "")), str(e.get("severity", ""))[:4]),
             str(e.get("kind", "")),
             event_where(e, self.with_node),
             str(e.get("message", "")),
