@@ -29,6 +29,11 @@ class ConfigError(ValueError):
         self.why = why
 
 
+# Sections owned by their modules (imported after ConfigError, which they raise).
+from agent.controller.config import ControllerConfig  # noqa: E402
+from agent.detect.config import StragglerConfig  # noqa: E402
+
+
 def _positive(key: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(key, f"must be > 0, got {value}")
@@ -216,10 +221,15 @@ class AgentConfig:
     launcher: LauncherSection = field(default_factory=LauncherSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     recovery: RecoverySection = field(default_factory=RecoverySection)
+    detection: StragglerConfig = field(default_factory=StragglerConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
-            getattr(self, f.name).validate(f.name)
+            section = getattr(self, f.name)
+            # Sections owned by their modules validate themselves in __post_init__.
+            if hasattr(section, "validate"):
+                section.validate(f.name)
 
 
 def _type_name(tp: Any) -> str:
@@ -276,7 +286,14 @@ def _build(cls: Any, table: dict[str, Any], prefix: str) -> Any:
     kwargs = {}
     for name, value in table.items():
         kwargs[name] = _coerce(f"{prefix}.{name}" if prefix else name, hints[name], value)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        # Module-owned sections raise "section.key: why" from __post_init__.
+        key, sep, why = str(exc).partition(": ")
+        raise ConfigError(key if sep else prefix or "config", why if sep else str(exc)) from None
 
 
 def config_from_dict(table: dict[str, Any]) -> AgentConfig:

@@ -34,12 +34,17 @@ class AgentControl:
         agent = self.agent
         snapshot = agent.table.snapshot()
         jobs = []
+        straggler = getattr(agent, "straggler", None)
         for rec in agent.supervisor.status():
             ranks_tel = snapshot.get(rec["job"], {})
+            scores = straggler.scores(rec["job"]) if straggler is not None else {}
             for r in rec["ranks"]:
                 tel = ranks_tel.get(r["rank"])
                 if tel is not None:
                     r["telemetry"] = _telemetry_dict(tel)
+                    if r["rank"] in scores:
+                        score, cause, state = scores[r["rank"]]
+                        r["telemetry"].update(straggler_score=score, straggler_cause=cause, straggler_state=state)
             rec["plan"] = dataclasses.asdict(agent.plans.get(rec["job"]))
             jobs.append(rec)
         # Telemetry from jobs this agent did not launch (e.g. torchrun pointed at the socket).

@@ -83,6 +83,7 @@ class Agent:
             build_info={"version": __version__, "python": platform.python_version(), "node": cfg.agent.node},
             collector_status=lambda: dict(self.collector_state),
         )
+        self._install_policies()
         if cfg.metrics.addr:
             host, port = parse_host_port(cfg.metrics.addr)
             self._metrics_server, self.metrics_port = serve_metrics(self.exporter.registry, host, port)
@@ -112,6 +113,29 @@ class Agent:
         self.rollback = self.recovery.rollback
         self.exclude_rank = self.recovery.exclude_rank
         self.events.subscribe(self._watch_failures)
+
+    def _install_policies(self) -> None:
+        """Straggler detection/migration and the LR/batch controller, as configured."""
+        if self.cfg.detection.enabled:
+            from agent.detect import install as install_stragglers
+
+            install_stragglers(self, self.cfg.detection)
+        if self.cfg.controller.strategy != "none":
+            from agent.controller import install as install_controller
+
+            install_controller(self, self.cfg.controller)
+        self.drain_handler = self._drain
+
+    def _drain(self, job: str, target: dict[str, Any]) -> dict[str, Any]:
+        """Operator drain: restart the job without the rank's data-parallel replica."""
+        from agent.api.handler import ApiError
+
+        rank = target.get("rank")
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise ApiError(400, "drain needs {\"rank\": N} on a single-node agent")
+        if not self.recovery.exclude_rank(job, rank, "drained by an operator"):
+            raise ApiError(409, f"job {job}: rank {rank} cannot be drained (data parallelism is already 1)")
+        return {"job": job, "drained_rank": rank}
 
     def _watch_failures(self, event: Any) -> None:
         if event.job is None:
