@@ -25,7 +25,7 @@ from trainer.config import config_from_cli
 from trainer.data import build_corpus
 
 JOB = "ctl-real"
-STEPS = 90
+STEPS = 160
 
 
 class TooHotOnce:
@@ -120,7 +120,7 @@ def test_controller_in_real_agent_and_training(tmp_path: Path) -> None:
             assert m0.batch_size + m1.batch_size == e["batch_to"]
         # The diverging change was rolled back (by the controller, or by the agent's recovery
         # service noticing first) to the last good setting with the LR cut.
-        assert len(rollbacks) == 1, [e["message"] for e in events]
+        assert len(rollbacks) == 1, "\n".join(e["message"] for e in events)
         rb = rollbacks[0]
         good = [e for e in changed if e["seq"] < rb["seq"] and e["lr_scale_to"] != 300.0]
         good_lr = good[-1]["lr_scale_to"] if good else 1.0
