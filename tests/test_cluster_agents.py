@@ -35,7 +35,8 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
 
 
 class ClusterNode:
-    def __init__(self, root: Path, name: str, endpoints: list[str], token: str, *, slots: int, memory_every: int = 4) -> None:
+    def __init__(self, root: Path, name: str, endpoints: list[str], token: str, *, slots: int, memory_every: int = 4,
+                 ttl: int = 3) -> None:
         self.name = name
         self.root = root
         root.mkdir(parents=True)
@@ -52,7 +53,7 @@ class ClusterNode:
         )
         eps = ", ".join(f'"{e}"' for e in endpoints)
         (root / "cluster.toml").write_text(
-            f'[cluster]\nname = "t{os.getpid()}"\netcd_endpoints = [{eps}]\nlease_ttl_s = 3\npoll_s = 0.2\n'
+            f'[cluster]\nname = "t{os.getpid()}"\netcd_endpoints = [{eps}]\nlease_ttl_s = {ttl}\npoll_s = 0.2\n'
             f'etcd_timeout_s = 0.5\nslots = {slots}\npeer_interval = {memory_every}\npeer_keep = 2\n'
         )
         self.log_path = root / "agent.log"
@@ -110,7 +111,7 @@ def cluster(tmp_path: Path) -> Iterator[Callable[..., ClusterNode]]:
 
 
 def test_agents_register_elect_one_leader_and_refuse_wrong_tokens(cluster: Callable[..., ClusterNode]) -> None:
-    a, b = cluster("a"), cluster("b")
+    a, b = cluster("a", ttl=4), cluster("b", ttl=4)
     etcd = EtcdClient(cluster.etcd.endpoints)  # type: ignore[attr-defined]
     prefix = f"/trainguard/t{os.getpid()}/"
     kvs = wait_for(lambda: (k := etcd.get_prefix(prefix + "nodes/")[0]) and len(k) == 2 and k, 20, "two nodes")
@@ -134,6 +135,21 @@ def test_agents_register_elect_one_leader_and_refuse_wrong_tokens(cluster: Calla
     assert b.events("api_auth_failed")
     # the right token works (empty store)
     assert b.client.get_blob(CKPT_NS, "_origins") == b"{}"
+
+    # etcd frozen for half the TTL: both agents ride it out, nobody is declared lost
+    member = cluster.etcd.members[0]  # type: ignore[attr-defined]
+    member.pause()
+    try:
+        time.sleep(2.0)
+    finally:
+        member.resume()
+    wait_for(lambda: a.events("etcd_reachable") and b.events("etcd_reachable"), 10, "etcd reachable again")
+    time.sleep(4.5)  # past the TTL: a lease that had not been refreshed would be gone now
+    assert len(etcd.get_prefix(prefix + "nodes/")[0]) == 2
+    for node in (a, b):
+        assert node.events("node_lost") == [] and node.events("cluster_lease_renewed") == []
+        assert node.proc.poll() is None
+    assert etcd.get(prefix + "leader").value == leader.value  # type: ignore[union-attr]
 
 
 @pytest.mark.slow
