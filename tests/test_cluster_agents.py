@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,75 +15,11 @@ import pytest
 
 from agent.api.client import ApiClient, ApiClientError
 from agent.cluster.blobstore import CKPT_NS
+from agent.cluster.demo import ClusterNode, wait_for
 from agent.cluster.etcd import EtcdClient
 from agent.cluster.etcdserver import LocalEtcd
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-class ClusterNode:
-    def __init__(self, root: Path, name: str, endpoints: list[str], token: str, *, slots: int, memory_every: int = 4,
-                 ttl: int = 3) -> None:
-        self.name = name
-        self.root = root
-        root.mkdir(parents=True)
-        self.token_file = root / "tokens"
-        self.token_file.write_text(token + "\n")
-        os.chmod(self.token_file, 0o600)
-        self.shm = Path("/dev/shm") / f"tg-cluster-test-{os.getpid()}-{secrets.token_hex(4)}-{name}"
-        (root / "agent.toml").write_text(
-            f'[agent]\nnode = "{name}"\ninterval_s = 0.25\n'
-            f'[api]\ntcp = "127.0.0.1:0"\ntoken_file = "{self.token_file}"\n'
-            f'[collectors]\nebpf = false\ngpu = false\n'
-            f'[checkpoint]\nmemory_root = "{self.shm}"\nmemory_every = {memory_every}\nmemory_keep = 3\n'
-            f'disk_every = 100000\n'
-        )
-        eps = ", ".join(f'"{e}"' for e in endpoints)
-        (root / "cluster.toml").write_text(
-            f'[cluster]\nname = "t{os.getpid()}"\netcd_endpoints = [{eps}]\nlease_ttl_s = {ttl}\npoll_s = 0.2\n'
-            f'etcd_timeout_s = 0.5\nslots = {slots}\npeer_interval = {memory_every}\npeer_keep = 2\n'
-        )
-        self.log_path = root / "agent.log"
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "agent.cluster.runner", "--state-dir", str(root / "state"),
-                 "--config", str(root / "agent.toml"), "--cluster-config", str(root / "cluster.toml"),
-                 "--metrics-addr", ""],
-                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-        addr_file = root / "state" / "run" / "api.addr"
-        wait_for(lambda: self.proc.poll() is not None or addr_file.exists(), 60, f"agent {name} up")
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"agent {name} exited:\n{self.log()}")
-        host, port = addr_file.read_text().strip().rsplit(":", 1)
-        self.api = f"{host}:{port}"
-        self.client = ApiClient.remote(host, int(port), token=token, timeout=30)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def events(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.client.events(since=0, limit=5000)["events"] if e["kind"] == kind]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        subprocess.run(["rm", "-rf", str(self.shm)], check=False)
 
 
 @pytest.fixture
@@ -96,7 +29,7 @@ def cluster(tmp_path: Path) -> Iterator[Callable[..., ClusterNode]]:
     nodes: list[ClusterNode] = []
 
     def make(name: str, slots: int = 2, **kw: Any) -> ClusterNode:
-        node = ClusterNode(tmp_path / name, name, etcd.endpoints, token, slots=slots, **kw)
+        node = ClusterNode(tmp_path / name, name, etcd.endpoints, token, cluster=f"t{os.getpid()}", slots=slots, **kw)
         nodes.append(node)
         return node
 
@@ -164,25 +97,10 @@ def test_node_loss_job_resumes_on_survivor_from_peer_tier(cluster: Callable[...,
 
     # wait until b holds a's copy of a memory checkpoint
     held = b.shm / ".peer-held" / "ckpt" / "a" / "big"
-
-    def held_steps() -> list[int]:
-        try:
-            return sorted(int(p.name[5:]) for p in held.iterdir() if p.name.startswith("step_"))
-        except FileNotFoundError:
-            return []
-
-    wait_for(lambda: held_steps() and max(held_steps()) >= 8, 150, f"a peer copy on b\n{a.log()[-3000:]}")
-    # kill node a: its agent and its ranks, no clean anything
-    ranks = [r["pid"] for r in a.client.job("big")["ranks"]]
-    a.proc.kill()
-    for pid in ranks:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    a.proc.wait()
+    wait_for(lambda: max(b.held_steps("a", "big") or [0]) >= 8, 150, f"a peer copy on b\n{a.log()[-3000:]}")
+    a.kill_with_ranks("big")  # node a is gone: agent and ranks, nothing cleaned up
     killed_at = time.monotonic()
-    lost_step = max(held_steps())
+    lost_step = max(b.held_steps("a", "big"))
 
     lost = wait_for(lambda: b.events("node_lost"), 15, "node_lost on b")
     assert lost[0]["fields"]["node"] == "a"

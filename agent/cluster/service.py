@@ -211,7 +211,8 @@ class ClusterService:
                 continue
             self._epochs[job] = rec.epoch
             self.adoptions += 1
-            self.emit("job_adopted", f"job {job} taken over from {rec.history[-1] if rec.history else '?'} "
+            src = rec.history[-1].split("->")[0] if rec.history else "?"
+            self.emit("job_adopted", f"job {job} taken over from node {src} "
                       f"({rec.cause}); restoring from the newest checkpoint across tiers",
                       {"job": job, "epoch": rec.epoch, "cause_": rec.cause, "nproc": spec.nproc, "severity": "warning"})
 

@@ -1,0 +1,181 @@
+"""Cluster demo: two agents and a local etcd on loopback; one node dies with its ranks, the job
+goes on on the other from the peer copy of its memory checkpoint.
+
+    python -m agent.cluster.demo [--steps N] [--keep DIR]
+
+``ClusterNode`` (one agent process with its own state dir, TCP API, token, shared-memory root and
+cluster config) is also what the tests use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent.api.client import ApiClient
+from agent.cluster.etcdserver import LocalEtcd
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+class ClusterNode:
+    """One simulated node: ``python -m agent.cluster.runner`` with its own directories."""
+
+    def __init__(self, root: Path, name: str, endpoints: list[str], token: str, *, cluster: str, slots: int,
+                 memory_every: int = 4, ttl: int = 3) -> None:
+        self.name = name
+        self.root = root
+        root.mkdir(parents=True)
+        self.token_file = root / "tokens"
+        self.token_file.write_text(token + "\n")
+        os.chmod(self.token_file, 0o600)
+        self.shm = Path("/dev/shm") / f"tg-cluster-{os.getpid()}-{secrets.token_hex(4)}-{name}"
+        (root / "agent.toml").write_text(
+            f'[agent]\nnode = "{name}"\ninterval_s = 0.25\n'
+            f'[api]\ntcp = "127.0.0.1:0"\ntoken_file = "{self.token_file}"\n'
+            f'[collectors]\nebpf = false\ngpu = false\n'
+            f'[checkpoint]\nmemory_root = "{self.shm}"\nmemory_every = {memory_every}\nmemory_keep = 3\n'
+            f'disk_every = 100000\n'
+        )
+        eps = ", ".join(f'"{e}"' for e in endpoints)
+        (root / "cluster.toml").write_text(
+            f'[cluster]\nname = "{cluster}"\netcd_endpoints = [{eps}]\nlease_ttl_s = {ttl}\npoll_s = 0.2\n'
+            f'etcd_timeout_s = 0.5\nslots = {slots}\npeer_interval = {memory_every}\npeer_keep = 2\n'
+        )
+        self.log_path = root / "agent.log"
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "agent.cluster.runner", "--state-dir", str(root / "state"),
+                 "--config", str(root / "agent.toml"), "--cluster-config", str(root / "cluster.toml"),
+                 "--metrics-addr", ""],
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        addr_file = root / "state" / "run" / "api.addr"
+        wait_for(lambda: self.proc.poll() is not None or addr_file.exists(), 60, f"agent {name} up")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"agent {name} exited:\n{self.log()}")
+        host, port = addr_file.read_text().strip().rsplit(":", 1)
+        self.api = f"{host}:{port}"
+        self.client = ApiClient.remote(host, int(port), token=token, timeout=30)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def all_events(self) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = self.client.events(since=0, limit=5000)["events"]
+        return events
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.all_events() if e["kind"] == kind]
+
+    def held_steps(self, origin: str, job: str) -> list[int]:
+        d = self.shm / ".peer-held" / "ckpt" / origin / job
+        try:
+            return sorted(int(p.name[5:]) for p in d.iterdir() if p.name.startswith("step_"))
+        except FileNotFoundError:
+            return []
+
+    def kill_with_ranks(self, job: str) -> None:
+        """What a node loss looks like: agent and ranks gone at once, nothing cleaned up."""
+        ranks = [r["pid"] for r in self.client.job(job)["ranks"]]
+        self.proc.kill()
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+
+_SHOWN = ("node_joined", "leader_elected", "node_lost", "job_moved", "job_adopted", "restore_selected",
+          "job_resumed", "checkpoint_replicated")
+
+
+def run_demo(steps: int, root: Path, out: Any = sys.stdout) -> int:
+    from trainer.config import config_from_cli  # torch-free
+
+    token = secrets.token_hex(16)
+    etcd = LocalEtcd(root / "etcd", size=1).start()
+    print(f"etcd on {etcd.endpoints[0]}", file=out)
+    nodes: list[ClusterNode] = []
+    try:
+        a = ClusterNode(root / "a", "a", etcd.endpoints, token, cluster="demo", slots=2)
+        nodes.append(a)
+        b = ClusterNode(root / "b", "b", etcd.endpoints, token, cluster="demo", slots=1)
+        nodes.append(b)
+        print(f"node a: API {a.api}, 2 slots; node b: API {b.api}, 1 slot", file=out)
+        trainer = config_from_cli(nproc=2, steps=steps, overrides=["model.layers=2", "model.d_model=32",
+                                                                   "model.context=32", "global_batch=8"])
+        a.client.submit_job({"job": "demo", "nproc": 2, "trainer": trainer})
+        print("job 'demo' (dp=2) submitted to node a; waiting for a peer copy on node b ...", file=out)
+        wait_for(lambda: max(b.held_steps("a", "demo") or [0]) >= 8, 180, "peer copy")
+        print(f"node b holds node a's checkpoints at steps {b.held_steps('a', 'demo')}", file=out)
+        print("killing node a (agent and ranks, SIGKILL) ...", file=out)
+        seen: set[int] = {e["seq"] for e in b.all_events()}  # show only what follows the kill
+        killed = time.monotonic()
+        a.kill_with_ranks("demo")
+
+        def show() -> bool:
+            done = False
+            for e in b.all_events():
+                if e["seq"] in seen or e["kind"] not in _SHOWN:
+                    continue
+                seen.add(e["seq"])
+                print(f"  b +{time.monotonic() - killed:5.1f}s {e['kind']:<22} {e['message']}", file=out)
+                done = done or (e["kind"] == "job_resumed" and e.get("job") == "demo")
+            return done
+
+        wait_for(show, 120, "the job to resume on node b")
+        time.sleep(3)
+        job = b.client.job("demo")
+        print(f"job 'demo' on node b: state {job['state']}, {job['nproc']} rank(s), step {job['progress_step']}", file=out)
+        return 0
+    finally:
+        for n in nodes:
+            n.stop()
+        etcd.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m agent.cluster.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--keep", help="keep logs and state under this directory")
+    args = p.parse_args(argv)
+    if args.keep:
+        return run_demo(args.steps, Path(args.keep))
+    with tempfile.TemporaryDirectory(prefix="tg-cluster-demo-") as tmp:
+        return run_demo(args.steps, Path(tmp))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
