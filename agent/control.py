@@ -70,6 +70,8 @@ class AgentControl:
             "leader": agent.cfg.agent.node,
             "collectors": {k: {"up": v[0], "reason": v[1]} for k, v in agent.collector_state.items()},
             "jobs": jobs,
+            "gpus": _gpu_view(agent),
+            "kernel": _kernel_view(agent),
             "metrics_port": agent.metrics_port,
             "api_tcp_port": agent.api_tcp_port,
         }
@@ -185,3 +187,43 @@ def _telemetry_dict(tel: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(tel) and not isinstance(tel, type):
         return dataclasses.asdict(tel)
     return dict(tel)
+
+
+def _collector(agent: Any, name: str) -> Any:
+    return next((c for c in agent.collectors if getattr(c, "name", None) == name), None)
+
+
+def _gpu_view(agent: Any) -> dict[str, Any]:
+    """Latest GPU readings by index (empty without the GPU collector)."""
+    gpu = _collector(agent, "gpu")
+    if gpu is None:
+        return {}
+    out: dict[str, Any] = {}
+    for index, reading in gpu.readings().items():
+        body = dataclasses.asdict(reading) if dataclasses.is_dataclass(reading) and not isinstance(reading, type) else dict(reading)
+        out[str(index)] = {k: v for k, v in body.items() if not (isinstance(v, float) and v != v)}
+    return out
+
+
+def _kernel_view(agent: Any) -> dict[str, Any]:
+    """Cumulative log2 latency histograms (run queue per node and rank, block I/O per device)."""
+    ebpf = _collector(agent, "ebpf")
+    snap = ebpf.snapshot if ebpf is not None else None
+    if snap is None:
+        return {}
+
+    def hist(h: Any) -> dict[str, Any]:
+        return {"slots": list(h.slots), "sum_ns": int(h.sum_ns)}
+
+    view: dict[str, Any] = {}
+    if snap.runq is not None:
+        series = {"node": hist(snap.runq.node)}
+        for slot, h in snap.runq.ranks.items():
+            pid = snap.owners.get(slot)
+            found = agent.supervisor.find_rank(pid) if pid else None
+            label = f"{found[0].job} rank {found[1].rank}" if found else f"pid {pid}"
+            series[label] = hist(h)
+        view["runqueue"] = series
+    if snap.blockio is not None:
+        view["block_io"] = {f"dev {dev >> 20}:{dev & 0xFFFFF}": hist(h) for dev, h in snap.blockio.devices.items()}
+    return view
