@@ -56,6 +56,10 @@ def test_agents_register_elect_one_leader_and_refuse_wrong_tokens(cluster: Calla
         elected = wait_for(lambda n=node: n.events("leader_elected"), 10, "leader_elected event")
         assert elected[-1]["fields"]["leader"] == leader.value.decode()
     assert wait_for(lambda: a.events("node_joined") or b.events("node_joined"), 10, "node_joined")
+    wait_for(lambda: a.metric("trainguard_cluster_members") == 2 == b.metric("trainguard_cluster_members"), 10,
+             "both agents count two members")
+    assert a.metric("trainguard_cluster_etcd_up") == 1 == b.metric("trainguard_cluster_etcd_up")
+    assert (a.metric("trainguard_cluster_is_leader") or 0) + (b.metric("trainguard_cluster_is_leader") or 0) == 1
 
     host, port = b.api.rsplit(":", 1)
     wrong = ApiClient.remote(host, int(port), token="x" * 32)
@@ -83,6 +87,9 @@ def test_agents_register_elect_one_leader_and_refuse_wrong_tokens(cluster: Calla
         assert node.events("node_lost") == [] and node.events("cluster_lease_renewed") == []
         assert node.proc.poll() is None
     assert etcd.get(prefix + "leader").value == leader.value  # type: ignore[union-attr]
+    # the stall was felt (refreshes failed and were retried), and cost nothing
+    assert (a.metric("trainguard_cluster_lease_refresh_failures_total") or 0) + \
+        (b.metric("trainguard_cluster_lease_refresh_failures_total") or 0) > 0
 
 
 @pytest.mark.slow

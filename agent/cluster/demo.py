@@ -68,7 +68,7 @@ class ClusterNode:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "agent.cluster.runner", "--state-dir", str(root / "state"),
                  "--config", str(root / "agent.toml"), "--cluster-config", str(root / "cluster.toml"),
-                 "--metrics-addr", ""],
+                 "--metrics-addr", "127.0.0.1:0"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         addr_file = root / "state" / "run" / "api.addr"
         wait_for(lambda: self.proc.poll() is not None or addr_file.exists(), 60, f"agent {name} up")
@@ -77,6 +77,17 @@ class ClusterNode:
         host, port = addr_file.read_text().strip().rsplit(":", 1)
         self.api = f"{host}:{port}"
         self.client = ApiClient.remote(host, int(port), token=token, timeout=30)
+
+    def metric(self, name: str) -> float | None:
+        """One unlabelled sample from this agent's /metrics."""
+        import urllib.request
+
+        port = (self.root / "state" / "run" / "metrics.addr").read_text().strip().rsplit(":", 1)[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        return None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -114,6 +114,7 @@ class Membership:
         self._callbacks: list[ChangeFn] = []
         self._etcd_ok = True
         self.polls = 0
+        self._old_failures = 0  # refresh failures of leases replaced since
 
     # -- reading ---------------------------------------------------------------------------------
     @property
@@ -147,6 +148,11 @@ class Membership:
     @property
     def etcd_reachable(self) -> bool:
         return self.solo or self._etcd_ok
+
+    @property
+    def refresh_failures(self) -> int:
+        keeper = self._keeper
+        return self._old_failures + (keeper.failures if keeper is not None else 0)
 
     def on_change(self, fn: ChangeFn) -> None:
         """``fn(view)`` after every change of members or leader (on the membership thread)."""
@@ -213,6 +219,8 @@ class Membership:
         old = self._keeper
         if old is not None:
             old.stop()
+            self._old_failures += old.failures
+            self._keeper = None
         try:
             self._register()
         except (*_ETCD_ERRORS, LeaseExpired) as exc:

@@ -105,6 +105,7 @@ class ClusterAgent(Agent):
     # wiring point 3: join the cluster once peers can reach our API
     def _start_api(self) -> None:
         super()._start_api()
+        self.exporter.sources.append(self.cluster)
         tcp = self.api.tcp_address
         self.cluster.start(f"{tcp[0]}:{tcp[1]}" if tcp else None, self.supervisor)
         with open(os.path.join(self.cfg.agent.run_dir, "api.addr"), "w") as fh:

@@ -19,10 +19,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from etcd3gw import exceptions as etcd_exc
+from prometheus_client.metrics_core import Metric
 
 from agent.checkpoint.tier import Tier
 from agent.cluster.blobstore import BlobStore
@@ -31,12 +32,24 @@ from agent.cluster.etcd import EtcdClient, EtcdUnavailable, LeaseExpired
 from agent.cluster.jobs import JobRecordDoc, JobTable, plan_moves
 from agent.cluster.membership import EmitFn, Membership, NodeInfo
 from agent.cluster.peertier import PeerRef, PeerTier, ring_peer, token_client_factory
+from agent.metricspec import MetricSpec
 
 if TYPE_CHECKING:
     from agent.supervisor import Supervisor
 
 log = logging.getLogger("trainguard.cluster")
 _ETCD_ERRORS = (EtcdUnavailable, etcd_exc.Etcd3Exception, LeaseExpired)
+
+MEMBERS = MetricSpec("trainguard_cluster_members", "gauge", "", (), "Agents registered in etcd, as this agent last read them.")
+IS_LEADER = MetricSpec("trainguard_cluster_is_leader", "gauge", "", (), "1 while this agent is the cluster leader.")
+ETCD_UP = MetricSpec("trainguard_cluster_etcd_up", "gauge", "", (), "1 while the last etcd read succeeded (0: view frozen).")
+REFRESH_FAILURES = MetricSpec("trainguard_cluster_lease_refresh_failures_total", "counter", "", (),
+                              "Lease refreshes that did not reach etcd (retried within the TTL; not node loss).")
+MOVES = MetricSpec("trainguard_cluster_jobs_moved_total", "counter", "", (), "Jobs this agent, as leader, moved off lost nodes.")
+ADOPTIONS = MetricSpec("trainguard_cluster_jobs_adopted_total", "counter", "", (), "Jobs of lost nodes this agent took over.")
+HELD_BYTES = MetricSpec("trainguard_cluster_peer_held_bytes", "gauge", "bytes", (),
+                        "Peer-tier checkpoint bytes other nodes keep in this agent's RAM.")
+METRICS = (MEMBERS, IS_LEADER, ETCD_UP, REFRESH_FAILURES, MOVES, ADOPTIONS, HELD_BYTES)
 
 
 def _noop(kind: str, message: str, fields: dict[str, Any]) -> None:
@@ -135,6 +148,21 @@ class ClusterService:
             "peer": peer.node if peer else None,
             "held_origins": self.store.origins(),
         }
+
+    def metrics(self) -> Iterator[Metric]:
+        """Families for the exporter (the daemon appends this service to ``exporter.sources``)."""
+        m = self.membership
+        for spec, value in ((MEMBERS, len(self.members())), (IS_LEADER, int(self.is_leader)),
+                            (ETCD_UP, int(m is not None and not m.solo and m.etcd_reachable)),
+                            (HELD_BYTES, self.store.held_bytes())):
+            g = spec.gauge()
+            g.add_metric([], value)
+            yield g
+        for spec, value in ((REFRESH_FAILURES, m.refresh_failures if m is not None else 0),
+                            (MOVES, self.moves), (ADOPTIONS, self.adoptions)):
+            c = spec.counter()
+            c.add_metric([], value)
+            yield c
 
     # -- jobs ------------------------------------------------------------------------------------
     def _job_loop(self) -> None:
