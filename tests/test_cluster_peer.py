@@ -208,3 +208,18 @@ def test_ring_placement() -> None:
     assert ring_peer("n2", members, configured="n1") == PeerRef("n1", "h:1")
     assert ring_peer("n2", members, configured="gone") is None
     assert ring_peer("n1", {"n1": "h:1"}) is None
+
+
+def test_copies_of_departed_nodes_are_dropped_after_retention(nodes: dict[str, Node], token: str) -> None:
+    a, b = nodes["a"], nodes["b"]
+    mgr = a.manager(b, token, disk=False)
+    save(mgr, "job6", 3, b"x" * 100)
+    a.peer_tier.write_from(mgr.memory.step_path("job6", 3), "job6", 3)
+    import time
+
+    now = time.time()
+    assert b.store.drop_stale({"a"}, 0.0, now + 10) == []  # a is still a member: kept
+    assert b.store.drop_stale(set(), 3600.0, now) == []  # departed, but copied just now: kept
+    assert b.store.held_bytes() > 0
+    assert b.store.drop_stale(set(), 3600.0, now + 3601) == ["a"]
+    assert b.store.origins() == [] and b.store.held_bytes() == 0

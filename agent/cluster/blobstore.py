@@ -285,6 +285,23 @@ class BlobStore:
         tier.delete(job, step)
         return {"deleted": existed}
 
+    def drop_stale(self, keep_origins: set[str], older_than: float, now: float) -> list[str]:
+        """Remove every copy held for an origin not in ``keep_origins`` whose newest commit is older
+        than ``older_than`` seconds (by directory mtime). Returns the origins removed."""
+        removed = []
+        for origin in self.origins():
+            if origin in keep_origins:
+                continue
+            root = self.ckpt_root() / origin
+            try:
+                newest = max((p.stat().st_mtime for p in root.rglob("*")), default=root.stat().st_mtime)
+            except OSError:
+                continue
+            if now - newest >= older_than:
+                rmtree_quiet(root)
+                removed.append(origin)
+        return removed
+
     def held_bytes(self) -> int:
         total = 0
         for dirpath, _, files in os.walk(self.root):

@@ -40,6 +40,9 @@ class ClusterConfig:
     ``<checkpoint.memory_root>/peer-held``."""
     peer_timeout_s: float = 30.0
     """Socket timeout for one blob transfer request."""
+    held_retention_s: float = 3600.0
+    """Copies held for a node that is no longer a member are dropped after this long without a new
+    copy (its job has moved and checkpoints anew, or it is gone for good)."""
     heal: bool = True
     """Leader restarts jobs of a lost node on the remaining nodes."""
 
@@ -53,7 +56,7 @@ class ClusterConfig:
                 raise ValueError(f"cluster.etcd_endpoints[{i}]: {exc}") from None
         if isinstance(self.lease_ttl_s, bool) or not isinstance(self.lease_ttl_s, int) or self.lease_ttl_s < 2:
             raise ValueError(f"cluster.lease_ttl_s: must be an integer >= 2 (etcd's minimum), got {self.lease_ttl_s!r}")
-        for key in ("poll_s", "etcd_timeout_s", "peer_timeout_s"):
+        for key in ("poll_s", "etcd_timeout_s", "peer_timeout_s", "held_retention_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"cluster.{key}: must be > 0, got {value!r}")

@@ -81,6 +81,7 @@ class ClusterService:
         self._thread: threading.Thread | None = None
         self.moves = 0
         self.adoptions = 0
+        self._next_gc = 0.0
 
     # -- checkpoint manager wiring ---------------------------------------------------------------
     @property
@@ -185,6 +186,19 @@ class ClusterService:
         self._adopt(records)
         if self.cfg.heal and self.is_leader:
             self._heal(records)
+        self.gc_held()
+
+    def gc_held(self, now: float | None = None) -> list[str]:
+        """Drop copies held for nodes that left and have not pushed for ``held_retention_s``."""
+        now = self._clock() if now is None else now
+        if now < self._next_gc:
+            return []
+        self._next_gc = now + min(60.0, self.cfg.held_retention_s / 4)
+        removed = self.store.drop_stale(set(self.members()), self.cfg.held_retention_s, now)
+        for origin in removed:
+            self.emit("peer_copies_dropped", f"dropped checkpoint copies held for departed node {origin}",
+                      {"node": origin})
+        return removed
 
     def _publish(self, records: dict[str, tuple[JobRecordDoc, int]]) -> None:
         assert self.jobs is not None and self.supervisor is not None
