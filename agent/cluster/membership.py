@@ -227,8 +227,11 @@ class Membership:
             log.info("re-registering failed (retrying): %s", exc)
             self._lease_lost.set()
             return
-        self.emit("cluster_lease_renewed", f"node {self.me.node}: lease had expired on the etcd server; "
-                  "registered again with a new lease", {"node": self.me.node, "severity": "warning"})
+        if old is None:
+            self.emit("cluster_registered", f"node {self.me.node} registered in etcd", {"node": self.me.node})
+        else:
+            self.emit("cluster_lease_renewed", f"node {self.me.node}: lease had expired on the etcd server; "
+                      "registered again with a new lease", {"node": self.me.node, "severity": "warning"})
 
     def _poll_once(self) -> None:
         assert self.client is not None

@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from etcd3gw import exceptions as etcd_exc
@@ -113,9 +114,14 @@ class ClusterService:
             self._thread.start()
 
     def stop(self, leave: bool = True) -> None:
+        """Leave the cluster. On a clean leave the jobs this node runs are marked ``paused`` first:
+        stopping an agent is an operator's act, not a failure, so the leader must not move them
+        (with ``on_stop = "leave_ranks"`` they even keep running here)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5.0)
+        if leave:
+            self._pause_own_jobs()
         if self.membership is not None:
             self.membership.stop(leave=leave)
 
@@ -187,6 +193,18 @@ class ClusterService:
         if self.cfg.heal and self.is_leader:
             self._heal(records)
         self.gc_held()
+
+    def _pause_own_jobs(self) -> None:
+        if self.jobs is None or self.supervisor is None:
+            return
+        try:
+            records = self.jobs.read()
+            for job, (rec, rev) in records.items():
+                local = self.supervisor.jobs.get(job)
+                if rec.node == self.node and rec.state == "running" and local is not None:
+                    self.jobs.write(replace(rec, state="paused", cause="agent stopped"), rev)
+        except _ETCD_ERRORS as exc:
+            log.warning("could not mark jobs paused in etcd (the leader may move them): %s", exc)
 
     def gc_held(self, now: float | None = None) -> list[str]:
         """Drop copies held for nodes that left and have not pushed for ``held_retention_s``."""
