@@ -110,10 +110,15 @@ class TelemetrySection:
     """Recent steps kept per rank."""
     accept_unknown_jobs: bool = True
     """Keep telemetry from jobs this agent did not launch (e.g. torchrun jobs pointed at the socket)."""
+    min_queue: int = 0
+    """Raise net.unix.max_dgram_qlen to at least this at start (root; host-wide; 0 leaves it). The
+    kernel default of 10 queued datagrams loses telemetry at the sender whenever the agent stalls."""
 
     def validate(self, key: str) -> None:
         if self.ring < 16:
             raise ConfigError(f"{key}.ring", "must be >= 16")
+        if not (0 <= self.min_queue <= 1 << 20):
+            raise ConfigError(f"{key}.min_queue", "must be in [0, 1048576]")
 
 
 @dataclass

@@ -65,7 +65,9 @@ class Agent:
         self.table = RankTable(
             RankTableConfig(ring=cfg.telemetry.ring, accept_unknown_jobs=cfg.telemetry.accept_unknown_jobs)
         )
-        self.telemetry = TelemetryServer(self.paths.telemetry_socket, self.table)
+        self.telemetry = TelemetryServer(
+            self.paths.telemetry_socket, self.table, min_queue=cfg.telemetry.min_queue or None
+        )
         self.plans = PlanStore(self.paths.plans_dir)
         self.supervisor = Supervisor(
             self.events,
