@@ -17,6 +17,7 @@ from agent.cluster.etcdserver import LocalEtcd
 from agent.cluster.jobs import JobRecordDoc
 from agent.cluster.service import ClusterService
 from agent.jobs import JobSpec, JobState
+from agent.plans import PlanStore
 
 
 @dataclass
@@ -66,7 +67,8 @@ def make(etcd: LocalEtcd, tmp: Path, cluster: str, name: str, events: list[tuple
     svc = ClusterService(cfg, node=name, memory_root=str(tmp / name),
                          emit=lambda k, m, f: events.append((name, k, f)))
     sup = FakeSupervisor()
-    svc.start(f"127.0.0.1:{1000 + len(name)}", sup)  # type: ignore[arg-type]
+    plans = PlanStore(str(tmp / name / f"plans-{time.monotonic_ns()}"))
+    svc.start(f"127.0.0.1:{1000 + len(name)}", sup, plans)  # type: ignore[arg-type]
     return svc, sup
 
 
@@ -100,14 +102,20 @@ def test_lost_node_job_moves_to_its_peer_and_old_owner_is_fenced(etcd: LocalEtcd
     try:
         wait_for(lambda: all(len(s.members()) == 3 for s in (a, b, c)), 5, "three members")
         sup_a.submit(spec("j1"))
-        rec = wait_for(lambda: record(a, "j1"), 5, "j1 published")
+        assert a.plans is not None
+        a.plans.update("j1", {"lr_scale": 0.5, "batch_sizes": [4, 4]})  # e.g. the controller's doing
+        rec = wait_for(lambda: (r := record(a, "j1")) and r.plan.get("lr_scale") == 0.5 and r, 5, "j1 published")
         assert rec.node == "a" and rec.peer == "b" and rec.state == "running" and rec.epoch == 0
+        assert rec.plan["batch_sizes"] == [4, 4]
         crash(a)  # node a dies with its ranks
         moved = wait_for(lambda: (r := record(b, "j1")) and r.node != "a" and r, 8, "j1 moved")
         assert moved.node == "b" and moved.epoch == 1  # a's peer holds its checkpoint: b
         assert moved.spec["nproc"] == 1 and moved.spec["trainer"]["parallel"]["dp"] == 1  # fits b's one slot
         wait_for(lambda: "j1" in sup_b.jobs, 5, "b adopts j1")
         assert sup_b.jobs["j1"].spec.nproc == 1 and "j1" not in sup_c.jobs
+        assert b.plans is not None
+        carried = b.plans.get("j1")
+        assert carried.lr_scale == 0.5 and carried.batch_sizes is None  # two sizes cannot fit dp=1
         kinds = [(n, k) for n, k, _ in events]
         assert ("b", "job_adopted") in kinds and any(k == "job_moved" for _, k in kinds)
         assert [k for n, k, _ in events if k == "job_moved"].count("job_moved") == 1  # one leader, one move

@@ -45,8 +45,12 @@ def test_plan_moves_prefers_the_lost_nodes_peer_and_skips_live_or_finished_jobs(
     assert (m.src, m.dst, m.epoch, rev) == ("a", "c", 1, 11) and new.node == "c" and new.history == ["a->c"]
     assert moves["ring"][2].dst == "c"  # next member after "b" by name
     assert moves["wrap"][2].dst == "c"  # after the last name: wrap to the first
-    _, _, m_small = plan_moves({"x": (rec("x", "a", peer="d"), 1)}, {"d": 1})[0]
+    with_plan = JobRecordDoc("x", spec(2, 2), "a", "d", plan={"lr_scale": 0.5, "batch_sizes": [4, 4]})
+    new_small, _, m_small = plan_moves({"x": (with_plan, 1)}, {"d": 1})[0]
     assert m_small.reason == "dp 2 -> 1 to fit 1 slots"
+    assert new_small.plan == {"lr_scale": 0.5}  # the per-dp-rank split is dropped with the dp change
+    new_same, _, _ = plan_moves({"x": (with_plan, 1)}, {"d": 2})[0]
+    assert new_same.plan == with_plan.plan
     assert plan_moves(records, {}) == []
 
 

@@ -42,6 +42,8 @@ class JobRecordDoc:
     epoch: int = 0
     cause: str = ""
     history: list[str] = field(default_factory=list)
+    plan: dict[str, Any] = field(default_factory=dict)
+    """The owner's current plan settings (lr_scale, lr, batch_sizes): carried over on a move."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -53,7 +55,8 @@ class JobRecordDoc:
             return cls(job=str(doc["job"]), spec=dict(doc["spec"]), node=str(doc["node"]),
                        peer=str(doc.get("peer", "")), state=str(doc.get("state", "running")),
                        epoch=int(doc.get("epoch", 0)), cause=str(doc.get("cause", "")),
-                       history=[str(h) for h in doc.get("history", [])][-20:])
+                       history=[str(h) for h in doc.get("history", [])][-20:],
+                       plan=dict(doc.get("plan") or {}))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -105,7 +108,10 @@ def plan_moves(records: dict[str, tuple[JobRecordDoc, int]], members: dict[str, 
             after = [n for n in names if n > rec.node]
             dst = after[0] if after else names[0]
         spec, why = shrink_spec(rec.spec, members[dst])
-        new = replace(rec, spec=spec, node=dst, epoch=rec.epoch + 1, cause=f"node {rec.node} lost",
+        plan = dict(rec.plan)
+        if why:
+            plan.pop("batch_sizes", None)  # one size per dp rank: the old split does not fit the new dp
+        new = replace(rec, spec=spec, plan=plan, node=dst, epoch=rec.epoch + 1, cause=f"node {rec.node} lost",
                       history=[*rec.history, f"{rec.node}->{dst}"][-20:])
         out.append((new, rev, Move(job, rec.node, dst, new.epoch, why)))
     return out

@@ -107,7 +107,7 @@ class ClusterAgent(Agent):
         super()._start_api()
         self.exporter.sources.append(self.cluster)
         tcp = self.api.tcp_address
-        self.cluster.start(f"{tcp[0]}:{tcp[1]}" if tcp else None, self.supervisor)
+        self.cluster.start(f"{tcp[0]}:{tcp[1]}" if tcp else None, self.supervisor, self.plans)
         with open(os.path.join(self.cfg.agent.run_dir, "api.addr"), "w") as fh:
             fh.write(f"{tcp[0]}:{tcp[1]}\n" if tcp else "\n")
 

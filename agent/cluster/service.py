@@ -36,6 +36,7 @@ from agent.cluster.peertier import PeerRef, PeerTier, ring_peer, token_client_fa
 from agent.metricspec import MetricSpec
 
 if TYPE_CHECKING:
+    from agent.plans import PlanStore
     from agent.supervisor import Supervisor
 
 log = logging.getLogger("trainguard.cluster")
@@ -76,6 +77,7 @@ class ClusterService:
         self.membership: Membership | None = None
         self.jobs = JobTable(self.client, f"/trainguard/{cfg.name}/") if self.client is not None else None
         self.supervisor: Supervisor | None = None
+        self.plans: PlanStore | None = None
         self._epochs: dict[str, int] = {}
         self._conflicts: set[str] = set()
         self._stop = threading.Event()
@@ -98,9 +100,12 @@ class ClusterService:
         return {"peer": self.cfg.peer_keep} if self.peer_tier is not None else {}
 
     # -- life cycle ------------------------------------------------------------------------------
-    def start(self, api_address: str | None, supervisor: Supervisor | None = None) -> None:
-        """``api_address``: HOST:PORT of this agent's bound TCP API (None: peers cannot reach us)."""
+    def start(self, api_address: str | None, supervisor: Supervisor | None = None,
+              plans: PlanStore | None = None) -> None:
+        """``api_address``: HOST:PORT of this agent's bound TCP API (None: peers cannot reach us).
+        ``plans``: the agent's plan store, so a moved job keeps its LR/batch settings."""
         self.supervisor = supervisor
+        self.plans = plans
         advertise = self.cfg.advertise or (api_address or "")
         if advertise.startswith("0.0.0.0:"):
             log.warning("cluster: API bound to 0.0.0.0; set cluster.advertise so peers can reach this node")
@@ -241,12 +246,32 @@ class ClusterService:
             base = cur[0] if cur is not None else None
             desired = JobRecordDoc(job, local.spec.to_dict(), self.node, peer.node if peer else "", state,
                                    base.epoch if base else 0, base.cause if base else "submitted",
-                                   base.history if base else [self.node])
+                                   base.history if base else [self.node], self._plan_of(job, base))
             if base is not None and base == desired:
                 self._epochs[job] = desired.epoch
                 continue
             if self.jobs.write(desired, cur[1] if cur is not None else 0):
                 self._epochs[job] = desired.epoch
+
+    def _plan_of(self, job: str, base: JobRecordDoc | None) -> dict[str, Any]:
+        if self.plans is None:
+            return dict(base.plan) if base is not None else {}
+        plan = self.plans.get(job)
+        return {"lr_scale": plan.lr_scale, "lr": plan.lr, "batch_sizes": plan.batch_sizes}
+
+    def _carry_plan(self, job: str, rec: JobRecordDoc, dp: int) -> None:
+        """Before the adopted job starts: its LR/batch settings as they were on the lost node."""
+        if self.plans is None or not rec.plan:
+            return
+        fields: dict[str, Any] = {k: rec.plan[k] for k in ("lr_scale", "lr") if k in rec.plan}
+        sizes = rec.plan.get("batch_sizes")
+        if isinstance(sizes, list) and len(sizes) == dp:
+            fields["batch_sizes"] = sizes
+        fields["reason"] = f"taken over from node {rec.history[-1].split('->')[0] if rec.history else '?'}"
+        try:
+            self.plans.update(job, fields)
+        except Exception as exc:  # noqa: BLE001 - a bad carried plan must not block the restart
+            log.warning("job %s: plan not carried over: %s", job, exc)
 
     def _adopt(self, records: dict[str, tuple[JobRecordDoc, int]]) -> None:
         assert self.supervisor is not None
@@ -261,6 +286,9 @@ class ClusterService:
                 continue
             try:
                 spec = JobSpec.from_dict(rec.spec)
+                par = spec.trainer.get("parallel", {}) if isinstance(spec.trainer, dict) else {}
+                dp = int(par.get("dp", spec.nproc)) if isinstance(par, dict) else spec.nproc
+                self._carry_plan(job, rec, dp)
                 if self.on_adopt is not None:
                     self.on_adopt(job, self._clock())
                 self.supervisor.submit(spec)
