@@ -46,9 +46,11 @@ class Harness:
         cfg.metrics.addr = "127.0.0.1:0"
         cfg.collectors.ebpf = ebpf
         cfg.collectors.gpu = False
+        cfg.detection = config  # the daemon installs the straggler service with it
         self.agent = Agent(cfg)
         self.agent.start()
-        self.service: StragglerService = install(self.agent, config)
+        self.service: StragglerService = install(self.agent)
+        assert self.service.config == config and self.agent.tick_hooks.count(self.service) == 1
 
     def submit(self, job: str, nproc: int, trainer: dict[str, Any]) -> None:
         self.agent.supervisor.submit(JobSpec.from_dict({"job": job, "nproc": nproc, "trainer": trainer}))

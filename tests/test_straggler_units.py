@@ -334,3 +334,12 @@ def test_observe_only_reports_without_acting_and_exclusion(sim_agent: Any, tmp_p
         sim3.run(4)
         svc.tick(sim3.t)
     assert asked == [("act2", 3)]
+
+
+def test_install_is_idempotent(sim_agent: Any) -> None:
+    """The daemon installs the service; a second install reconfigures it instead of adding another
+    (two services would judge and migrate the same job twice)."""
+    first = install(sim_agent)
+    again = install(sim_agent, StragglerConfig(window=8))
+    assert again is first and first.config.window == 8
+    assert sim_agent.tick_hooks == [first] and sim_agent.exporter.sources == [first]

@@ -42,7 +42,7 @@ class StragglerConfig:
     """Run straggler detection at all."""
     observe_only: bool = False
     """Detect, score and report (events, API, metrics) but never change a plan or exclude a rank."""
-    window: int = 20
+    window: int = 16
     """Steps per rank the robust statistics (median, MAD) are computed over."""
     warmup_steps: int = 10
     """Steps of a job (from its first step, and after a rank restarts) that are never judged:
@@ -52,7 +52,7 @@ class StragglerConfig:
     this is slow."""
     leave_score: float = 0.85
     """A straggler is healthy again once its score is at or above this (> enter_score: hysteresis)."""
-    enter_windows: int = 3
+    enter_windows: int = 2
     """Consecutive evaluations below ``enter_score`` before a rank is declared a straggler."""
     leave_windows: int = 3
     """Consecutive evaluations at or above ``leave_score`` before a straggler is declared recovered."""
@@ -62,7 +62,7 @@ class StragglerConfig:
     """Besides the score, a rank's median must exceed the fastest median by this many robust standard
     deviations (1.4826 x MAD, pooled over the job's ranks): noise alone never makes a straggler."""
     include_run_delay: bool = True
-    """Score with run delay: add the time a rank's main thread waited for a CPU (run-queue delay, /proc schedstat) to its
+    """Also score with run delay (the lower score counts): add the time a rank's main thread waited for a CPU (run-queue delay, /proc schedstat) to its
     compute time. On CPU the trainer reports thread CPU time, which hides a rank that shares its
     core with another process or is throttled by a CPU quota; on GPU it reports wall time anyway."""
     delay_window_s: float = 10.0

@@ -115,16 +115,22 @@ class StragglerService:
     def detection_config(self) -> dict[str, Any]:
         return self.config.as_dict()
 
-    def update_detection(self, fields: dict[str, Any]) -> dict[str, Any]:
-        """Apply a partial change (validated as a whole; DetectionConfigError names the key)."""
+    def set_config(self, new: StragglerConfig) -> None:
+        """Replace the whole configuration (jobs keep their state; new thresholds apply from the
+        next evaluation)."""
         with self._lock:
-            new = self.config.updated(fields)
             self.config = new
             for st in self._jobs.values():
                 st.detector.config = new
                 st.policy.min_gain = new.min_gain
                 st.policy.gain = new.rebalance_gain
                 st.policy.settle_steps = new.settle_steps
+
+    def update_detection(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Apply a partial change (validated as a whole; DetectionConfigError names the key)."""
+        with self._lock:
+            new = self.config.updated(fields)
+            self.set_config(new)
         self.agent.events.emit("config_changed", f"detection settings changed: {sorted(fields)}",
                                section="detection", changes=dict(fields))
         return new.as_dict()
@@ -155,11 +161,14 @@ class StragglerService:
         if not cfg.enabled:
             return
         snapshot = self.agent.table.snapshot()
+        records = getattr(self.agent.supervisor, "jobs", {})
+        # A job that ended keeps its telemetry in the table for a while; it has nothing left to judge.
+        live = {j: v for j, v in snapshot.jobs.items() if not (j in records and records[j].state.finished)}
         with self._lock:
-            for job in [j for j in self._jobs if j not in snapshot.jobs]:
+            for job in [j for j in self._jobs if j not in live]:
                 self._jobs.pop(job)
                 self.evidence.forget_job(job)
-            for job, views in snapshot.jobs.items():
+            for job, views in live.items():
                 try:
                     self._tick_job(job, views, now)
                 except Exception:  # noqa: BLE001 - one job's odd data must not stop the others
@@ -294,7 +303,9 @@ class StragglerService:
             m = slowest.get(fig.dp_rank)
             if m is None or fig.per_sample_s > m.per_sample_s:
                 slowest[fig.dp_rank] = fig
-        models = {d: self._model(f) for d, f in slowest.items()}
+        rates = sorted(f.delay_s / max(f.per_sample_s * f.samples, 1e-9) for f in slowest.values())
+        common = rates[len(rates) // 2] if rates else 0.0
+        models = {d: self._model(f, common) for d, f in slowest.items()}
         if slow and sorted(models) != list(range(layout.dp)):
             return  # not every replica measured yet
         plan = self.agent.plans.get(job)
@@ -314,14 +325,14 @@ class StragglerService:
         if decision is not None:
             self._publish(job, st, layout, decision, total, figures)
 
-    def _model(self, f: RankFigures) -> ReplicaModel:
-        """The migration model of one replica. Run delay counts only when the score counts it, and
-        then as a slower per-sample rate (a rank that gets half a CPU computes at half speed): as a
-        per-step constant, the load of other processes on the node would swing the split around."""
+    def _model(self, f: RankFigures, common_rate: float) -> ReplicaModel:
+        """The migration model of one replica. Run delay counts only when the score counts it, only
+        beyond the replicas' median delay rate (what every rank suffers moves no work), and then as
+        a slower per-sample rate: a rank that gets half a CPU computes at half speed."""
         marginal = f.marginal_s
         if self.config.include_run_delay and f.delay_s > 0:
-            busy = max(f.per_sample_s * f.samples, 1e-9)
-            marginal *= 1.0 + f.delay_s / busy
+            rate = f.delay_s / max(f.per_sample_s * f.samples, 1e-9)
+            marginal *= 1.0 + max(0.0, rate - common_rate)
         return ReplicaModel(f.dp_rank, marginal, f.fixed_s)
 
     def _publish(self, job: str, st: _JobState, layout: Layout, d: Decision, total: int,
@@ -404,7 +415,17 @@ class StragglerService:
 
 
 def install(agent: Agent, config: StragglerConfig | None = None, **kwargs: Any) -> StragglerService:
-    """Hook the service into a started agent (tick hook, metric source, runtime API)."""
+    """Hook the service into a started agent (tick hook, metric source, runtime API).
+
+    Idempotent: an agent that already runs one (the daemon installs it when ``detection.enabled``)
+    keeps it, with ``config`` applied, so two services never judge and migrate the same job."""
+    existing = getattr(agent, "straggler", None)
+    if isinstance(existing, StragglerService) and not kwargs:
+        if config is not None:
+            existing.set_config(config)
+        return existing
+    if isinstance(existing, StragglerService):
+        uninstall(agent, existing)
     service = StragglerService(agent, config or StragglerConfig(), **kwargs)
     agent.tick_hooks.append(service)
     exporter = getattr(agent, "exporter", None)
@@ -414,3 +435,14 @@ def install(agent: Agent, config: StragglerConfig | None = None, **kwargs: Any) 
     agent.detection_config = service.detection_config  # type: ignore[attr-defined]
     agent.update_detection = service.update_detection  # type: ignore[attr-defined]
     return service
+
+
+def uninstall(agent: Agent, service: StragglerService) -> None:
+    """Take a service out of the agent's loop, metrics and API."""
+    if service in agent.tick_hooks:
+        agent.tick_hooks.remove(service)
+    exporter = getattr(agent, "exporter", None)
+    if exporter is not None and service in exporter.sources:
+        exporter.sources.remove(service)
+    if getattr(agent, "straggler", None) is service:
+        del agent.straggler  # type: ignore[attr-defined]

@@ -205,22 +205,32 @@ def figures_for(inp: RankInput, window: int, from_step: int) -> RankFigures | No
 def group_scores(figs: Iterable[RankFigures], mad_k: float, with_delay: bool = True) -> dict[int, tuple[float, bool]]:
     """rank -> (score, significant) within one peer group.
 
-    Each rank's time at the group's even batch ``b`` is ``per_sample * b + delay``; score = the
-    fastest rank's time / this rank's (1.0 for the fastest). ``significant`` when this rank's time
-    exceeds the fastest by more than ``mad_k`` pooled robust deviations of the per-step times.
+    Each rank's time at the group's even batch ``b`` is ``per_sample * b`` (its own compute) and,
+    ``with_delay``, also ``per_sample * b + delay`` (compute plus waiting for a CPU). A score is the
+    fastest rank's time / this rank's; the rank's score is the lower of the two: a rank whose own
+    compute is slow is slow however long everyone waits for a CPU (on an oversubscribed node that
+    shared wait would dilute the comparison), and a rank that waits longer than the others for a
+    CPU is slow even if its compute is not. ``significant`` when the rank's compute exceeds the
+    fastest by more than ``mad_k`` pooled robust deviations, or its wait-included time does by more
+    than that plus a quarter of the fastest's run delay (run delay is noisier than compute).
     """
     figs = list(figs)
     if not figs:
         return {}
     even = sum(f.samples for f in figs) / len(figs)
-    times = {f.rank: f.per_sample_s * even + (f.delay_s if with_delay else 0.0) for f in figs}
-    fastest = min(times.values())
     pooled = median([f.per_sample_mad_s for f in figs]) * _MAD_TO_SIGMA * even
+    own = {f.rank: f.per_sample_s * even for f in figs}
+    waited = {f.rank: f.per_sample_s * even + f.delay_s for f in figs}
+    fast_own, fast_waited = min(own.values()), min(waited.values())
+    fast_delay = min(f.delay_s for f in figs)
     out: dict[int, tuple[float, bool]] = {}
     for f in figs:
-        t = times[f.rank]
-        score = fastest / t if t > 0 else 1.0
-        out[f.rank] = (min(1.0, max(0.0, score)), t - fastest > mad_k * pooled)
+        s_own = fast_own / own[f.rank] if own[f.rank] > 0 else 1.0
+        sig_own = own[f.rank] - fast_own > mad_k * pooled
+        s_wait = fast_waited / waited[f.rank] if with_delay and waited[f.rank] > 0 else 1.0
+        sig_wait = with_delay and waited[f.rank] - fast_waited > mad_k * pooled + 0.25 * fast_delay
+        score, significant = min(((s_own, sig_own), (s_wait, sig_wait)), key=lambda c: c[0])
+        out[f.rank] = (min(1.0, max(0.0, score)), significant)
     return out
 
 

@@ -152,11 +152,14 @@ class MigrationPolicy:
             return None
         target = balanced_sizes(models, total, quantum)
         current = self.sizes if self.sizes is not None and len(self.sizes) == n else even
-        if self.sizes is None:
-            proposal, action = target, "migrate"
-        else:
-            damped = [c + self.gain * (t - c) for c, t in zip(current, target, strict=True)]
-            proposal, action = round_preserving_sum(damped, total, quantum), "rebalance"
-        if proposal == current or step_time(models, proposal) > (1.0 - self.min_gain) * step_time(models, current):
+        # The dead band is on what the target would gain; the step taken toward it is damped, so a
+        # real imbalance is closed in a few moves and noise (a small gain) moves nothing.
+        if target == current or step_time(models, target) > (1.0 - self.min_gain) * step_time(models, current):
             return None
-        return Decision(proposal, action, target)
+        if self.sizes is None:
+            return Decision(target, "migrate", target)
+        damped = [c + self.gain * (t - c) for c, t in zip(current, target, strict=True)]
+        proposal = round_preserving_sum(damped, total, quantum)
+        if proposal == current:
+            proposal = target  # the damped step rounds to nothing: take the last quantum too
+        return Decision(proposal, "rebalance", target)
