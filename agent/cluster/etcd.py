@@ -93,10 +93,16 @@ class EtcdClient:
         self._clients = [Etcd3Client(h, p, api_path="/v3/", timeout=timeout_s)
                          for h, p in (parse_endpoint(e) for e in endpoints)]
         self.endpoints = list(endpoints)
+        self.timeout_s = timeout_s
         self._current = 0
         self._lock = threading.Lock()
         # requests.Session is not safe for concurrent use: one call at a time per client.
         self._call_lock = threading.Lock()
+
+    def clone(self) -> EtcdClient:
+        """A client with its own HTTP session: lease refreshes use one, so they never queue behind
+        a slow read or write of another thread (calls on one client are serialised)."""
+        return EtcdClient(self.endpoints, timeout_s=self.timeout_s)
 
     # -- transport -------------------------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:

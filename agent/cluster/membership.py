@@ -108,6 +108,7 @@ class Membership:
         self._lock = threading.RLock()
         self._view = ClusterView()
         self._keeper: LeaseKeeper | None = None
+        self._keeper_client = client.clone() if client is not None else None
         self._lease_lost = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -197,11 +198,11 @@ class Membership:
 
     def _register(self) -> None:
         """Grant a lease, publish our node key under it, start keeping it alive."""
-        assert self.client is not None
+        assert self.client is not None and self._keeper_client is not None
         lease = self.client.grant(self.ttl)
         self.client.put(self.nodes_prefix + self.me.node, self.me.to_json(), lease)
         self._lease_lost.clear()
-        self._keeper = LeaseKeeper(self.client, lease, self.ttl, on_expired=self._on_lease_expired).start()
+        self._keeper = LeaseKeeper(self._keeper_client, lease, self.ttl, on_expired=self._on_lease_expired).start()
 
     def _on_lease_expired(self, lease: int) -> None:
         self._lease_lost.set()
