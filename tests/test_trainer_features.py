@@ -71,13 +71,6 @@ def test_local_grad_norm_is_taken_before_reduction(cache_dir: str, tmp_path) -> 
                 assert math.isclose(m.local_grad_sq, m.grad_norm ** 2, rel_tol=1e-4), (rank, m.step)
             else:
                 assert m.local_grad_sq == 0.0
-    # An even split: each dp rank's local gradient is noisier than the average of both.
-    cfg = tiny_config(cache_dir, parallel={"dp": 2, "tp": 2}, steps=2)
-    even = run_job(cfg, 4, tmp_path / "even")
-    for msgs in even.telemetry.values():
-        assert all(m.local_grad_sq > 0 for m in msgs)
-    firsts = [msgs[0] for msgs in even.telemetry.values()]
-    assert sum(m.local_grad_sq for m in firsts) / len(firsts) > firsts[0].grad_norm ** 2
 
 
 def test_checkpoint_resume_is_exact_and_reshards(cache_dir: str, tmp_path) -> None:
@@ -184,28 +177,26 @@ def test_int8_compression_reports_ratio(cache_dir: str, tmp_path) -> None:
     assert abs(result.losses[-1] - ref.losses[-1]) < 0.05
 
 
-def test_fault_hooks_nan_and_kill(cache_dir: str, tmp_path) -> None:
-    cfg = tiny_config(cache_dir, parallel={"dp": 2}, steps=3, faults=["nan:step=1"])
+def test_fault_hooks_nan_slow_and_kill(cache_dir: str, tmp_path) -> None:
+    """NaN at step 1 (reported, update skipped, training goes on); rank 1 slowed 4x from step 2:
+    the extra time shows as compute on rank 1 and as waiting on rank 0; a kill ends the job."""
+    cfg = tiny_config(cache_dir, parallel={"dp": 2, "dp_mode": "ddp"}, steps=5,
+                      faults=["nan:step=1", "slow:rank=1,factor=4,step=2"],
+                      model={"layers": 2, "d_model": 64, "heads": 4, "context": 64})
     result = run_job(cfg, 2, tmp_path / "nan", env={"TRAINGUARD_FAULTS": ""})
     assert result.rc == 0
-    assert math.isnan(result.losses[1]) and math.isfinite(result.losses[2])
+    assert math.isnan(result.losses[1]) and all(math.isfinite(v) for v in result.losses[2:])
+    # Telemetry step k reports the step that ran with k-1 steps done, so steps 3.. were slowed.
+    fast, slow = ([m for m in result.telemetry[r] if m.step >= 3] for r in (0, 1))
+    fast_compute = sum(m.fwd_bwd_s for m in fast)
+    slow_compute = sum(m.fwd_bwd_s for m in slow)
+    assert slow_compute > 2.0 * fast_compute, (slow_compute, fast_compute)
+    assert sum(m.comm_s for m in fast) > 0.5 * (slow_compute - fast_compute)
+
     cfg = tiny_config(cache_dir, parallel={"dp": 2}, steps=5, faults=["kill:rank=1,step=2"])
     killed = run_job(cfg, 2, tmp_path / "kill", env={"TRAINGUARD_FAULTS": ""})
     assert killed.rc != 0
     assert max(m.step for m in killed.telemetry[1]) == 2
-
-
-def test_slow_fault_shows_as_compute_on_the_slow_rank_and_wait_on_the_other(cache_dir: str, tmp_path) -> None:
-    cfg = tiny_config(cache_dir, parallel={"dp": 2, "dp_mode": "ddp"}, steps=4, faults=["slow:rank=1,factor=4"],
-                      model={"layers": 2, "d_model": 64, "heads": 4, "context": 64})
-    result = run_job(cfg, 2, tmp_path, env={"TRAINGUARD_FAULTS": ""})
-    assert result.rc == 0
-    fast, slow = (result.telemetry[r][1:] for r in (0, 1))
-    fast_compute = sum(m.fwd_bwd_s for m in fast)
-    slow_compute = sum(m.fwd_bwd_s for m in slow)
-    assert slow_compute > 2.0 * fast_compute, (slow_compute, fast_compute)
-    # The healthy rank spends the difference waiting in the step's collectives.
-    assert sum(m.comm_s for m in fast) > 0.5 * (slow_compute - fast_compute)
 
 
 def test_worker_entry_point_runs_one_rank_from_the_environment(cache_dir: str, tmp_path) -> None:
