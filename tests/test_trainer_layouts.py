@@ -90,6 +90,8 @@ def test_layout_matches_single_process(name: str, cache_dir: str, tmp_path) -> N
         assert all(m.world_size == nproc and m.tokens == m.samples * cfg.model.context for m in msgs)
         assert all(m.mem_bytes > 0 and m.comm_s >= 0 and m.fwd_bwd_s > 0 and m.flops_per_s for m in msgs)
         assert all(m.local_grad_sq > 0 and m.plan_version == 0 for m in msgs)
+        if cfg.parallel.dp == 1:  # the local gradient is the global one (pp stages and tp shards summed)
+            assert all(math.isclose(m.local_grad_sq, m.grad_norm ** 2, rel_tol=1e-6) for m in msgs)
         if cfg.parallel.pp > 1:
             assert all(m.bubble_frac is not None and 0 < m.bubble_frac < 1 for m in msgs)
 
