@@ -95,6 +95,16 @@ def _summary(client: Any, job: str, started: float, out: Any) -> dict[str, Any]:
         print(f"  rank {r['rank']}: {tps if tps is None else round(tps):>7} tokens/s  batch {share}  "
               f"median compute {1000 * (tel.get('median_compute_s') or 0):.0f} ms/step  "
               f"straggler score {tel.get('straggler_score', 'n/a')}", file=out)
+    runq = status.get("kernel", {}).get("runqueue", {})
+    if runq:
+        from agent.collectors.ebpf.hist import log2_quantile
+
+        print("  kernel (eBPF) run-queue latency, cumulative:", file=out)
+        for name, h in sorted(runq.items()):
+            if name == "node" or name.startswith(f"{job} rank"):
+                n = sum(h["slots"])
+                print(f"    {name:<14} p50 {1e6 * log2_quantile(h['slots'], 0.5):8.0f} us  p99 "
+                      f"{1e6 * log2_quantile(h['slots'], 0.99):8.0f} us  ({n} waits)", file=out)
     resumed = [e for e in events if e["kind"] == "job_resumed"]
     for e in resumed:
         print(f"  recovered in {e['fields'].get('recovery_s', float('nan')):.2f}s from {e['fields'].get('restored_from')}", file=out)
