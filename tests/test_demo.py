@@ -19,4 +19,5 @@ def test_demo_heals_the_kill() -> None:
     assert "=== summary ===" in text and "demo passed" in text
     assert "restore_selected" in text and "job_resumed" in text
     assert "checkpoints in memory" in text
-    assert "run-queue latency" in text and "demo rank 0" in text  # per-rank kernel metrics (eBPF)
+    if "collector ebpf  up" in text:  # per-rank kernel metrics when eBPF runs (root, headers)
+        assert "run-queue latency" in text and "demo rank 0" in text
