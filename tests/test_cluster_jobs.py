@@ -74,10 +74,15 @@ def make(etcd: LocalEtcd, tmp: Path, cluster: str, name: str, events: list[tuple
 
 def crash(svc: ClusterService) -> None:
     svc._stop.set()
+    assert svc.membership is not None
+    svc.membership._bump()
     if svc._thread is not None:
         svc._thread.join(5)
     assert svc.membership is not None
     svc.membership._stop.set()
+    svc.membership._bump()
+    if svc.membership._watch is not None:
+        svc.membership._watch.stop()
     if svc.membership._thread is not None:
         svc.membership._thread.join(5)
     if svc.membership._keeper is not None:

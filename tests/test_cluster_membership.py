@@ -46,15 +46,22 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
 def crash(m: Membership) -> None:
     """What a SIGKILL leaves: no more refreshes, no resignation, the lease runs out on the server."""
     m._stop.set()
+    m._bump()
+    if m._watch is not None:
+        m._watch.stop()
     if m._thread is not None:
         m._thread.join(5)
     if m._keeper is not None:
         m._keeper.stop(revoke=False)
 
 
-def make(endpoints: list[str], cluster: str, name: str, rec: Recorder, ttl: int = TTL) -> Membership:
+def make(endpoints: list[str], cluster: str, name: str, rec: Recorder, ttl: int = TTL, watch: bool = False) -> Membership:
+    # Watching: polling slowed to 5 s, so only the watch stream can make the timings below.
     return Membership(EtcdClient(endpoints, timeout_s=0.5), cluster, NodeInfo(name, f"127.0.0.1:{hash(name) % 1000 + 1000}", 2),
-                      ttl=ttl, poll_s=0.1, emit=rec)
+                      ttl=ttl, poll_s=5.0 if watch else 0.1, emit=rec, watch=watch, resync_s=30.0)
+
+
+modes = pytest.mark.parametrize("watch", [False, True], ids=["poll", "watch"])
 
 
 def test_prefix_end() -> None:
@@ -73,9 +80,10 @@ def test_solo_agent_is_its_own_leader_without_etcd() -> None:
     m.stop()
 
 
-def test_three_agents_elect_one_leader_and_see_each_other(etcd1: LocalEtcd) -> None:
+@modes
+def test_three_agents_elect_one_leader_and_see_each_other(etcd1: LocalEtcd, watch: bool) -> None:
     recs = {n: Recorder() for n in ("a", "b", "c")}
-    ms = {n: make(etcd1.endpoints, "elect", n, recs[n]) for n in recs}
+    ms = {n: make(etcd1.endpoints, f"elect-{watch}", n, recs[n], watch=watch) for n in recs}
     changes: list[ClusterView] = []
     ms["a"].on_change(changes.append)
     try:
@@ -106,10 +114,11 @@ def test_three_agents_elect_one_leader_and_see_each_other(etcd1: LocalEtcd) -> N
             m.stop(leave=True)
 
 
-def test_leader_crash_new_leader_within_ttl_three_member_etcd(tmp_path: Path) -> None:
+@modes
+def test_leader_crash_new_leader_within_ttl_three_member_etcd(tmp_path: Path, watch: bool) -> None:
     with LocalEtcd(tmp_path / "etcd3", size=3) as etcd:
         recs = {n: Recorder() for n in ("a", "b", "c")}
-        ms = {n: make(etcd.endpoints, "crash", n, recs[n]) for n in recs}
+        ms = {n: make(etcd.endpoints, "crash", n, recs[n], watch=watch) for n in recs}
         try:
             for m in ms.values():
                 m.start()
@@ -139,10 +148,11 @@ def test_leader_crash_new_leader_within_ttl_three_member_etcd(tmp_path: Path) ->
                 crash(m)
 
 
-def test_etcd_stall_shorter_than_ttl_declares_no_loss(etcd1: LocalEtcd) -> None:
+@modes
+def test_etcd_stall_shorter_than_ttl_declares_no_loss(etcd1: LocalEtcd, watch: bool) -> None:
     ttl = 4
     recs = {n: Recorder() for n in ("a", "b")}
-    ms = {n: make(etcd1.endpoints, "stall", n, recs[n], ttl=ttl) for n in recs}
+    ms = {n: make(etcd1.endpoints, f"stall-{watch}", n, recs[n], ttl=ttl, watch=watch) for n in recs}
     try:
         for m in ms.values():
             m.start()
@@ -151,10 +161,12 @@ def test_etcd_stall_shorter_than_ttl_declares_no_loss(etcd1: LocalEtcd) -> None:
         member = etcd1.members[0]
         member.pause()
         try:
-            time.sleep(2.0)
+            t0 = time.monotonic()
+            # noticed through a failed read or lease refresh within the stall
+            wait_for(lambda: not ms["a"].etcd_reachable, 2.0, "the stall noticed")
+            time.sleep(max(0.0, 2.0 - (time.monotonic() - t0)))
             # While etcd is frozen nobody can read: the view stays, nobody is dropped.
             assert all(len(m.members()) == 2 for m in ms.values())
-            assert not ms["a"].etcd_reachable
         finally:
             member.resume()
         wait_for(lambda: all(m.etcd_reachable for m in ms.values()), 5, "etcd back")

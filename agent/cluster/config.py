@@ -20,7 +20,13 @@ class ClusterConfig:
     lease_ttl_s: int = 10
     """A node is declared lost this long after its last lease refresh reached etcd."""
     poll_s: float = 0.5
-    """How often membership and the leader key are read from etcd."""
+    """How often membership, leader and job keys are read from etcd while no watch stream is up
+    (and how often this agent's own job states are checked for changes to publish)."""
+    watch: bool = True
+    """Read etcd when a watch stream reports a change (plus every ``resync_s``) instead of polling:
+    etcd load stays flat as the cluster grows."""
+    resync_s: float = 10.0
+    """Full re-read interval while watching (a missed event costs at most this much latency)."""
     etcd_timeout_s: float = 1.0
     """Per-request timeout; a failed refresh is retried until the TTL, never counted as loss."""
     advertise: str = ""
@@ -56,7 +62,7 @@ class ClusterConfig:
                 raise ValueError(f"cluster.etcd_endpoints[{i}]: {exc}") from None
         if isinstance(self.lease_ttl_s, bool) or not isinstance(self.lease_ttl_s, int) or self.lease_ttl_s < 2:
             raise ValueError(f"cluster.lease_ttl_s: must be an integer >= 2 (etcd's minimum), got {self.lease_ttl_s!r}")
-        for key in ("poll_s", "etcd_timeout_s", "peer_timeout_s", "held_retention_s"):
+        for key in ("poll_s", "etcd_timeout_s", "peer_timeout_s", "held_retention_s", "resync_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"cluster.{key}: must be > 0, got {value!r}")

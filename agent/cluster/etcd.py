@@ -18,6 +18,7 @@ Liveness rules, because a node must never be declared lost while it is alive:
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import threading
 import time
@@ -239,6 +240,75 @@ def _kv(item: dict[str, Any]) -> KeyValue:
     )
 
 
+class PrefixWatch:
+    """Calls ``on_change()`` whenever a key under ``prefix`` changes, from an etcd watch stream.
+
+    Only a wake-up signal: the caller re-reads what it needs (level-triggered), so a missed event
+    costs latency, never correctness. ``on_change`` is also called after every (re)connect, since
+    events may have been missed while disconnected. The stream is re-opened after ``idle_s``
+    without data, which also bounds how long ``stop`` waits. ``connected`` says whether a stream
+    is open now; callers poll on their own while it is not.
+    """
+
+    def __init__(self, client: EtcdClient, prefix: str, on_change: Callable[[], None], *,
+                 idle_s: float = 5.0, retry_s: float = 0.5) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.on_change = on_change
+        self.idle_s = idle_s
+        self.retry_s = retry_s
+        self.connected = False
+        self.events = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="etcd-watch", daemon=True)
+
+    def start(self) -> PrefixWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(0.2)  # a blocked read ends within idle_s; the thread is a daemon
+
+    def _run(self) -> None:
+        import requests
+
+        body = {"create_request": {"key": _b64(self.prefix), "range_end": prefix_end(self.prefix)}}
+        n = 0
+        while not self._stop.is_set():
+            endpoint = self.client.endpoints[n % len(self.client.endpoints)]
+            host, port = parse_endpoint(endpoint)
+            url = f"http://{host}:{port}/v3/watch"
+            try:
+                with requests.Session() as session, session.post(
+                        url, json=body, stream=True, timeout=(self.client.timeout_s, self.idle_s)) as resp:
+                    if resp.status_code != 200:
+                        raise ConnectionError(f"watch: HTTP {resp.status_code}")
+                    for line in resp.iter_lines():
+                        if self._stop.is_set():
+                            return
+                        if not line.strip():
+                            continue
+                        result = json.loads(line).get("result", {})
+                        if result.get("created"):
+                            self.connected = True
+                            self.on_change()  # catch up on whatever happened while disconnected
+                        elif result.get("events"):
+                            self.events += len(result["events"])
+                            self.on_change()
+                        if result.get("canceled"):
+                            break
+            except (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+                    requests.exceptions.ChunkedEncodingError, ConnectionError, ValueError) as exc:
+                log.debug("watch on %s ended: %s", endpoint, exc)
+                if self.connected is False:
+                    n += 1  # try the next endpoint
+            finally:
+                self.connected = False
+            self._stop.wait(self.retry_s)
+
+
 class LeaseKeeper:
     """Holds one lease alive from a background thread.
 
@@ -250,8 +320,11 @@ class LeaseKeeper:
 
     def __init__(self, client: EtcdClient, lease: int, ttl: int, *,
                  on_expired: Callable[[int], None] = lambda lease: None, retry_s: float = 0.2,
+                 on_refresh: Callable[[bool], None] = lambda ok: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """``on_refresh(ok)`` after every refresh attempt (False: etcd did not answer)."""
         self.client = client
+        self.on_refresh = on_refresh
         self.lease = lease
         self.ttl = ttl
         self.on_expired = on_expired
@@ -279,6 +352,7 @@ class LeaseKeeper:
             except (EtcdUnavailable, etcd_exc.Etcd3Exception) as exc:
                 self.failures += 1
                 log.debug("lease %x refresh failed (will retry): %s", self.lease, exc)
+                self.on_refresh(False)
                 wait = self.retry_s
                 continue
             if left <= 0:
@@ -287,6 +361,7 @@ class LeaseKeeper:
                 self.on_expired(self.lease)
                 return
             self.last_ok = self._clock()
+            self.on_refresh(True)
             wait = period
 
     def stop(self, revoke: bool = False) -> None:

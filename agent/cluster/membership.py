@@ -30,7 +30,7 @@ from typing import Any
 
 from etcd3gw import exceptions as etcd_exc
 
-from agent.cluster.etcd import EtcdClient, EtcdUnavailable, LeaseExpired, LeaseKeeper
+from agent.cluster.etcd import EtcdClient, EtcdUnavailable, LeaseExpired, LeaseKeeper, PrefixWatch
 
 log = logging.getLogger("trainguard.cluster")
 
@@ -93,8 +93,17 @@ class Membership:
         poll_s: float = 0.5,
         emit: EmitFn = _noop_emit,
         clock: Callable[[], float] = time.monotonic,
+        watch: bool = False,
+        resync_s: float = 10.0,
     ) -> None:
+        """``watch``: read etcd when a watch stream says something changed (and every
+        ``resync_s``) instead of every ``poll_s``; ``poll_s`` still applies while the stream is down."""
         self.client = client
+        self.use_watch = watch
+        self.resync_s = resync_s
+        self._watch: PrefixWatch | None = None
+        self._cond = threading.Condition()
+        self._gen = 0
         self.cluster = cluster
         self.me = me
         self.ttl = ttl
@@ -147,6 +156,22 @@ class Membership:
         return self.view.leader == self.me.node and keeper is not None and keeper.healthy
 
     @property
+    def watching(self) -> bool:
+        return self._watch is not None and self._watch.connected
+
+    def _bump(self) -> None:
+        with self._cond:
+            self._gen += 1
+            self._cond.notify_all()
+
+    def wait_change(self, seen: int, timeout: float) -> int:
+        """Block until etcd reported a change under the cluster prefix since generation ``seen``
+        (or a stop, or ``timeout``); returns the current generation."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._gen != seen or self._stop.is_set(), timeout)
+            return self._gen
+
+    @property
     def etcd_reachable(self) -> bool:
         return self.solo or self._etcd_ok
 
@@ -174,12 +199,17 @@ class Membership:
             self._lease_lost.set()
         else:
             self._poll_once()
+        if self.use_watch:
+            self._watch = PrefixWatch(self.client.clone(), self.prefix, self._bump, idle_s=self.resync_s).start()
         self._thread = threading.Thread(target=self._run, name="cluster-membership", daemon=True)
         self._thread.start()
 
     def stop(self, leave: bool = True) -> None:
         """Stop polling; ``leave``: resign leadership and remove our keys now (clean shutdown)."""
         self._stop.set()
+        self._bump()
+        if self._watch is not None:
+            self._watch.stop()
         if self._thread is not None:
             self._thread.join(5.0)
         keeper, self._keeper = self._keeper, None
@@ -202,13 +232,28 @@ class Membership:
         lease = self.client.grant(self.ttl)
         self.client.put(self.nodes_prefix + self.me.node, self.me.to_json(), lease)
         self._lease_lost.clear()
-        self._keeper = LeaseKeeper(self._keeper_client, lease, self.ttl, on_expired=self._on_lease_expired).start()
+        self._keeper = LeaseKeeper(self._keeper_client, lease, self.ttl, on_expired=self._on_lease_expired,
+                                   on_refresh=self._on_refresh).start()
 
     def _on_lease_expired(self, lease: int) -> None:
         self._lease_lost.set()
+        self._bump()
+
+    def _on_refresh(self, ok: bool) -> None:
+        # A failed refresh is the earliest sign of an etcd stall (reads may be rare when watching).
+        if not ok and self._etcd_ok:
+            self._etcd_ok = False
+            self.emit("etcd_unreachable", "etcd unreachable (lease refresh failed; retrying within the TTL), "
+                      "membership view frozen", {"severity": "warning"})
+        elif ok and not self._etcd_ok:
+            self._bump()  # read again now; the read flips the state back and says so
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        seen = self._gen
+        while not self._stop.is_set():
+            seen = self.wait_change(seen, self.resync_s if self.watching else self.poll_s)
+            if self._stop.is_set():
+                return
             try:
                 if self._lease_lost.is_set():
                     self._reregister()

@@ -112,7 +112,8 @@ class ClusterService:
         me = NodeInfo(self.node, advertise, self.cfg.slots, self._clock())
         self.store.cleanup_tmp()
         self.membership = Membership(self.client, self.cfg.name, me, ttl=self.cfg.lease_ttl_s,
-                                     poll_s=self.cfg.poll_s, emit=self.emit)
+                                     poll_s=self.cfg.poll_s, emit=self.emit, watch=self.cfg.watch,
+                                     resync_s=self.cfg.resync_s)
         self.membership.start()
         if self.client is not None and supervisor is not None:
             self._thread = threading.Thread(target=self._job_loop, name="cluster-jobs", daemon=True)
@@ -123,6 +124,8 @@ class ClusterService:
         stopping an agent is an operator's act, not a failure, so the leader must not move them
         (with ``on_stop = "leave_ranks"`` they even keep running here)."""
         self._stop.set()
+        if self.membership is not None:
+            self.membership._bump()  # wake the job loop now
         if self._thread is not None:
             self._thread.join(5.0)
         if leave:
@@ -177,8 +180,28 @@ class ClusterService:
             yield c
 
     # -- jobs ------------------------------------------------------------------------------------
+    def _local_fingerprint(self) -> tuple[Any, ...]:
+        """What of this agent's own state goes into etcd: job states and plan versions."""
+        assert self.supervisor is not None
+        jobs = sorted((j, r.state.value) for j, r in list(self.supervisor.jobs.items()))
+        plans = tuple(self.plans.get(j).version for j, _ in jobs) if self.plans is not None else ()
+        return (tuple(jobs), plans)
+
     def _job_loop(self) -> None:
-        while not self._stop.wait(self.cfg.poll_s):
+        """Sync when etcd changed (watch), when this agent's jobs or plans changed, and every
+        ``resync_s``; every ``poll_s`` while no watch stream is up."""
+        assert self.membership is not None
+        m = self.membership
+        seen, last_fp, last_sync = -1, None, 0.0
+        while not self._stop.is_set():
+            gen = m.wait_change(seen, self.cfg.poll_s)
+            if self._stop.is_set():
+                return
+            fp = self._local_fingerprint()
+            now = time.monotonic()
+            if gen == seen and fp == last_fp and m.watching and now - last_sync < self.cfg.resync_s:
+                continue
+            seen, last_fp, last_sync = gen, fp, now
             try:
                 self.sync_jobs()
             except _ETCD_ERRORS as exc:
