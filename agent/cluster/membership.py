@@ -8,8 +8,9 @@ Keys (``<cluster>`` is the configured cluster name)::
 
 Each agent grants one lease, keeps it alive (``LeaseKeeper``) and binds both keys to it, so a node
 that dies takes its registration and, if it led, its leadership with it when the *server* expires
-the lease. A background thread reads the prefix every ``poll_s`` and diffs it against the last
-successful read: a node key that appeared is ``node_joined``, one that disappeared is ``node_lost``
+the lease. A background thread reads the prefix whenever an etcd watch stream reports a change under it
+(and every ``resync_s``; every ``poll_s`` when not watching or while the stream is down) and diffs
+it against the last successful read: a node key that appeared is ``node_joined``, one that disappeared is ``node_lost``
 (only the server deletes it, after the lease really expired, or the node revoked it on a clean
 stop: ``node_left``). When the leader key is absent every agent campaigns; the txn lets one win.
 A read that fails (etcd stalled or down) changes nothing: no false losses, and the view stays as
