@@ -12,7 +12,8 @@ the LR follow it.
   not grow with the batch (collectives, optimizer), beta = the rest of the measured step time per
   sample of the global batch.
 * goodput(B) = throughput(B) * E(B). Candidates are the base batch times powers of two inside the
-  bounds; the batch changes only when goodput(best) > (1 + gain_threshold) * goodput(current).
+  bounds. The batch moves one candidate per window toward the best one, and only when that move's
+  goodput > (1 + gain_threshold) * goodput(current).
 * LR follows the batch by the AdaScale gain ratio, from the same noise scale:
   lr_scale(B) = lr_ref * (1 + B_noise / B0) / (1 + B_noise / B), where lr_ref is the LR scale at
   the base batch (1.0, or what a rollback cut it to). It is AdaScale's r = (S/B0 + |G|^2) /
@@ -109,16 +110,22 @@ class GoodputStrategy:
         table.setdefault(current.batch, goodput(current.batch, base, noise, 1, alpha, beta))
         self.last_table = table
         best = max(table, key=lambda b: table[b])
-        gain = table[best] / table[current.batch] - 1.0 if table[current.batch] > 0 else 0.0
+        # One candidate step per window toward the best: the noise scale is a noisy, drifting
+        # estimate, and a jump across the whole range on one window's reading overshoots.
+        ordered = sorted(table)
+        here = min(range(len(ordered)), key=lambda i: abs(ordered[i] - current.batch))
+        step_to = ordered[min(here + 1, len(ordered) - 1)] if best > current.batch else ordered[max(here - 1, 0)]
+        move = current.batch if best == current.batch else step_to
+        gain = table[move] / table[current.batch] - 1.0 if table[current.batch] > 0 else 0.0
         inputs = {"noise_scale": noise, "step_time_alpha_s": alpha, "step_time_beta_s": beta, "time_model": how,
-                  "goodput": {str(b): round(g, 3) for b, g in sorted(table.items())}, "gain": gain}
-        if best == current.batch or gain <= self.threshold:
-            return Proposal(current, f"goodput: keep batch {current.batch} (B_noise {noise:.1f}; best {best} "
-                                     f"would gain {gain:+.1%} <= {self.threshold:.0%})", inputs)
-        lr = self.lr_ref * gain_ratio(best, base, noise)
-        target = self.space.clamp(Setting(lr, best))
-        return Proposal(target, f"goodput: batch {current.batch} -> {target.batch} (B_noise {noise:.1f}, predicted "
-                                f"goodput {gain:+.1%}); LR by AdaScale gain x{target.lr_scale:.3g}", inputs)
+                  "goodput": {str(b): round(g, 3) for b, g in sorted(table.items())}, "best": best, "gain": gain}
+        if move == current.batch or gain <= self.threshold:
+            return Proposal(current, f"goodput: keep batch {current.batch} (B_noise {noise:.1f}; a step toward "
+                                     f"best {best} would gain {gain:+.1%}, threshold {self.threshold:.0%})", inputs)
+        lr = self.lr_ref * gain_ratio(move, base, noise)
+        target = self.space.clamp(Setting(lr, move))
+        return Proposal(target, f"goodput: batch {current.batch} -> {target.batch} toward {best} (B_noise {noise:.1f}, "
+                                f"predicted goodput {gain:+.1%}); LR by AdaScale gain x{target.lr_scale:.3g}", inputs)
 
     def close(self) -> None:
         return None
