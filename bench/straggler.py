@@ -74,18 +74,58 @@ def trainer_spec(steps: int, faults: list[str], cache: str) -> dict[str, Any]:
     }
 
 
+class Throttle:
+    """The other way to make a rank 2x slower: a CPU quota of half a core on its process (a child
+    cgroup of the benchmark's), applied from a given step. Unlike the trainer's ``slow`` fault, which
+    burns its extra time after the gradient all-reduce, a throttled rank is slow in its compute."""
+
+    def __init__(self, group: WeightedCgroup, fraction: float = 0.5) -> None:
+        self.group = group
+        self.fraction = fraction
+        self.path: Path | None = None
+
+    def apply(self, pid: int) -> None:
+        self.path = self.group.path / f"slow-{pid}"
+        self.path.mkdir()
+        period = 100_000
+        if self.group.version == "v2":
+            (self.path / "cpu.max").write_text(f"{int(self.fraction * period)} {period}\n")
+        else:
+            (self.path / "cpu.cfs_period_us").write_text(f"{period}\n")
+            (self.path / "cpu.cfs_quota_us").write_text(f"{int(self.fraction * period)}\n")
+        (self.path / "cgroup.procs").write_text(f"{pid}\n")
+
+    def remove(self) -> None:
+        if self.path is not None:
+            for _ in range(50):
+                try:
+                    self.path.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            self.path = None
+
+
 def run_job(agent: Agent, name: str, steps: int, faults: list[str], measure_from: int, cache: str,
-            timeout_s: float) -> RunResult:
+            timeout_s: float, throttle: Throttle | None = None, slow_from: int = 0) -> RunResult:
     t0 = time.monotonic()
+    throttled = False
     agent.supervisor.submit(JobSpec.from_dict({"job": name, "nproc": DP, "trainer": trainer_spec(steps, faults, cache)}))
     interval = agent.cfg.agent.interval_s
     while time.monotonic() - t0 < timeout_s:
         agent.tick(time.time())
         rec = agent.supervisor.jobs[name]
+        if throttle is not None and not throttled:
+            view = agent.table.snapshot().jobs.get(name, {}).get(SLOW_RANK)
+            if view is not None and view.step >= slow_from:
+                throttle.apply(view.pid)
+                throttled = True
         if rec.state.finished:
             break
         time.sleep(interval)
     agent.tick(time.time())
+    if throttle is not None:
+        throttle.remove()
     rec = agent.supervisor.jobs[name]
     if not rec.state.finished:
         agent.supervisor.stop(name, "benchmark timeout", hard=True)
@@ -118,8 +158,10 @@ class WeightedCgroup:
         v2 = Path("/sys/fs/cgroup")
         if (v2 / "cgroup.controllers").exists() and "cpu" in (v2 / "cgroup.controllers").read_text().split():
             self.parent, knob, value = v2, "cpu.weight", str(min(10000, 100 * times))
+            self.version = "v2"
         elif Path("/sys/fs/cgroup/cpu/cpu.shares").exists():
             self.parent, knob, value = Path("/sys/fs/cgroup/cpu"), "cpu.shares", str(1024 * times)
+            self.version = "v1"
         else:
             raise OSError("no CPU cgroup controller")
         self.path = self.parent / f"tg-bench-straggler-{os.getpid()}"
@@ -147,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON object")
     ap.add_argument("--dp", type=int, default=4,
                     help="ranks (data-parallel degree); 4 is the benchmark, 2 fits this machine's 2 cores")
+    ap.add_argument("--slow-by", choices=("fault", "quota"), default="fault",
+                    help="how rank 1 is made 2x slower: the trainer's slow fault, or a CPU quota of half a core")
     ap.add_argument("--no-cgroup", action="store_true", help="do not isolate the runs in a weighted CPU cgroup")
     args = ap.parse_args(argv)
     global DP
@@ -163,20 +207,26 @@ def main(argv: list[str] | None = None) -> int:
     fault = f"slow:rank={SLOW_RANK},factor={FACTOR:g},step={slow_from}"
 
     group: WeightedCgroup | None = None
-    if not args.no_cgroup:
+    if not args.no_cgroup or args.slow_by == "quota":
         try:
             group = WeightedCgroup()
         except OSError as exc:
             print(f"note: running without a weighted CPU cgroup ({exc})", file=sys.stderr)
     try:
-        results, defaults = run_all(steps, fault, measure_from, cache, 90.0 if args.quick else 300.0)
+        if args.slow_by == "quota" and group is None:
+            ap.error("--slow-by quota needs a CPU cgroup controller")
+        throttle = Throttle(group) if args.slow_by == "quota" and group is not None else None
+        results, defaults = run_all(steps, [] if throttle else [fault], measure_from, cache,
+                                    90.0 if args.quick else 300.0, throttle, slow_from)
     finally:
         if group is not None:
             group.close()
-    return report(results, defaults, steps, slow_from, measure_from, group is not None, args.json)
+    how = "a CPU quota of half a core" if args.slow_by == "quota" else f"the trainer's fault {fault}"
+    return report(results, defaults, steps, slow_from, measure_from, group is not None, args.json, how)
 
 
-def run_all(steps: int, fault: str, measure_from: int, cache: str, timeout: float) -> tuple[list[RunResult], dict[str, Any]]:
+def run_all(steps: int, faults: list[str], measure_from: int, cache: str, timeout: float, throttle: Throttle | None,
+            slow_from: int) -> tuple[list[RunResult], dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="tg-bench-straggler-") as tmp:
         cfg = apply_state_dir(AgentConfig(), tmp)
         cfg.metrics.addr = ""
@@ -191,26 +241,31 @@ def run_all(steps: int, fault: str, measure_from: int, cache: str, timeout: floa
         try:
             service.update_detection({"observe_only": True})
             results.append(run_job(agent, "healthy", steps, [], measure_from, cache, timeout))
-            results.append(run_job(agent, "slow", steps, [fault], measure_from, cache, timeout))
+            results.append(run_job(agent, "slow", steps, faults, measure_from, cache, timeout, throttle, slow_from))
             service.update_detection({"observe_only": False})
-            results.append(run_job(agent, "migrated", steps, [fault], measure_from, cache, timeout))
+            results.append(run_job(agent, "migrated", steps, faults, measure_from, cache, timeout, throttle, slow_from))
         finally:
             agent.shutdown()
     return results, defaults
 
 
 def report(results: list[RunResult], defaults: dict[str, Any], steps: int, slow_from: int, measure_from: int,
-           isolated: bool, as_json: bool) -> int:
+           isolated: bool, as_json: bool, how: str) -> int:
     healthy, slow, mig = results
     ideal = healthy.samples_per_s * (DP - 1 + 1 / FACTOR) / DP
     removed = (mig.samples_per_s - slow.samples_per_s) / (ideal - slow.samples_per_s) \
         if ideal > slow.samples_per_s else float("nan")
+    # The same with the slow rank's factor measured (slow/healthy throughput) instead of nominal:
+    # a quota or a fault is never exactly 2x in effect.
+    measured_ideal = healthy.samples_per_s * (DP - 1 + slow.samples_per_s / healthy.samples_per_s) / DP
+    lost_recovered = (mig.samples_per_s - slow.samples_per_s) / (healthy.samples_per_s - slow.samples_per_s) \
+        if healthy.samples_per_s > slow.samples_per_s else float("nan")
     false_positives = len(healthy.detected_ranks) + len([r for r in slow.detected_ranks + mig.detected_ranks
                                                           if r != SLOW_RANK])
     detect_steps = [r.detect_step - slow_from for r in (slow, mig) if r.detect_step is not None]
 
     print(f"straggler benchmark: {DP}-rank dp job (gloo, CPU, {os.cpu_count()} cores), global batch {GLOBAL_BATCH} x {CONTEXT} tokens, rank {SLOW_RANK} {FACTOR:g}x slower "
-          f"from step {slow_from}; throughput over steps {measure_from}..{steps}; "
+          f"from step {slow_from} by {how}; throughput over steps {measure_from}..{steps}; "
           f"{'in a weighted CPU cgroup' if isolated else 'not isolated'}; detection defaults {defaults}")
     print(f"{'run':<10} {'samples/s':>10} {'vs healthy':>11} {'detected at':>12} {'stragglers':>11} "
           f"{'plans':>6} {'final batch sizes':>20} {'wall s':>7}")
@@ -220,6 +275,9 @@ def report(results: list[RunResult], defaults: dict[str, Any], steps: int, slow_
               f"{','.join(map(str, r.detected_ranks)) or '-':>11} {r.migrations:>6} "
               f"{str(r.final_sizes or '-'):>20} {r.wall_s:>7.1f}")
     print(f"{'ideal':<10} {ideal:>10.1f} {ideal / healthy.samples_per_s:>11.3f}   ({DP - 1} ranks at 1, one at 1/{FACTOR:g})")
+    print(f"{'ideal*':<10} {measured_ideal:>10.1f} {measured_ideal / healthy.samples_per_s:>11.3f}   "
+          f"(slow rank at the measured slow/healthy ratio)")
+    print(f"lost throughput recovered by migration: {lost_recovered:.1%} of (healthy - slow)")
     print(f"steps to detection after the slowdown: {detect_steps or 'not detected'}; "
           f"slowdown removed: {removed:.1%} (goal >= 80%); migrated/ideal: {mig.samples_per_s / ideal:.3f}; "
           f"false positives: {false_positives}")
@@ -229,7 +287,7 @@ def report(results: list[RunResult], defaults: dict[str, Any], steps: int, slow_
     print(f"RESULT detect_steps={detect} slowdown_removed={removed:.3f} false_positives={false_positives} "
           f"slow_vs_healthy_ratio={slow.samples_per_s / healthy.samples_per_s:.3f} "
           f"migrated_vs_healthy_ratio={mig.samples_per_s / healthy.samples_per_s:.3f} "
-          f"migrated_vs_ideal_ratio={mig.samples_per_s / ideal:.3f}")
+          f"migrated_vs_ideal_ratio={mig.samples_per_s / ideal:.3f} lost_recovered_ratio={lost_recovered:.3f}")
     return 0
 
 

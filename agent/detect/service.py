@@ -304,7 +304,7 @@ class StragglerService:
             if m is None or fig.per_sample_s > m.per_sample_s:
                 slowest[fig.dp_rank] = fig
         rates = sorted(f.delay_s / max(f.per_sample_s * f.samples, 1e-9) for f in slowest.values())
-        common = rates[len(rates) // 2] if rates else 0.0
+        common = rates[(len(rates) - 1) // 2] if rates else 0.0  # lower median: with two replicas, the other one
         models = {d: self._model(f, common) for d, f in slowest.items()}
         if slow and sorted(models) != list(range(layout.dp)):
             return  # not every replica measured yet
