@@ -85,9 +85,9 @@ def test_round_trip_and_fetch_back_after_memory_loss(nodes: dict[str, Node], tok
         assert [i.step for i in a.peer_tier.list("job1")] == [10]
         assert a.peer_tier.verify("job1", 10).ok  # verified on b's side
         # retention at the peer: keep 2
-        for step in (20, 30):
+        for step in (20, 30):  # one at a time: the replicator coalesces queued steps
             save(mgr, "job1", step, os.urandom(1000))
-        assert mgr.replicator.wait_idle(20)
+            assert mgr.replicator.wait_idle(20)
         assert [i.step for i in held.list("job1")] == [20, 30]
 
         # a's RAM is gone (reboot): restore fetches its own copy back from b, checksummed
