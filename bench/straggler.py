@@ -75,7 +75,7 @@ def trainer_spec(steps: int, faults: list[str], cache: str) -> dict[str, Any]:
 
 
 class Throttle:
-    """The other way to make a rank 2x slower: a CPU quota of half a core on its process (a child
+    """The other way to make a rank 2x slower: a CPU quota of half its share of the cores (a child
     cgroup of the benchmark's), applied from a given step. Unlike the trainer's ``slow`` fault, which
     burns its extra time after the gradient all-reduce, a throttled rank is slow in its compute."""
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp", type=int, default=4,
                     help="ranks (data-parallel degree); 4 is the benchmark, 2 fits this machine's 2 cores")
     ap.add_argument("--slow-by", choices=("fault", "quota"), default="fault",
-                    help="how rank 1 is made 2x slower: the trainer's slow fault, or a CPU quota of half a core")
+                    help="how rank 1 is made 2x slower: the trainer's slow fault, or a CPU quota of half its share of the cores")
     ap.add_argument("--no-cgroup", action="store_true", help="do not isolate the runs in a weighted CPU cgroup")
     args = ap.parse_args(argv)
     global DP
@@ -215,13 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.slow_by == "quota" and group is None:
             ap.error("--slow-by quota needs a CPU cgroup controller")
-        throttle = Throttle(group) if args.slow_by == "quota" and group is not None else None
+        # Half of the CPU a rank gets when every rank computes (a core each, or a share of one).
+        share = min(1.0, (os.cpu_count() or 1) / DP) / FACTOR
+        throttle = Throttle(group, share) if args.slow_by == "quota" and group is not None else None
         results, defaults = run_all(steps, [] if throttle else [fault], measure_from, cache,
                                     90.0 if args.quick else 300.0, throttle, slow_from)
     finally:
         if group is not None:
             group.close()
-    how = "a CPU quota of half a core" if args.slow_by == "quota" else f"the trainer's fault {fault}"
+    share = min(1.0, (os.cpu_count() or 1) / DP) / FACTOR
+    how = f"a CPU quota of {share:.2f} core" if args.slow_by == "quota" else f"the trainer's fault {fault}"
     return report(results, defaults, steps, slow_from, measure_from, group is not None, args.json, how)
 
 

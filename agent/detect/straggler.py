@@ -10,8 +10,8 @@ compute time of SPEC §3, so the score is the spec's "fastest-rank median ÷ thi
 Once shard migration has given a slow rank fewer samples its compute time per step drops to match
 the others, while its time per sample does not: judging at the even batch is what lets the
 detector tell "balanced by migration" from "recovered" (and not undo a migration that works).
-Run delay is counted per step, not per sample: much of it is the wake-up after each collective,
-which does not shrink with the batch. Optimizer time is a per-step constant too; it stays out of
+Run delay enters as a rate (seconds waiting per second computing), so that it too is judged at
+the even batch. Optimizer time is a per-step constant too; it stays out of
 the score and goes into ``fixed_s`` for the migration model.
 
 Ranks are compared only with their peers: ranks at the same pipeline stage and tensor-parallel
@@ -206,7 +206,7 @@ def group_scores(figs: Iterable[RankFigures], mad_k: float, with_delay: bool = T
     """rank -> (score, significant) within one peer group.
 
     Each rank's time at the group's even batch ``b`` is ``per_sample * b`` (its own compute) and,
-    ``with_delay``, also ``per_sample * b + delay`` (compute plus waiting for a CPU). A score is the
+    ``with_delay``, also that times ``1 + delay rate`` (compute plus waiting for a CPU). A score is the
     fastest rank's time / this rank's; the rank's score is the lower of the two: a rank whose own
     compute is slow is slow however long everyone waits for a CPU (on an oversubscribed node that
     shared wait would dilute the comparison), and a rank that waits longer than the others for a
@@ -220,7 +220,11 @@ def group_scores(figs: Iterable[RankFigures], mad_k: float, with_delay: bool = T
     even = sum(f.samples for f in figs) / len(figs)
     pooled = median([f.per_sample_mad_s for f in figs]) * _MAD_TO_SIGMA * even
     own = {f.rank: f.per_sample_s * even for f in figs}
-    waited = {f.rank: f.per_sample_s * even + f.delay_s for f in figs}
+    # Run delay as a rate (seconds waited per second of compute), carried to the even batch: a rank
+    # that gets half a CPU waits as long as it computes whatever its batch, so migrating work off
+    # it must not make it look recovered.
+    waited = {f.rank: f.per_sample_s * even * (1.0 + f.delay_s / max(f.per_sample_s * f.samples, 1e-9))
+              for f in figs}
     fast_own, fast_waited = min(own.values()), min(waited.values())
     fast_delay = min(f.delay_s for f in figs)
     out: dict[int, tuple[float, bool]] = {}
