@@ -30,6 +30,7 @@ class ConfigError(ValueError):
 
 
 # Sections owned by their modules (imported after ConfigError, which they raise).
+from agent.cluster.config import ClusterConfig  # noqa: E402
 from agent.controller.config import ControllerConfig  # noqa: E402
 from agent.detect.config import StragglerConfig  # noqa: E402
 
@@ -228,6 +229,7 @@ class AgentConfig:
     recovery: RecoverySection = field(default_factory=RecoverySection)
     detection: StragglerConfig = field(default_factory=StragglerConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

@@ -67,7 +67,8 @@ class AgentControl:
             "version": __version__,
             "pid": os.getpid(),
             "uptime_s": round(time.time() - agent.started, 3),
-            "leader": agent.cfg.agent.node,
+            "leader": _leader(agent),
+            "cluster": agent.cluster.status() if getattr(agent, "cluster", None) is not None else None,
             "collectors": {k: {"up": v[0], "reason": v[1]} for k, v in agent.collector_state.items()},
             "jobs": jobs,
             "gpus": _gpu_view(agent),
@@ -227,3 +228,11 @@ def _kernel_view(agent: Any) -> dict[str, Any]:
     if snap.blockio is not None:
         view["block_io"] = {f"dev {dev >> 20}:{dev & 0xFFFFF}": hist(h) for dev, h in snap.blockio.devices.items()}
     return view
+
+
+def _leader(agent: Any) -> str | None:
+    cluster = getattr(agent, "cluster", None)
+    if cluster is None:
+        return str(agent.cfg.agent.node)
+    leader: str | None = cluster.leader
+    return leader

@@ -102,11 +102,49 @@ class Agent:
         )
         self.notifier.ready(self._status_line())
 
+    def _peer_token(self) -> str | None:
+        from pathlib import Path
+
+        from agent.api.auth import TokenFileError, read_client_token
+
+        path = self.cfg.cluster.peer_token_file or self.cfg.api.token_file
+        if not path:
+            return None
+        try:
+            return read_client_token(Path(path))
+        except TokenFileError as exc:
+            raise ConfigError("cluster.peer_token_file", str(exc)) from None
+
+    def _cluster_event(self, kind: str, message: str, fields: dict[str, Any]) -> None:
+        fields = dict(fields)
+        severity = str(fields.pop("severity", "info"))
+        job = fields.pop("job", None)
+        cause = str(fields.pop("cause_", ""))
+        self.events.emit(kind, message, severity=severity, job=job if isinstance(job, str) else None, cause=cause, **_safe_fields(fields))
+
     def _start_recovery(self) -> None:
         from agent.checkpoint import CheckpointManager
+        from agent.cluster.service import ClusterService
         from agent.recovery.service import RecoveryService, checkpoint_settings
 
-        self.checkpoints = CheckpointManager(checkpoint_settings(self.cfg), emit=self._on_checkpoint_event)
+        settings = checkpoint_settings(self.cfg)
+        # Membership, leader election and the peer tier; with no etcd this node is its own leader.
+        self.cluster = ClusterService(
+            self.cfg.cluster,
+            node=self.cfg.agent.node,
+            memory_root=settings.memory_root,
+            token=self._peer_token(),
+            emit=self._cluster_event,
+            on_adopt=lambda job, when: self.recovery.note_failure(job, "node_lost", when),
+        )
+        self.blob_store = self.cluster.store
+        self.checkpoints = CheckpointManager(
+            settings,
+            emit=self._on_checkpoint_event,
+            extra_tiers=self.cluster.tiers,
+            extra_intervals=self.cluster.intervals,
+            extra_keep=self.cluster.keep,
+        )
         self.checkpoints.start()
         self.recovery = RecoveryService(self, self.checkpoints)
         self.supervisor.launch_env = self.recovery.launch_env
@@ -170,6 +208,11 @@ class Agent:
         self.api.start()
         tcp = self.api.tcp_address
         self.api_tcp_port = tcp[1] if tcp else None
+        # Join the cluster once peers can reach this agent's API.
+        self.exporter.sources.append(self.cluster)
+        self.cluster.start(f"{tcp[0]}:{tcp[1]}" if tcp else None, self.supervisor, self.plans)
+        with open(os.path.join(self.cfg.agent.run_dir, "api.addr"), "w") as fh:
+            fh.write(f"{tcp[0]}:{tcp[1]}\n" if tcp else "\n")
 
     def _on_auth_failure(self, remote: str, path: str) -> None:
         self.events.emit("api_auth_failed", f"API request without a valid token from {remote}", severity="warning", remote=remote, path=path)
@@ -318,6 +361,9 @@ class Agent:
 
     def shutdown(self) -> None:
         self.notifier.stopping()
+        cluster = getattr(self, "cluster", None)
+        if cluster is not None:
+            cluster.stop(leave=True)  # resign leadership and release the lease first
         events = getattr(self, "events", None)
         if events is not None:
             events.emit("agent_stopping", f"agent stopping ({self.cfg.agent.on_stop})")

@@ -29,6 +29,7 @@ MODULES: tuple[str, ...] = (
     "agent.detect.service",
     "agent.recovery.service",
     "agent.controller.controller",
+    "agent.cluster.service",
 )
 """Modules whose ``METRICS`` the agent exports, in reference order. A module that adds metrics
 appends its import path here (a test fails while a live agent exports a name missing from this

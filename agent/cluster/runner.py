@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import tomllib
 import typing
-from pathlib import Path
 from typing import Any
 
 from agent.cluster.config import ClusterConfig
-from agent.cluster.service import ClusterService
 from agent.config import AgentConfig, ConfigError, apply_state_dir, load_config
-from agent.daemon import Agent, _safe_fields
+from agent.daemon import Agent
 
 
 def load_cluster_config(path: str | None) -> ClusterConfig:
@@ -56,67 +53,13 @@ def cluster_config_from_dict(table: dict[str, Any]) -> ClusterConfig:
 
 
 class ClusterAgent(Agent):
+    """The daemon with a ``ClusterConfig`` given apart from the agent config (the daemon itself
+    reads the same keys from its ``[cluster]`` section)."""
+
     def __init__(self, cfg: AgentConfig, cluster_cfg: ClusterConfig, config_path: str | None = None) -> None:
+        cfg.cluster = cluster_cfg
         super().__init__(cfg, config_path)
         self.cluster_cfg = cluster_cfg
-
-    def _peer_token(self) -> str | None:
-        from agent.api.auth import TokenFileError, read_client_token
-
-        path = self.cluster_cfg.peer_token_file or self.cfg.api.token_file
-        if not path:
-            return None
-        try:
-            return read_client_token(Path(path))
-        except TokenFileError as exc:
-            raise ConfigError("cluster.peer_token_file", str(exc)) from None
-
-    def _cluster_event(self, kind: str, message: str, fields: dict[str, Any]) -> None:
-        fields = dict(fields)
-        severity = str(fields.pop("severity", "info"))
-        job = fields.pop("job", None)
-        cause = str(fields.pop("cause_", ""))
-        self.events.emit(kind, message, severity=severity, job=job if isinstance(job, str) else None,
-                         cause=cause, **_safe_fields(fields))
-
-    # wiring point 1 + 2: the peer tier goes into the checkpoint manager, the blob store is exposed
-    def _start_recovery(self) -> None:
-        from agent.checkpoint import CheckpointManager
-        from agent.recovery.service import RecoveryService, checkpoint_settings
-
-        settings = checkpoint_settings(self.cfg)
-        self.cluster = ClusterService(self.cluster_cfg, node=self.cfg.agent.node, memory_root=settings.memory_root,
-                                      token=self._peer_token(), emit=self._cluster_event,
-                                      on_adopt=lambda job, when: self.recovery.note_failure(job, "node_lost", when))
-        self.blob_store = self.cluster.store
-        self.checkpoints = CheckpointManager(settings, emit=self._on_checkpoint_event,
-                                             extra_tiers=self.cluster.tiers,
-                                             extra_intervals=self.cluster.intervals,
-                                             extra_keep=self.cluster.keep)
-        self.checkpoints.start()
-        self.recovery = RecoveryService(self, self.checkpoints)
-        self.supervisor.launch_env = self.recovery.launch_env
-        self.tick_hooks.append(self.recovery.tick)
-        self.checkpoint_catalog = self.checkpoints.catalog
-        self.rollback = self.recovery.rollback
-        self.exclude_rank = self.recovery.exclude_rank
-        self.events.subscribe(self._watch_failures)
-
-    # wiring point 3: join the cluster once peers can reach our API
-    def _start_api(self) -> None:
-        super()._start_api()
-        self.exporter.sources.append(self.cluster)
-        tcp = self.api.tcp_address
-        self.cluster.start(f"{tcp[0]}:{tcp[1]}" if tcp else None, self.supervisor, self.plans)
-        with open(os.path.join(self.cfg.agent.run_dir, "api.addr"), "w") as fh:
-            fh.write(f"{tcp[0]}:{tcp[1]}\n" if tcp else "\n")
-
-    # wiring point 4: leave the cluster first (resign leadership, release the lease)
-    def shutdown(self) -> None:
-        cluster = getattr(self, "cluster", None)
-        if cluster is not None:
-            cluster.stop(leave=True)
-        super().shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
