@@ -152,8 +152,10 @@ def test_slow_doubles_compute_time_and_burns_cpu() -> None:
     compute_s, compute_cpu = time.perf_counter() - w0, time.process_time() - c0
     spent = inj.after_compute(7, compute_s)
     total_s, total_cpu = time.perf_counter() - w0, time.process_time() - c0
-    assert spent == pytest.approx(compute_s, rel=0.2)
-    assert 1.7 < total_s / compute_s < 2.4
+    # At least the requested extra time; above it only by scheduling delay (the suite shares 2 cores
+    # with multi-process tests, and a deadline-bound loop can be descheduled past its deadline).
+    assert compute_s * 0.95 <= spent <= compute_s + 0.5
+    assert total_s / compute_s >= 1.9
     # A sleep would leave the CPU time where it was; the burn must be real work. Compare CPU
     # shares (CPU s per wall s), not absolute seconds: other tests may be sharing the cores.
     burn_share = (total_cpu - compute_cpu) / spent
