@@ -150,8 +150,10 @@ def hang_forever(sleep: Callable[[float], None] = time.sleep) -> None:
         sleep(0.05)
 
 
-def burn_cpu(seconds: float, clock: Callable[[], float] = time.perf_counter) -> float:
-    """Busy-compute for ``seconds`` of ``clock`` time; return the time spent.
+def burn_cpu(seconds: float, clock: Callable[[], float] = time.thread_time) -> float:
+    """Busy-compute for ``seconds`` of ``clock`` time (this thread's CPU time by default: the
+    trainer measures a rank's compute as CPU time, and a CPU deadline makes the slowdown a factor
+    of work, independent of how busy the machine is); return the time spent.
 
     A tight float loop rather than a sleep: a slowed rank must really consume CPU, as a rank on a
     throttled or oversubscribed core would, so that CPU-side monitors see it too.
@@ -174,7 +176,7 @@ class FaultInjector:
         self,
         specs: Iterable[FaultSpec],
         rank: int,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] = time.thread_time,
         marker_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.rank = rank
@@ -189,7 +191,7 @@ class FaultInjector:
         cls,
         specs: Iterable[str],
         rank: int,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] = time.thread_time,
         *,
         marker_dir: str | os.PathLike[str] | None = None,
         environ: Mapping[str, str] | None = None,
