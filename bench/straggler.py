@@ -18,7 +18,10 @@ rank 0's telemetry clock. With three ranks at speed 1 and one at 1/2 the ideal r
 throughput is 3.5/4 of healthy; "slowdown removed" is the share of the gap between the slow run and
 that ideal that migration closes.
 
-    .venv/bin/python bench/straggler.py [--quick] [--steps N] [--json]
+With ``--slow-by quota`` rank 1 is made slow by a CPU quota instead of the trainer's fault (the
+fault burns its extra time after the gradient all-reduce; a quota slows the compute itself).
+
+    .venv/bin/python bench/straggler.py [--quick] [--steps N] [--dp N] [--slow-by fault|quota] [--json]
 """
 
 from __future__ import annotations

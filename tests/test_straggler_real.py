@@ -129,6 +129,18 @@ def test_slow_fault_detected_migrated_converges_and_recovers(harness_factory: Ca
     assert h.run_until(lambda: bool([e for e in h.events("straggler_recovered", job) if e["rank"] == 1])
                        and h.agent.plans.get(job).batch_sizes is None, 120, job), h.events("shard_migration", job)
     assert [e["rank"] for e in h.events("straggler_detected", job)] == [1]
+    # The same figures through the agent's exporter and its control API.
+    reg = h.agent.exporter.registry
+    assert reg.get_sample_value("trainguard_stragglers_detected_total", {"job": job, "cause": det[0]["cause"]}) == 1
+    assert reg.get_sample_value("trainguard_shard_migrations_total", {"job": job}) >= 2
+    assert 0.0 < reg.get_sample_value("trainguard_rank_straggler_score", {"job": job, "rank": "1"}) <= 1.0
+    status = {r["rank"]: r for j in h.agent.control.status()["jobs"] if j["job"] == job for r in j["ranks"]}
+    assert status[1]["telemetry"]["straggler_state"] in ("healthy", "recovering", "straggler")
+    from agent.api.handler import ApiError
+    assert h.agent.control.update_detection_config({"mad_k": 3.5})["mad_k"] == 3.5
+    assert h.agent.control.get_detection_config()["mad_k"] == 3.5 and h.service.config.mad_k == 3.5
+    with pytest.raises(ApiError, match="detection.enter_score"):
+        h.agent.control.update_detection_config({"enter_score": 1.5})
     undo = h.events("shard_migration", job)[-1]["fields"]
     assert undo["action"] == "undo" and undo["batch_sizes"] == [16, 16, 16, 16]
     assert h.run_until(lambda: h.service.batch_sizes(job) == [16, 16, 16, 16]

@@ -47,8 +47,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainguard.straggler")
 
 SCORE = MetricSpec("trainguard_rank_straggler_score", "gauge", "", ("job", "rank"),
-                   "Straggler score in [0, 1]: the fastest peer's median compute time per sample divided by "
-                   "this rank's (1 = as fast as the fastest; stragglers fall below detection.enter_score).")
+                   "Straggler score in [0, 1]: the fastest peer's median compute time per step at the even batch "
+                   "divided by this rank's (the lower of: compute alone, compute plus CPU run-queue wait); 1 = as "
+                   "fast as the fastest, stragglers fall below detection.enter_score.")
 DETECTED = MetricSpec("trainguard_stragglers_detected_total", "counter", "", ("job", "cause"),
                       "Ranks declared stragglers, by attributed cause (cpu_contention, cpu_quota, io_wait, "
                       "memory_reclaim, gpu_throttle, gpu_error, unknown).")
