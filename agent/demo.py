@@ -80,7 +80,7 @@ def _describe(e: dict[str, Any]) -> str:
     return f"  {stamp} {e['kind']:<20} {e['message']}{cause}"
 
 
-def _summary(client: Any, job: str, started: float, out: Any) -> dict[str, Any]:
+def _summary(client: Any, job: str, started: float, out: Any, kernel: dict[str, Any] | None = None) -> dict[str, Any]:
     info = client.job(job)
     status = client.status()
     events = client.events(since=0, limit=10000)["events"]
@@ -95,7 +95,8 @@ def _summary(client: Any, job: str, started: float, out: Any) -> dict[str, Any]:
         print(f"  rank {r['rank']}: {tps if tps is None else round(tps):>7} tokens/s  batch {share}  "
               f"median compute {1000 * (tel.get('median_compute_s') or 0):.0f} ms/step  "
               f"straggler score {tel.get('straggler_score', 'n/a')}", file=out)
-    runq = status.get("kernel", {}).get("runqueue", {})
+    # Per-rank series exist while the ranks are tracked: use the last view taken during the run.
+    runq = (kernel or status.get("kernel", {})).get("runqueue", {})
     if runq:
         from agent.collectors.ebpf.hist import log2_quantile
 
@@ -156,6 +157,7 @@ def run_demo(tui: bool = False, quick: bool = False, out: Any = None, keep: bool
             run_dashboard(argparse.Namespace(state_dir=str(state), agent=None, token_file=None, json=False))
         seen = 0
         last_line = 0.0
+        kernel: dict[str, Any] | None = None
         while True:
             info = client.job(job)
             batch = client.events(since=seen, limit=1000)
@@ -166,14 +168,17 @@ def run_demo(tui: bool = False, quick: bool = False, out: Any = None, keep: bool
             if info["state"] in ("succeeded", "failed", "stopped"):
                 break
             if time.monotonic() - last_line > 5:
-                ranks = {j["job"]: j for j in client.status()["jobs"]}.get(job, {}).get("ranks", [])
+                st = client.status()
+                if any(k.startswith(f"{job} rank") for k in st.get("kernel", {}).get("runqueue", {})):
+                    kernel = st["kernel"]
+                ranks = {j["job"]: j for j in st["jobs"]}.get(job, {}).get("ranks", [])
                 steps = [r["telemetry"]["step"] for r in ranks if r.get("telemetry")]
                 times = [r["telemetry"]["step_s"] for r in ranks if r.get("telemetry")]
                 timing = f", step time {statistics.median(times):.3f}s" if times else " (starting ranks)"
                 print(f"  ... {info['state']}, step {max(steps) if steps else '-'}{timing}", file=out, flush=True)
                 last_line = time.monotonic()
             time.sleep(0.5)
-        result = _summary(client, job, started, out)
+        result = _summary(client, job, started, out, kernel)
         ok = result["state"] == "succeeded" and result["resumed"] >= 1
         print(f"demo {'passed' if ok else 'FAILED'}: the kill was {'healed' if result['resumed'] else 'NOT healed'}", file=out)
         return 0 if ok else 1

@@ -129,6 +129,7 @@ class Trainer:
         self._schedule: object | None = None
         self._schedule_batch = -1
         self._loss_scale = 1.0
+        self._plain_compute_s = 0.0
         self.compression = self._setup_compression()
         self.faults = self._setup_faults()
         self._peak = peak_flops(self.device)
@@ -280,6 +281,10 @@ class Trainer:
         lr = self.current_lr()
         t1 = time.perf_counter()
         c1 = time.thread_time()
+        # A slow fault burns real CPU in proportion to this rank's own compute (faults.py), before
+        # the forward pass: inside the compute the gradient sync waits on, as a slow device would be,
+        # so moving samples off the rank really shortens the step. Sized from the previous step.
+        slow_s = self.faults.after_compute(self.step, self._plain_compute_s) if self.faults is not None else 0.0
 
         self.grad_meter.reset()
         loss_sum = self._forward_backward(x, y)
@@ -289,8 +294,7 @@ class Trainer:
         # On CPU the main thread does the compute (torch threads = 1 by default) and only sleeps
         # while gloo works, so its CPU time is the compute and the rest of the wall time is waiting.
         compute_s = (c2 - c1) if self.device.type == "cpu" else t2 - t1
-        # A slow fault burns real CPU in proportion to this rank's compute (faults.py).
-        slow_s = self.faults.after_compute(self.step, compute_s) if self.faults is not None else 0.0
+        self._plain_compute_s = max(compute_s - slow_s, 0.0)
         if self.faults is not None and self.faults.loss_override(self.step):
             loss_sum = float("nan")
 
@@ -351,7 +355,7 @@ class Trainer:
         if (cfg.val_every and self.step % cfg.val_every == 0) or self.step == cfg.steps:
             val_loss = self.evaluate()
         result = StepResult(self.step, loss, grad_norm, lr, global_n, step_s, val_loss)
-        self._report(result, t1 - t0, compute_s + slow_s, comm_s, t5 - t4, n_local, local_sq, plan_version)
+        self._report(result, t1 - t0, compute_s, comm_s, t5 - t4, n_local, local_sq, plan_version)
         return result
 
     # -- validation ------------------------------------------------------------------------------
