@@ -148,7 +148,8 @@ class RecoveryService:
             finding = self.hangs.check(job, max_step, max(medians) if medians else None, now)
             if finding is None and attempt_ranks:
                 lead = min(attempt_ranks, key=lambda v: v.rank)
-                window = agent.table.window(job, lead.rank, 16)
+                # Every step since the last tick (a fast job runs many per tick; a NaN among them counts).
+                window = agent.table.window(job, lead.rank, agent.cfg.telemetry.ring)
                 finding = self.losses.observe(job, [(t.step, t.loss) for t in window if t.pid == lead.pid])
             if finding is not None:
                 self._handle(record, finding)
