@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from agent.config import AgentConfig, apply_state_dir
 from agent.controller import ControllerConfig, Proposal, Setting, Space, WindowResult, install, make_strategy
 from agent.controller.optuna_strategy import OptunaStrategy
@@ -145,3 +147,41 @@ def test_controller_in_real_agent_and_training(tmp_path: Path) -> None:
     again = OptunaStrategy(ccfg, holder[0].space, JOB)
     assert again.completed == told
     assert again.propose(Setting(1.0, 8), None).inputs["trial"] == len(again.study.trials) - 1 > told
+
+
+@pytest.mark.parametrize("strategy", ["rl", "goodput"])
+def test_rl_and_goodput_drive_real_training(tmp_path: Path, strategy: str) -> None:
+    """The other two strategies inside the same real agent + 2-rank job: they decide, every
+    decision is logged with a reason, and each change lands at one step on both ranks."""
+    cfg = apply_state_dir(AgentConfig(), str(tmp_path / "agent"))
+    cfg.metrics.addr = "127.0.0.1:0"
+    cfg.collectors.ebpf = False
+    cfg.collectors.gpu = False
+    agent = Agent(cfg)
+    agent.start()
+    try:
+        install(agent, ControllerConfig(strategy=strategy, every_steps=8, warmup_steps=8, seed=1, batch_min=4, batch_max=16))
+        steps = 72
+        trainer = config_from_cli(nproc=2, steps=steps, overrides=[
+            "model.layers=1", "model.d_model=32", "model.heads=2", "model.context=32", "global_batch=8",
+            f"data.cache_dir={tmp_path / 'cache'}", "data.max_bytes=2000000", "optim.warmup=2", "optim.lr=0.003",
+            "parallel.dp_mode=ddp"])
+        build_corpus(str(tmp_path / "cache"), 2_000_000)
+        agent.supervisor.submit(JobSpec(JOB, 2, trainer))
+        record = agent.supervisor.jobs[JOB]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not record.state.finished:
+            agent.tick(time.time())
+            time.sleep(0.05)
+        assert record.state.value == "succeeded", (record.state, record.reason)
+        events = [{**e, **e.get("fields", {})} for e in agent.events.since(0, 10_000)]
+        decisions = [e for e in events if e["kind"] == "controller_decision"]
+        assert decisions and all(e["cause"] for e in decisions), events
+        r0, r1 = _telemetry(agent, 0), _telemetry(agent, 1)
+        for e in (e for e in decisions if e["changed"]):
+            m0 = next((m for m in r0 if m.plan_version >= e["plan_version"]), None)
+            m1 = next((m for m in r1 if m.plan_version >= e["plan_version"]), None)
+            if m0 is not None and m1 is not None:
+                assert m0.step == m1.step and m0.lr == m1.lr, e["message"]
+    finally:
+        agent.shutdown()
