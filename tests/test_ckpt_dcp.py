@@ -4,11 +4,9 @@ files, the result verifies and loads back bit-exact. This is the recipe the trai
 
 from __future__ import annotations
 
-import io
 import subprocess
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,22 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
-from torch.distributed.checkpoint.filesystem import FileSystem  # noqa: E402
 
-from agent.checkpoint.memory import MemoryTier, open_for_overwrite  # noqa: E402
-
-
-class ReuseFileSystem(FileSystem):
-    """DCP file system that writes shard files through the memory tier's reuse opener."""
-
-    @contextmanager
-    def create_stream(self, path: Any, mode: str) -> Iterator[io.IOBase]:
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with open_for_overwrite(path) as stream:
-            yield stream  # type: ignore[misc]
+from agent.checkpoint.memory import MemoryTier  # noqa: E402
+from trainer.tiers import ReuseFileSystem  # noqa: E402 - the trainer's own writer, under test here
 
 
 @pytest.fixture
