@@ -74,6 +74,10 @@ def _job_spec(quick: bool) -> dict[str, Any]:
     return {"job": "demo", "nproc": 4, "trainer": trainer, "faults": faults, "max_restarts": 3}
 
 
+def _fmt_score(score: Any) -> str:
+    return f"{score:.2f}" if isinstance(score, int | float) else "n/a"
+
+
 def _describe(e: dict[str, Any]) -> str:
     stamp = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
     cause = f"  (cause: {e['cause']})" if e.get("cause") else ""
@@ -94,7 +98,7 @@ def _summary(client: Any, job: str, started: float, out: Any, kernel: dict[str, 
         share = tel.get("batch_size")
         print(f"  rank {r['rank']}: {tps if tps is None else round(tps):>7} tokens/s  batch {share}  "
               f"median compute {1000 * (tel.get('median_compute_s') or 0):.0f} ms/step  "
-              f"straggler score {tel.get('straggler_score', 'n/a')}", file=out)
+              f"straggler score {_fmt_score(tel.get('straggler_score'))}", file=out)
     # Per-rank series exist while the ranks are tracked: use the last view taken during the run.
     runq = (kernel or status.get("kernel", {})).get("runqueue", {})
     if runq:
