@@ -94,3 +94,17 @@ def agent_factory(tmp_path: Path) -> Iterator:
             except subprocess.TimeoutExpired:
                 agent.proc.kill()
                 agent.proc.wait()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB filesystem that fills up: the disk-full paths are tested against it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 1 MiB tmpfs needs root (the CI and this machine run as root)")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -148,19 +148,6 @@ def test_abort_and_commit_without_stage(shm_root: Path) -> None:
         tier.stage("../evil", 1)
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a 1 MiB tmpfs needs root (the CI and this machine run as root)")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_disk_tier_on_full_filesystem(tiny_tmpfs: Path, tmp_path: Path, shm_root: Path) -> None:
     disk = DiskTier(tiny_tmpfs / "ckpt")
     small = tmp_path / "small"

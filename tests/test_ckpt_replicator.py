@@ -103,19 +103,6 @@ def test_restarted_replicator_does_not_rewrite_the_same_interval(memory: MemoryT
     assert [i.step for i in disk.list("job")] == [500, 600]
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a 1 MiB tmpfs needs root (the CI and this machine run as root)")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_full_disk_emits_failure_and_object_still_written(memory: MemoryTier, tiny_tmpfs: Path,
                                                           tmp_path: Path) -> None:
     disk = DiskTier(tiny_tmpfs)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 
 import pytest
@@ -82,35 +81,27 @@ def test_hang_captures_stacks_then_restarts(agent_factory, corpus_cache) -> None
     assert "hang" in stacks["1"], stacks["1"]  # the injected hang's frame, read by py-spy
 
 
-def test_nan_rolls_back_and_full_disk_tier_does_not_stop_training(agent_factory, corpus_cache, tmp_path) -> None:
-    tiny_disk = tmp_path / "tinydisk"
-    tiny_disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tiny_disk)], capture_output=True).returncode == 0
-    if not mounted:
-        pytest.skip("cannot mount a tmpfs here (not root); the disk-full path is covered by test_ckpt_local")
-    try:
-        agent = agent_factory(
-            config=f'[agent]\ninterval_s = 0.2\n[checkpoint]\nmemory_every = 5\ndisk_every = 5\ndisk_dir = "{tiny_disk}"\n'
-            '[recovery]\nloss_spike_factor = 50.0\n'
-        )
-        client = agent.client()
-        final = run_job(client, "nan-job", corpus_cache, 40, ["nan:step=8"])
-        assert final["state"] == "succeeded" and final["restarts"] == 1
-        diverged = events_of(client, "loss_diverged")
-        # nan:step=8 fires while computing the step after 8 completed ones: telemetry step 9.
-        assert diverged and diverged[0]["fields"]["step"] == 9
-        rollback = events_of(client, "rollback")
-        assert rollback and rollback[0]["fields"]["lr_scale"] == pytest.approx(0.5)
-        selected = [e for e in events_of(client, "restore_selected") if e.get("job") == "nan-job"]
-        assert selected[-1]["fields"]["step"] <= 8
-        assert client.get_plan("nan-job")["lr_scale"] == pytest.approx(0.5)
-        failures = [e for e in events_of(client, "checkpoint_write_failed") if e["fields"].get("tier") == "disk"]
-        assert failures, "the full disk tier reported no write failure"
-        memory_steps = [r["step"] for r in client.checkpoints("nan-job") if r.get("tier") == "memory"]
-        assert max(memory_steps) == 40  # the memory tier kept going while the disk tier failed
-        agent.stop()
-    finally:
-        subprocess.run(["umount", "-l", str(tiny_disk)], check=False)
+def test_nan_rolls_back_and_full_disk_tier_does_not_stop_training(agent_factory, corpus_cache, tiny_tmpfs) -> None:
+    agent = agent_factory(
+        config=f'[agent]\ninterval_s = 0.2\n[checkpoint]\nmemory_every = 5\ndisk_every = 5\ndisk_dir = "{tiny_tmpfs}"\n'
+        '[recovery]\nloss_spike_factor = 50.0\n'
+    )
+    client = agent.client()
+    final = run_job(client, "nan-job", corpus_cache, 40, ["nan:step=8"])
+    assert final["state"] == "succeeded" and final["restarts"] == 1
+    diverged = events_of(client, "loss_diverged")
+    # nan:step=8 fires while computing the step after 8 completed ones: telemetry step 9.
+    assert diverged and diverged[0]["fields"]["step"] == 9
+    rollback = events_of(client, "rollback")
+    assert rollback and rollback[0]["fields"]["lr_scale"] == pytest.approx(0.5)
+    selected = [e for e in events_of(client, "restore_selected") if e.get("job") == "nan-job"]
+    assert selected[-1]["fields"]["step"] <= 8
+    assert client.get_plan("nan-job")["lr_scale"] == pytest.approx(0.5)
+    failures = [e for e in events_of(client, "checkpoint_write_failed") if e["fields"].get("tier") == "disk"]
+    assert failures, "the full disk tier reported no write failure"
+    memory_steps = [r["step"] for r in client.checkpoints("nan-job") if r.get("tier") == "memory"]
+    assert max(memory_steps) == 40  # the memory tier kept going while the disk tier failed
+    agent.stop()
 
 
 def test_agent_restart_restores_from_disk_tier(agent_factory, corpus_cache, tmp_path) -> None:
