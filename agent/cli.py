@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--job", help="job id (default: generated)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="trainer config override, e.g. model.layers=4")
     t.add_argument("--detach", action="store_true", help="submit to the agent and return at once")
+    t.add_argument("--nodes", type=int, default=1,
+                   help="spread the ranks over this many nodes of the cluster (the leader places them; implies --detach)")
 
     for name, help_text in (("status", "agent, jobs and ranks"), ("events", "the event log"), ("checkpoints", "checkpoints per tier")):
         p = sub.add_parser(name, help=help_text)
@@ -213,9 +215,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     client = make_client(args)
     spec = {"nproc": args.nproc, "trainer": trainer_cfg, "faults": list(args.fault)}
+    if args.nodes != 1:
+        spec["nodes"] = args.nodes
     if args.job:
         spec["job"] = args.job
     job = client.submit_job(spec)
+    if args.nodes > 1:
+        print(f"{job}: recorded in the cluster; the leader places it on {args.nodes} nodes "
+              "(`trainguard status` on any agent shows where it runs)")
+        return 0
     if args.detach:
         print(job)
         return 0

@@ -92,6 +92,15 @@ class AgentControl:
             job_spec = JobSpec.from_dict(spec)
         except JobSpecError as exc:
             raise ApiError(400, str(exc)) from None
+        if job_spec.nodes > 1:
+            cluster = getattr(self.agent, "cluster", None)
+            if cluster is None or cluster.gangs is None:
+                raise ApiError(400, "nodes: a job over several nodes needs a cluster ([cluster] etcd_endpoints)")
+            try:
+                cluster.submit_spanning(job_spec.to_dict())
+            except ValueError as exc:
+                raise ApiError(409, str(exc)) from None
+            return {"job": job_spec.job, "placement": "pending: the cluster leader places it"}
         try:
             self.agent.supervisor.submit(job_spec)
         except ValueError as exc:

@@ -33,12 +33,14 @@ class JobSpec:
     faults: list[str] = field(default_factory=list)
     """Fault specs injected into the ranks (tests and the demo)."""
     max_restarts: int = 3
+    nodes: int = 1
+    """Spread the ranks over this many nodes (the cluster leader places them; needs etcd)."""
 
     @classmethod
     def from_dict(cls, body: Any) -> JobSpec:
         if not isinstance(body, dict):
             raise JobSpecError("job", "spec must be an object")
-        known = {"job", "nproc", "trainer", "command", "env", "faults", "max_restarts"}
+        known = {"job", "nproc", "trainer", "command", "env", "faults", "max_restarts", "nodes"}
         for key in body:
             if key not in known:
                 raise JobSpecError(key, "unknown key")
@@ -63,7 +65,10 @@ class JobSpec:
         max_restarts = body.get("max_restarts", 3)
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise JobSpecError("max_restarts", "an integer >= 0")
-        return cls(job, nproc, trainer, command, env, faults, max_restarts)
+        nodes = body.get("nodes", 1)
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or not (1 <= nodes <= min(nproc, 256)):
+            raise JobSpecError("nodes", f"an integer in [1, nproc={nproc}]")
+        return cls(job, nproc, trainer, command, env, faults, max_restarts, nodes)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +79,7 @@ class JobSpec:
             "env": self.env,
             "faults": self.faults,
             "max_restarts": self.max_restarts,
+            "nodes": self.nodes,
         }
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from agent.jobs import JobSpec
 from agent.wire import ENV_JOB, ENV_JOB_SPEC, ENV_PLAN, ENV_SOCKET
@@ -74,6 +74,25 @@ class LaunchContext:
     python: str = ""
     user: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankBlock:
+    """This node's share of a job that spans nodes: global ranks ``rank_offset`` ..
+    ``rank_offset + nproc - 1`` of ``world_size``, rendezvous at the leader-chosen master."""
+
+    rank_offset: int
+    nproc: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    group_rank: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for this attempt (restore path, checkpoint part names)."""
+    attempt: int = 0
+    """The cluster-wide attempt these ranks belong to (a failure report names it)."""
+    restore: dict[str, Any] | None = field(default=None, compare=False)
+    """The checkpoint this attempt restores (shown in status, used for the recovery clock)."""
 
 
 def _privilege_wrapper(user: str) -> tuple[list[str], dict[str, object]]:
@@ -139,9 +158,13 @@ class Launcher:
             return list(spec.command)
         return [ctx.python or sys.executable, "-m", "trainer.worker"]
 
-    def start(self, spec: JobSpec, ctx: LaunchContext, attempt: int, env_overrides: dict[str, str] | None = None) -> list[RankProcess]:
+    def start(self, spec: JobSpec, ctx: LaunchContext, attempt: int, env_overrides: dict[str, str] | None = None,
+              block: RankBlock | None = None) -> list[RankProcess]:
+        """Start the job's ranks on this node: all of them, or only ``block`` of a job that spans
+        nodes (global RANK = offset + local rank, the block's master address and port)."""
         os.makedirs(ctx.log_dir, exist_ok=True)
-        port = free_port(ctx.master_addr)
+        if block is None:
+            block = RankBlock(0, spec.nproc, spec.nproc, ctx.master_addr, free_port(ctx.master_addr))
         prefix, popen_kwargs = _privilege_wrapper(ctx.user)
         argv = prefix + self.rank_command(spec, ctx)
         base_env = dict(os.environ)
@@ -161,16 +184,18 @@ class Launcher:
         if self.mode == "warm" and warm_target is not None:
             zygote = self._zygote(spec, ctx, prefix, base_env)
         ranks: list[RankProcess] = []
-        for rank in range(spec.nproc):
+        for local in range(block.nproc):
+            rank = block.rank_offset + local
             env = dict(base_env)
             env.update(
                 {
-                    "MASTER_ADDR": ctx.master_addr,
-                    "MASTER_PORT": str(port),
+                    "MASTER_ADDR": block.master_addr,
+                    "MASTER_PORT": str(block.master_port),
                     "RANK": str(rank),
-                    "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": str(spec.nproc),
-                    "LOCAL_WORLD_SIZE": str(spec.nproc),
+                    "LOCAL_RANK": str(local),
+                    "WORLD_SIZE": str(block.world_size),
+                    "LOCAL_WORLD_SIZE": str(block.nproc),
+                    "GROUP_RANK": str(block.group_rank),
                     "TRAINGUARD_ATTEMPT": str(attempt),
                     ENV_SOCKET: ctx.telemetry_socket,
                     ENV_PLAN: ctx.plan_path,
@@ -180,11 +205,12 @@ class Launcher:
             )
             if env_overrides:
                 env.update(env_overrides)
+            env.update(block.env)
             log_path = os.path.join(ctx.log_dir, f"rank{rank}.log")
             if zygote is not None:
                 assert warm_target is not None
                 child = zygote.spawn(rank, env, log_path, REPO_ROOT, warm_target[0], warm_target[1])
-                ranks.append(RankProcess(rank, rank, child, self.clock(), log_path))
+                ranks.append(RankProcess(rank, local, child, self.clock(), log_path))
                 continue
             log = open(log_path, "ab")
             try:
@@ -200,7 +226,7 @@ class Launcher:
                 )
             finally:
                 log.close()
-            ranks.append(RankProcess(rank, rank, popen, self.clock(), log_path))
+            ranks.append(RankProcess(rank, local, popen, self.clock(), log_path))
         return ranks
 
     def reap(self, ranks: list[RankProcess]) -> list[RankProcess]:

@@ -19,7 +19,7 @@ from typing import Any
 from agent.collectors.base import TrackedProcess
 from agent.eventlog import EventLog
 from agent.jobs import JobSpec, JobState, check_transition
-from agent.launcher import LaunchContext, Launcher, RankProcess
+from agent.launcher import LaunchContext, Launcher, RankBlock, RankProcess
 from agent.plans import PlanStore
 
 
@@ -41,6 +41,11 @@ class JobRecord:
     """For a rollback: restore the newest checkpoint at or before this step (None: the newest)."""
     restored_from: dict[str, Any] | None = None
     """The checkpoint the current attempt was started from (tier, step, path)."""
+    block: RankBlock | None = None
+    """This node's ranks of a job that spans nodes (None: every rank runs here)."""
+    on_failure: Callable[[str, str], None] | None = None
+    """Set for a job that spans nodes: a failure is reported here (``(job, cause)``) and the local
+    ranks are stopped; the cluster leader restarts every node's ranks together."""
 
     @property
     def job(self) -> str:
@@ -53,6 +58,8 @@ class JobRecord:
             "attempt": self.attempt,
             "restarts": self.restarts,
             "nproc": self.spec.nproc,
+            "nodes": self.spec.nodes,
+            "local_ranks": [self.block.rank_offset, self.block.rank_offset + self.block.nproc - 1] if self.block else None,
             "progress_step": self.progress_step,
             "reason": self.reason,
             "submitted": self.submitted,
@@ -100,14 +107,16 @@ class Supervisor:
         self._thread.start()
 
     # --- jobs -------------------------------------------------------------------------------
-    def submit(self, spec: JobSpec) -> JobRecord:
+    def submit(self, spec: JobSpec, *, block: RankBlock | None = None,
+               on_failure: Callable[[str, str], None] | None = None) -> JobRecord:
         """Register the job and start its ranks in the background (a warm launcher's first start
-        imports torch for seconds; an API call must not wait for it)."""
+        imports torch for seconds; an API call must not wait for it). ``block``/``on_failure``:
+        this node's part of a job that spans nodes (see ``JobRecord``)."""
         with self._lock:
             old = self.jobs.get(spec.job)
             if old is not None and not old.state.finished:
                 raise ValueError(f"job {spec.job} is already {old.state.value}")
-            record = JobRecord(spec)
+            record = JobRecord(spec, block=block, on_failure=on_failure)
             self.jobs[spec.job] = record
             self.plans.reset(spec.job)
         self.events.emit("job_submitted", f"job {spec.job} submitted with {spec.nproc} ranks", job=spec.job, nproc=spec.nproc)
@@ -128,7 +137,7 @@ class Supervisor:
         ctx = self.context_for(record.spec)
         attempt = record.attempt + 1
         env = self.launch_env(record) if self.launch_env is not None else None
-        ranks = self.launcher.start(record.spec, ctx, attempt, env)
+        ranks = self.launcher.start(record.spec, ctx, attempt, env, block=record.block)
         with self._lock:
             if record.state in (JobState.STOPPING, JobState.STOPPED):
                 # Stopped while starting: these ranks must not outlive the request.
@@ -212,13 +221,47 @@ class Supervisor:
         if self.find_rank(pid) is not None:
             os.write(self._wake_w, b"x")
 
+    def relaunch(self, job: str, block: RankBlock, spec: JobSpec, cause: str) -> None:
+        """Start this node's ranks of a spanning job for a new leader-decided attempt (stopping
+        the previous attempt's ranks first)."""
+        with self._lock:
+            record = self.jobs.get(job)
+            if record is None or record.state.finished or record.state == JobState.STOPPING:
+                raise ValueError(f"job {job} is not active here")
+            if record.state != JobState.RESTARTING:
+                self._set_state(record, JobState.RESTARTING)
+            self.launcher.stop(record.ranks, min(self.stop_grace_s, 2.0), hard=True)
+            record.restarts += 1
+            self.restart_total += 1
+            record.spec, record.block = spec, block
+            self.events.emit("job_restart", f"job {job}: restarting ranks {block.rank_offset}-"
+                             f"{block.rank_offset + block.nproc - 1} of {block.world_size} (attempt {record.attempt + 1})",
+                             severity="warning", job=job, cause=cause, action="restart")
+        self._launch(record)
+
     def restart(self, job: str, cause: str, *, spec: JobSpec | None = None) -> None:
         """Stop what is left of the job and start every rank again (same world size, or the
         given ``spec``: a smaller world without an excluded rank)."""
+        report: Callable[[str, str], None] | None = None
         with self._lock:
             record = self.jobs.get(job)
             if record is None or record.state.finished or record.state == JobState.STOPPING:
                 return
+            if record.on_failure is not None:
+                # Part of a job spanning nodes: the other nodes' ranks must restart too, at the same
+                # attempt and rendezvous; only the leader can order that.
+                if record.state == JobState.RESTARTING:
+                    return
+                self._set_state(record, JobState.RESTARTING)
+                self.launcher.stop(record.ranks, min(self.stop_grace_s, 2.0), hard=True)
+                report = record.on_failure
+        if report is not None:
+            self.events.emit("job_restart_requested", f"job {job}: {cause}; local ranks stopped, "
+                             "asking the cluster leader to restart every node's ranks",
+                             severity="warning", job=job, cause=cause, action="restart")
+            report(job, cause)
+            return
+        with self._lock:
             no_progress = record.progress_step <= record.step_at_last_restart
             record.restarts_without_progress = record.restarts_without_progress + 1 if no_progress else 1
             if record.restarts_without_progress > record.spec.max_restarts:

@@ -24,6 +24,7 @@ from agent.plans import PlanStore
 class Rec:
     spec: JobSpec
     state: JobState = JobState.RUNNING
+    block: None = None
 
 
 @dataclass

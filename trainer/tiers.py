@@ -8,6 +8,13 @@ background, and on a restart hands the ranks the newest verified checkpoint in
 
 Environment (set by the agent's launcher): ``TRAINGUARD_CKPT_MEMORY_ROOT`` (tier root),
 ``TRAINGUARD_CKPT_MEMORY_EVERY`` (steps), ``TRAINGUARD_JOB``, ``TRAINGUARD_RESTORE``.
+
+A job that spans nodes also gets ``TRAINGUARD_CKPT_PART`` (this node's name) and
+``TRAINGUARD_CKPT_PARTS`` (every node of the attempt, comma-separated): each node's local rank 0
+stages in its own node's memory tier, every rank writes its DCP file there, and each node commits
+its part under ``<job>.part-<node>`` (``agent.cluster.gang.part_key``) with the list of parts in
+the manifest; the union of the parts' files is one DCP checkpoint, which the agents assemble
+before a restart.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ if TYPE_CHECKING:
 ENV_MEMORY_ROOT = "TRAINGUARD_CKPT_MEMORY_ROOT"
 ENV_MEMORY_EVERY = "TRAINGUARD_CKPT_MEMORY_EVERY"
 ENV_RESTORE = "TRAINGUARD_RESTORE"
+ENV_PART = "TRAINGUARD_CKPT_PART"
+ENV_PARTS = "TRAINGUARD_CKPT_PARTS"
 
 
 class ReuseFileSystem(FileSystem):
@@ -59,10 +68,12 @@ class SaveStats:
 
 
 class MemoryTierWriter:
-    def __init__(self, job: str, root: str, every: int) -> None:
+    def __init__(self, job: str, root: str, every: int, part: str = "", parts: tuple[str, ...] = ()) -> None:
         self.job = job
         self.root = root
         self.every = every
+        self.part = part
+        self.parts = parts
         self.stats = SaveStats()
         self._tier: MemoryTier | None = None
 
@@ -73,7 +84,16 @@ class MemoryTierWriter:
         if not root:
             return None
         every = int(env.get(ENV_MEMORY_EVERY, "100") or 100)
-        return cls(env.get(ENV_JOB, "standalone"), root, max(1, every))
+        part = env.get(ENV_PART, "")
+        parts = tuple(p for p in env.get(ENV_PARTS, "").split(",") if p)
+        return cls(env.get(ENV_JOB, "standalone"), root, max(1, every), part, parts)
+
+    @property
+    def tier_job(self) -> str:
+        """The memory tier's key for what this node writes (a part of a job spanning nodes)."""
+        from agent.cluster.gang import part_key
+
+        return part_key(self.job, self.part) if self.part else self.job
 
     def due(self, step: int, force: bool = False) -> bool:
         return force or step % self.every == 0
@@ -84,15 +104,24 @@ class MemoryTierWriter:
 
         t0 = time.perf_counter()
         rank = dist.get_rank()
-        box: list[Any] = [None]
-        if rank == 0:
+        # One committer per node (its local rank 0); a single-node job has exactly one.
+        local_rank = int(os.environ.get("LOCAL_RANK", rank)) if self.part else rank
+        committer = local_rank == 0
+        staged: str | None = None
+        if committer:
             if self._tier is None:
                 self._tier = MemoryTier(self.root)
-            staged = self._tier.stage(self.job, trainer.step)
-            os.makedirs(staged / "rng", exist_ok=True)
-            box[0] = str(staged)
-        dist.broadcast_object_list(box, src=0)
-        path = str(box[0])
+            staged_dir = self._tier.stage(self.tier_job, trainer.step)
+            os.makedirs(staged_dir / "rng", exist_ok=True)
+            staged = str(staged_dir)
+        if self.part:
+            paths: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(paths, staged)
+            path = str(paths[rank - local_rank])
+        else:
+            box: list[Any] = [staged]
+            dist.broadcast_object_list(box, src=0)
+            path = str(box[0])
         state, _ = _state(trainer)
         writer = dcp.FileSystemWriter(path, single_file_per_rank=True)
         writer.fs = ReuseFileSystem()
@@ -110,8 +139,12 @@ class MemoryTierWriter:
             }
             with open(os.path.join(path, META), "w") as fh:
                 json.dump(meta, fh)
+        if committer:
+            extra: dict[str, Any] = {"world_size": dist.get_world_size()}
+            if self.part:
+                extra |= {"job": self.job, "part": self.part, "parts": list(self.parts)}
             assert self._tier is not None
-            self._tier.commit(self.job, trainer.step, {"world_size": dist.get_world_size()}, staged=path, prune=False)
+            self._tier.commit(self.tier_job, trainer.step, extra, staged=path, prune=False)
         dist.barrier()
         self.stats.saves += 1
         self.stats.last_step = trainer.step

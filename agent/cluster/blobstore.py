@@ -21,6 +21,10 @@ Paths in namespace ``ckpt``::
     GET    <origin>/<job>/_index                       committed copies of that job (JSON)
     GET    _origins                                    origins and their jobs (JSON)
 
+With ``own_node``/``own_root`` set, origin ``own_node`` reads this agent's own memory tier
+(read-only): the parts of a checkpoint of a job spanning nodes are fetched from the node that
+wrote them exactly as from a node that holds a copy.
+
 Checksums of uploaded files are computed while they arrive, so the manifest commit compares
 numbers instead of reading the data again. Other namespaces are plain files (atomic per file).
 """
@@ -82,9 +86,12 @@ class HeldTier(LocalDirTier):
 class BlobStore:
     """Thread-safe. ``max_bytes``: refuse uploads beyond this much held data (0: no limit)."""
 
-    def __init__(self, root: str | os.PathLike[str], *, max_bytes: int = 0) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, max_bytes: int = 0, own_node: str = "",
+                 own_root: str | os.PathLike[str] | None = None) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
+        self.own_node = own_node
+        self.own_root = Path(own_root) if own_root is not None else None
         self._lock = threading.Lock()
         # (origin, job, step) -> {relpath: (size, crc32)} of files received into the upload
         self._received: dict[tuple[str, str, int], dict[str, tuple[int, str]]] = {}
@@ -98,7 +105,13 @@ class BlobStore:
     def held(self, origin: str) -> HeldTier:
         if not _NODE.match(origin):
             raise ValueError(f"bad origin node name {origin!r}")
+        if origin == self.own_node and self.own_root is not None:
+            return HeldTier(self.own_root, origin)
         return HeldTier(self.ckpt_root() / origin, origin)
+
+    def _writable(self, origin: str) -> None:
+        if origin == self.own_node and self.own_root is not None:
+            raise ApiError(403, f"checkpoints of {origin} are this node's own memory tier: read-only over the API")
 
     def origins(self) -> list[str]:
         try:
@@ -158,6 +171,7 @@ class BlobStore:
             size, digest = self._receive(body, dst)
             return {"size": size, "checksum": digest}
         origin, job, step, rel = self._ckpt_path(path)
+        self._writable(origin)
         if step is None or not rel or rel in (INCOMING, VERIFY):
             raise ApiError(400, "PUT needs ORIGIN/JOB/step_N/FILE")
         if rel == MANIFEST_NAME:
@@ -269,6 +283,7 @@ class BlobStore:
             p.unlink(missing_ok=True)
             return {"deleted": existed}
         origin, job, step, rel = self._ckpt_path(path)
+        self._writable(origin)
         if step is None:
             raise ApiError(400, "DELETE needs ORIGIN/JOB/step_N")
         if rel == INCOMING:

@@ -44,6 +44,9 @@ class JobRecordDoc:
     history: list[str] = field(default_factory=list)
     plan: dict[str, Any] = field(default_factory=dict)
     """The owner's current plan settings (lr_scale, lr, batch_sizes): carried over on a move."""
+    gang: dict[str, Any] = field(default_factory=dict)
+    """Set for a job that spans nodes (``agent.cluster.gang``): placement and attempt state. Such
+    records are the leader's and their nodes' business; the single-owner logic here skips them."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -56,7 +59,7 @@ class JobRecordDoc:
                        peer=str(doc.get("peer", "")), state=str(doc.get("state", "running")),
                        epoch=int(doc.get("epoch", 0)), cause=str(doc.get("cause", "")),
                        history=[str(h) for h in doc.get("history", [])][-20:],
-                       plan=dict(doc.get("plan") or {}))
+                       plan=dict(doc.get("plan") or {}), gang=dict(doc.get("gang") or {}))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -100,7 +103,7 @@ def plan_moves(records: dict[str, tuple[JobRecordDoc, int]], members: dict[str, 
     if not names:
         return out
     for job, (rec, rev) in sorted(records.items()):
-        if rec.state != "running" or rec.node in members:
+        if rec.state != "running" or rec.node in members or rec.gang:
             continue
         if rec.peer in members:
             dst = rec.peer

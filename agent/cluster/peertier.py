@@ -223,41 +223,7 @@ class PeerTier(Tier):
         if remote is None:
             raise CheckpointNotFound(f"tier {self.name}: no peer")
         peer, client = remote
-        dest = Path(dest_dir)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.parent / f"{TMP_PREFIX}fetch-{dest.name}-{uuid.uuid4().hex}"
-        tmp.mkdir()
-        try:
-            try:
-                raw = client.get_blob(CKPT_NS, self._path(job, step, MANIFEST_NAME))
-            except ApiClientError as exc:
-                if exc.status == 404:
-                    raise CheckpointNotFound(f"tier {self.name}: peer {peer.node} holds no {job} step {step}") from None
-                raise
-            assert isinstance(raw, bytes)
-            manifest = Manifest.from_json(raw)
-            if manifest.job != job or manifest.step != step:
-                raise CheckpointCorrupt(f"peer manifest names {manifest.job} step {manifest.step}")
-            bad: list[str] = []
-            for entry in manifest.files:
-                target = tmp / entry.path
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with open(target, "wb") as f:
-                    sink = _HashingSink(f, manifest.algorithm)
-                    client.get_blob(CKPT_NS, self._path(job, step, entry.path), sink)  # type: ignore[arg-type]
-                if sink.size != entry.size or sink.hasher.hexdigest() != entry.checksum:
-                    bad.append(f"checksum mismatch: {entry.path}")
-            if bad:
-                raise CheckpointCorrupt(f"peer copy of {job} step {step} on {peer.node} is corrupt", bad)
-            write_manifest(tmp, manifest, durable=False)
-            os.rename(tmp, dest)
-        except ApiClientError as exc:
-            rmtree_quiet(tmp)
-            raise CheckpointError(f"tier {self.name}: fetching from {peer.node} failed: {exc}") from None
-        except BaseException:
-            rmtree_quiet(tmp)
-            raise
-        return dest
+        return fetch_remote_copy(client, peer.node, self.node, job, step, Path(dest_dir), label=f"tier {self.name}")
 
     def verify(self, job: str, step: int) -> VerifyResult:
         held = self._held(job).get(step)
@@ -327,3 +293,45 @@ def ring_peer(me: str, members: dict[str, str], configured: str = "") -> PeerRef
     after = [n for n in names if n > me]
     chosen = after[0] if after else names[0]
     return PeerRef(chosen, members[chosen])
+
+
+def fetch_remote_copy(client: ApiClient, holder: str, origin: str, job: str, step: int, dest: Path, *,
+                      label: str = "remote copy") -> Path:
+    """Download ``origin``'s checkpoint ``job`` step ``step`` from the agent ``holder`` (its own
+    memory tier when ``holder == origin``, else a copy it holds) into ``dest``, every file checked
+    against the manifest while it arrives. ``dest`` appears complete or not at all."""
+    prefix = f"{origin}/{check_job(job)}/{step_dirname(step)}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f"{TMP_PREFIX}fetch-{dest.name}-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        try:
+            raw = client.get_blob(CKPT_NS, f"{prefix}/{MANIFEST_NAME}")
+        except ApiClientError as exc:
+            if exc.status == 404:
+                raise CheckpointNotFound(f"{label}: {holder} holds no {job} step {step}") from None
+            raise
+        assert isinstance(raw, bytes)
+        manifest = Manifest.from_json(raw)
+        if manifest.job != job or manifest.step != step:
+            raise CheckpointCorrupt(f"{label}: manifest on {holder} names {manifest.job} step {manifest.step}")
+        bad: list[str] = []
+        for entry in manifest.files:
+            target = tmp / entry.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "wb") as f:
+                sink = _HashingSink(f, manifest.algorithm)
+                client.get_blob(CKPT_NS, f"{prefix}/{entry.path}", sink)  # type: ignore[arg-type]
+            if sink.size != entry.size or sink.hasher.hexdigest() != entry.checksum:
+                bad.append(f"checksum mismatch: {entry.path}")
+        if bad:
+            raise CheckpointCorrupt(f"copy of {job} step {step} on {holder} is corrupt", bad)
+        write_manifest(tmp, manifest, durable=False)
+        os.rename(tmp, dest)
+    except ApiClientError as exc:
+        rmtree_quiet(tmp)
+        raise CheckpointError(f"{label}: fetching from {holder} failed: {exc}") from None
+    except BaseException:
+        rmtree_quiet(tmp)
+        raise
+    return dest

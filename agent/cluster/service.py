@@ -30,6 +30,7 @@ from agent.checkpoint.tier import Tier
 from agent.cluster.blobstore import BlobStore
 from agent.cluster.config import ClusterConfig
 from agent.cluster.etcd import EtcdClient, EtcdUnavailable, LeaseExpired
+from agent.cluster.gang import GangCoordinator
 from agent.cluster.jobs import JobRecordDoc, JobTable, plan_moves
 from agent.cluster.membership import EmitFn, Membership, NodeInfo
 from agent.cluster.peertier import PeerRef, PeerTier, ring_peer, token_client_factory
@@ -61,7 +62,7 @@ def _noop(kind: str, message: str, fields: dict[str, Any]) -> None:
 class ClusterService:
     def __init__(self, cfg: ClusterConfig, *, node: str, memory_root: str, token: str | None = None,
                  emit: EmitFn = _noop, clock: Callable[[], float] = time.time,
-                 on_adopt: Callable[[str, float], None] | None = None) -> None:
+                 on_adopt: Callable[[str, float], None] | None = None, scratch: str = "") -> None:
         """``on_adopt(job, when)``: a job of a lost node is started here (the daemon passes
         ``recovery.note_failure``-like so the recovery clock runs and ``job_resumed`` follows)."""
         self.cfg = cfg
@@ -69,13 +70,21 @@ class ClusterService:
         self.node = node
         self.emit = emit
         self._clock = clock
-        self.store = BlobStore(cfg.blob_root or os.path.join(memory_root, ".peer-held"))
+        self.store = BlobStore(cfg.blob_root or os.path.join(memory_root, ".peer-held"),
+                               own_node=node, own_root=memory_root)
         self.client = None if cfg.solo else EtcdClient(cfg.etcd_endpoints, timeout_s=cfg.etcd_timeout_s)
         self.peer_tier: PeerTier | None = None
         if self.client is not None:
             self.peer_tier = PeerTier(node, self.store, self.peer, token_client_factory(token, cfg.peer_timeout_s))
         self.membership: Membership | None = None
         self.jobs = JobTable(self.client, f"/trainguard/{cfg.name}/") if self.client is not None else None
+        self.gangs: GangCoordinator | None = None
+        if self.jobs is not None:
+            self.gangs = GangCoordinator(
+                node, self.jobs, self.store, token_client_factory(token, cfg.peer_timeout_s),
+                scratch=scratch or os.path.join(memory_root, ".assembled"), emit=emit,
+                is_leader=lambda: self.is_leader, members=self.members, wake=self._wake, on_restart=on_adopt,
+                clock=clock)
         self.supervisor: Supervisor | None = None
         self.plans: PlanStore | None = None
         self._epochs: dict[str, int] = {}
@@ -85,6 +94,10 @@ class ClusterService:
         self.moves = 0
         self.adoptions = 0
         self._next_gc = 0.0
+
+    def _wake(self) -> None:
+        if self.membership is not None:
+            self.membership._bump()
 
     # -- checkpoint manager wiring ---------------------------------------------------------------
     @property
@@ -106,6 +119,8 @@ class ClusterService:
         ``plans``: the agent's plan store, so a moved job keeps its LR/batch settings."""
         self.supervisor = supervisor
         self.plans = plans
+        if self.gangs is not None:
+            self.gangs.supervisor = supervisor
         advertise = self.cfg.advertise or (api_address or "")
         if advertise.startswith("0.0.0.0:"):
             log.warning("cluster: API bound to 0.0.0.0; set cluster.advertise so peers can reach this node")
@@ -162,6 +177,7 @@ class ClusterService:
             "members": {n: {"api": i.api, "slots": i.slots} for n, i in sorted(self.members().items())},
             "peer": peer.node if peer else None,
             "held_origins": self.store.origins(),
+            "spanning_jobs": self.gangs.last if self.gangs is not None else {},
         }
 
     def metrics(self) -> Iterator[Metric]:
@@ -216,11 +232,22 @@ class ClusterService:
         if not self.membership.etcd_reachable:
             return  # a frozen view must not drive decisions
         records = self.jobs.read()
-        self._publish(records)
-        self._adopt(records)
+        single = {j: r for j, r in records.items() if not r[0].gang}
+        self._publish(single, set(records) - set(single))
+        self._adopt(single)
         if self.cfg.heal and self.is_leader:
-            self._heal(records)
+            self._heal(single)
+        if self.gangs is not None:
+            self.gangs.sync(records)
         self.gc_held()
+
+    def submit_spanning(self, spec: dict[str, Any]) -> None:
+        """A job over several nodes: recorded in etcd; the leader places it (ValueError: refused)."""
+        if self.gangs is None:
+            raise ValueError("nodes > 1 needs a cluster: set [cluster] etcd_endpoints")
+        if self.membership is None or not self.membership.etcd_reachable:
+            raise ValueError("etcd is unreachable: cannot record the job")
+        self.gangs.submit(spec)
 
     def _pause_own_jobs(self) -> None:
         if self.jobs is None or self.supervisor is None:
@@ -229,7 +256,7 @@ class ClusterService:
             records = self.jobs.read()
             for job, (rec, rev) in records.items():
                 local = self.supervisor.jobs.get(job)
-                if rec.node == self.node and rec.state == "running" and local is not None:
+                if rec.node == self.node and rec.state == "running" and local is not None and not rec.gang:
                     self.jobs.write(replace(rec, state="paused", cause="agent stopped"), rev)
         except _ETCD_ERRORS as exc:
             log.warning("could not mark jobs paused in etcd (the leader may move them): %s", exc)
@@ -246,10 +273,12 @@ class ClusterService:
                       {"node": origin})
         return removed
 
-    def _publish(self, records: dict[str, tuple[JobRecordDoc, int]]) -> None:
+    def _publish(self, records: dict[str, tuple[JobRecordDoc, int]], spanning: set[str]) -> None:
         assert self.jobs is not None and self.supervisor is not None
         peer = self.peer()
         for job, local in list(self.supervisor.jobs.items()):
+            if job in spanning or local.block is not None:
+                continue
             cur = records.get(job)
             mine = self._epochs.get(job)
             if cur is not None and cur[0].node != self.node:

@@ -104,6 +104,20 @@ class RecoveryService:
             "TRAINGUARD_CKPT_MEMORY_ROOT": self.checkpoints.settings.memory_root,
             "TRAINGUARD_CKPT_MEMORY_EVERY": str(self.checkpoints.settings.memory_interval),
         }
+        if record.block is not None:
+            # A job spanning nodes: the cluster leader chose the step and this agent assembled it
+            # from the nodes' parts (``agent.cluster.gang``); the block carries the result.
+            record.restored_from = record.block.restore
+            record.restore_max_step = None
+            if record.block.restore is not None:
+                self.agent.events.emit(
+                    "restore_selected",
+                    f"job {job}: ranks restore step {record.block.restore['step']} assembled from the "
+                    f"parts of nodes {', '.join(sorted(record.block.restore.get('parts', {})))}",
+                    job=job, tier="assembled", step=record.block.restore["step"],
+                    parts=record.block.restore.get("parts", {}),
+                )
+            return env
         try:
             restored = self.checkpoints.restore(job, max_step=record.restore_max_step)
         except Exception as exc:  # noqa: BLE001 - no checkpoint is better than no job

@@ -1,0 +1,122 @@
+"""The leader's decisions for jobs spanning nodes (agent.cluster.gang), as pure functions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from agent.cluster.gang import Gang, decide, part_key, place_gang
+from agent.cluster.jobs import JobRecordDoc
+from agent.cluster.membership import NodeInfo
+from agent.cluster.placement import PlacementError
+
+
+def _spec(dp: int = 2, tp: int = 1, pp: int = 1, nodes: int = 2, max_restarts: int = 3) -> dict[str, Any]:
+    return {"job": "j", "nproc": dp * tp * pp, "nodes": nodes, "max_restarts": max_restarts,
+            "trainer": {"parallel": {"dp": dp, "tp": tp, "pp": pp}}}
+
+
+def _members(**slots: int) -> dict[str, NodeInfo]:
+    return {n: NodeInfo(n, f"10.0.0.{i + 1}:7000", s, 0.0) for i, (n, s) in enumerate(sorted(slots.items()))}
+
+
+class Finder:
+    def __init__(self, step: int = -1, sources: dict[str, list[str]] | None = None) -> None:
+        self.step, self.sources = step, sources or {}
+        self.calls: list[int | None] = []
+
+    def __call__(self, rec: JobRecordDoc, g: Gang, apis: dict[str, str], max_step: int | None) -> tuple[int, dict[str, list[str]]]:
+        self.calls.append(max_step)
+        return self.step, self.sources
+
+
+def _decided(rec: JobRecordDoc, members: dict[str, NodeInfo], finder: Finder, now: float) -> tuple[JobRecordDoc, str]:
+    out = decide(rec, members, finder, now)
+    assert out is not None, "expected a decision"
+    return out
+
+
+def _running(attempt: int = 1, blocks: list[list[Any]] | None = None, **gang: Any) -> JobRecordDoc:
+    g = Gang(attempt=attempt, blocks=blocks or [["a", 0, 1], ["b", 1, 1]], dp=2, master_addr="10.0.0.1",
+             master_port=5000, nodes_seen=["a", "b"], **gang)
+    return JobRecordDoc("j", _spec(), "a", state="running", gang=g.to_dict())
+
+
+def test_place_spreads_over_the_requested_nodes_and_keeps_tp_groups_whole() -> None:
+    spec, placement, note = place_gang(_spec(dp=2), {"a": 2, "b": 2})
+    assert [(b.node, b.rank_offset, b.nproc) for b in placement.blocks] == [("a", 0, 1), ("b", 1, 1)] and not note
+    spec, placement, _ = place_gang(_spec(dp=2, tp=2), {"a": 3, "b": 2})
+    assert [(b.node, b.nproc) for b in placement.blocks] == [("a", 2), ("b", 2)] and not placement.check()
+    # one node left with room for one replica: dp shrinks, tp and pp never
+    spec, placement, note = place_gang(_spec(dp=2, tp=2), {"b": 2})
+    assert placement.dp == 1 and placement.tp == 2 and spec["nproc"] == 2 and "dp 2 -> 1" in note
+    assert spec["trainer"]["parallel"]["dp"] == 1 and spec["nodes"] == 2
+    with pytest.raises(PlacementError, match="tp=2"):
+        place_gang(_spec(dp=2, tp=2), {"a": 1, "b": 1})
+
+
+def test_pending_job_gets_its_first_attempt_with_the_master_on_block_zero() -> None:
+    rec = JobRecordDoc("j", _spec(), "", state="pending", cause="submitted", gang=Gang().to_dict())
+    finder = Finder()
+    new, what = _decided(rec, _members(a=1, b=1), finder, 100.0)
+    g = Gang.from_dict(new.gang)
+    assert new.state == "running" and g.attempt == 1 and g.blocks == [["a", 0, 1], ["b", 1, 1]]
+    assert g.master_addr == "10.0.0.1" and g.master_port == 0 and g.restore_step == -1
+    assert finder.calls == [] and "from step 0" in what and new.node == "a"
+
+
+def test_quiet_running_job_is_left_alone_and_stale_requests_are_ignored() -> None:
+    assert decide(_running(), _members(a=1, b=1), Finder(), 0.0) is None
+    stale = _running(attempt=3, requests={"b": {"attempt": 2, "cause": "old", "bad_step": None}})
+    assert decide(stale, _members(a=1, b=1), Finder(), 0.0) is None
+
+
+def test_restart_request_restarts_every_node_from_the_chosen_step() -> None:
+    rec = _running(requests={"b": {"attempt": 1, "cause": "rank 1 died", "bad_step": None}})
+    finder = Finder(8, {"a": ["a", "b"], "b": ["b"]})
+    new, _ = _decided(rec, _members(a=1, b=1), finder, 5.0)
+    g = Gang.from_dict(new.gang)
+    assert g.attempt == 2 and g.restore_step == 8 and g.sources == {"a": ["a", "b"], "b": ["b"]}
+    assert g.requests == {} and g.master_port == 0 and "rank 1 died" in new.cause and finder.calls == [None]
+    # a part that could not be assembled: the next choice must be older than that step
+    bad = _running(attempt=2, requests={"a": {"attempt": 2, "cause": "restore failed", "bad_step": 8}}, restore_step=8)
+    finder2 = Finder(4)
+    new2, _ = _decided(bad, _members(a=1, b=1), finder2, 6.0)
+    assert finder2.calls == [7] and Gang.from_dict(new2.gang).restore_step == 4
+
+
+def test_lost_node_shrinks_the_job_onto_the_survivors() -> None:
+    new, what = _decided(_running(), _members(b=1), Finder(12, {"a": ["b"], "b": ["b"]}), 9.0)
+    g = Gang.from_dict(new.gang)
+    assert g.blocks == [["b", 0, 1]] and g.dp == 1 and new.spec["nproc"] == 1 and "node a lost" in new.cause
+    assert g.restore_step == 12 and "dp 2 -> 1" in what and g.nodes_seen == ["a", "b"]
+
+
+def test_finished_everywhere_and_crash_loop() -> None:
+    done = _running(done={"a": "succeeded", "b": "succeeded"})
+    new, what = _decided(done, _members(a=1, b=1), Finder(), 0.0)
+    assert new.state == "finished" and what == "finished"
+    half = _running(done={"a": "succeeded"})
+    assert decide(half, _members(a=1, b=1), Finder(), 0.0) is None
+    # the same restore step again and again: no progress, give up after max_restarts
+    looping = _running(attempt=5, restore_step=8, stalls=3, requests={"a": {"attempt": 5, "cause": "x", "bad_step": None}})
+    new, _ = _decided(looping, _members(a=1, b=1), Finder(8), 0.0)
+    assert new.state == "failed" and "crash loop" in new.cause
+    progressing = _running(attempt=5, restore_step=8, stalls=3, requests={"a": {"attempt": 5, "cause": "x", "bad_step": None}})
+    new, _ = _decided(progressing, _members(a=1, b=1), Finder(12), 0.0)
+    assert new.state == "running" and Gang.from_dict(new.gang).stalls == 0
+
+
+def test_no_room_waits_pending_without_rewriting_the_same_reason() -> None:
+    rec = JobRecordDoc("j", _spec(dp=2, tp=2), "", state="pending", cause="submitted", gang=Gang().to_dict())
+    new, what = _decided(rec, _members(a=1), Finder(), 0.0)
+    assert new.state == "pending" and new.cause.startswith("waiting:") and "cannot place" in what
+    assert decide(new, _members(a=1), Finder(), 1.0) is None
+
+
+def test_part_key_and_record_round_trip() -> None:
+    assert part_key("job-1", "node-a") == "job-1.part-node-a"
+    rec = _running()
+    back = JobRecordDoc.from_json(rec.to_json())
+    assert back == rec and Gang.from_dict(back.gang).block_of("b") == (1, 1, 1)
