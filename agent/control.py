@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 from agent import __version__
 from agent.api.handler import ApiError, Blob, BlobReader, Json
 from agent.jobs import JobSpec, JobSpecError
-from agent.wire import WireError
+from agent.wire import WireError, decode_telemetry
+
+MAX_FORWARDED = 20_000
 
 if TYPE_CHECKING:
     from agent.daemon import Agent
@@ -141,6 +143,29 @@ class AgentControl:
         plan = self.agent.plans.update(job, {"reason": "checkpoint requested"}, checkpoint_now=True)
         self.agent.events.emit("checkpoint_requested", f"checkpoint requested for job {job}", job=job, cause="api")
         return {"job": job, "checkpoint_id": plan.checkpoint_id, "plan_version": plan.version}
+
+    def ingest_telemetry(self, job: str, body: dict[str, Any]) -> dict[str, Any]:
+        node, messages = body.get("node"), body.get("messages")
+        if not isinstance(node, str) or not isinstance(messages, list) or len(messages) > MAX_FORWARDED:
+            raise ApiError(400, f'expected {{"node": NAME, "messages": [up to {MAX_FORWARDED} datagram strings]}}')
+        record = self.agent.supervisor.jobs.get(job)
+        if record is None or record.block is None or record.block.group_rank != 0:
+            raise ApiError(409, f"job {job} does not hold rank 0 here; telemetry goes to the node that does")
+        good, dropped = [], 0
+        for raw in messages:
+            try:
+                msg = decode_telemetry(raw.encode() if isinstance(raw, str) else b"")
+            except WireError:
+                dropped += 1
+                continue
+            if msg.job != job:
+                dropped += 1
+                continue
+            good.append(msg)
+        result = self.agent.table.add_many(good, time.time())
+        dropped += sum(result.rejected.values())
+        self.agent.forwarded_in[node] = self.agent.forwarded_in.get(node, 0) + len(result.accepted)
+        return {"accepted": len(result.accepted), "dropped": dropped}
 
     def drain(self, job: str, target: dict[str, Any]) -> dict[str, Any]:
         self._job(job)

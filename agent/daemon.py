@@ -48,6 +48,8 @@ class Agent:
         self._stop = threading.Event()
         self._reload = threading.Event()
         self.ticks = 0
+        self.forwarded_in: dict[str, int] = {}
+        """Telemetry messages other nodes forwarded here, per node (jobs spanning nodes)."""
         self.metrics_port: int | None = None
         self.api_tcp_port: int | None = None
 
@@ -138,6 +140,9 @@ class Agent:
             on_adopt=lambda job, when: self.recovery.note_failure(job, "node_lost", when),
         )
         self.blob_store = self.cluster.store
+        if self.cluster.gangs is not None:
+            # Ranks of a job spanning nodes report to their own node; the node holding rank 0 judges them all.
+            self.telemetry.on_message = self.cluster.gangs.on_telemetry
         self.checkpoints = CheckpointManager(
             settings,
             emit=self._on_checkpoint_event,

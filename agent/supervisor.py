@@ -51,6 +51,12 @@ class JobRecord:
     def job(self) -> str:
         return self.spec.job
 
+    @property
+    def decides_here(self) -> bool:
+        """Job-wide judgement (stragglers, controller) belongs to the node that holds rank 0: it
+        reads the plan and sees every rank's telemetry (the other nodes forward theirs)."""
+        return self.block is None or self.block.group_rank == 0
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "job": self.job,

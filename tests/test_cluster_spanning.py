@@ -22,14 +22,16 @@ from agent.cluster.etcdserver import LocalEtcd
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def two_nodes(tmp_path: Path) -> Iterator[tuple[ClusterNode, ClusterNode]]:
+@pytest.fixture(params=[1])
+def two_nodes(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[ClusterNode, ClusterNode]]:
+    """Agents a and b with ``request.param`` slots each."""
     etcd = LocalEtcd(tmp_path / "etcd", size=1).start()
     token = secrets.token_hex(16)
     nodes: list[ClusterNode] = []
     try:
         for name in ("a", "b"):
-            nodes.append(ClusterNode(tmp_path / name, name, etcd.endpoints, token, cluster=f"s{os.getpid()}", slots=1))
+            nodes.append(ClusterNode(tmp_path / name, name, etcd.endpoints, token, cluster=f"s{os.getpid()}",
+                                     slots=request.param))
         yield nodes[0], nodes[1]
     finally:
         for n in nodes:
@@ -110,3 +112,31 @@ def test_job_spans_two_agents_restarts_together_and_survives_node_loss(
     for name in want:
         assert (want[name] == got[name]).all(), name
     print(f"node loss -> job resumed on b in {took:.1f}s from assembled step {step}")
+
+
+@pytest.mark.parametrize("two_nodes", [2], indirect=True)
+def test_rank_zero_node_judges_every_rank_from_forwarded_telemetry(
+        two_nodes: tuple[ClusterNode, ClusterNode], tmp_path: Path) -> None:
+    """dp=4 over two nodes, rank 3 (on b) made 3x slower: b forwards its ranks' telemetry to a (rank
+    0's node), a detects the straggler and migrates its shards through the plan rank 0 reads; b
+    judges nothing itself."""
+    from trainer.testing import tiny_config
+
+    a, b = two_nodes
+    trainer = tiny_config(str(tmp_path / "corpus"), steps=3000, parallel={"dp": 4}, global_batch=16).to_dict()
+    a.client.submit_job({"job": "big", "nproc": 4, "nodes": 2, "trainer": trainer,
+                         "faults": ["slow:rank=3,factor=3,step=20"]})
+    placed = wait_for(lambda: _events(a, "gang_placed") or _events(b, "gang_placed"), 30, "placement")
+    assert "a: ranks 0-1; b: ranks 2-3" in placed[0]["message"]
+
+    detected = wait_for(lambda: [e for e in _events(a, "straggler_detected") if (e.get("rank") if "rank" in e else e["fields"].get("rank")) == 3],
+                        120, f"a detects rank 3 on b\n{a.log()[-2000:]}")
+    assert detected
+    status = a.client.job("big")
+    assert status["local_ranks"] == [0, 1]
+    assert a.metric("trainguard_cluster_telemetry_forwarded_total") in (0, None)
+    assert (b.metric("trainguard_cluster_telemetry_forwarded_total") or 0) > 0
+    plan = a.client.get_plan("big")
+    sizes = plan.get("batch_sizes")
+    assert plan["version"] >= 1 and sizes and len(sizes) == 4 and sizes[3] < max(sizes)  # shards moved off rank 3
+    assert not b.events("straggler_detected")  # only rank 0's node judges

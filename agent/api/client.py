@@ -145,6 +145,9 @@ class ApiClient:
         return self._json("POST", f"/v1/jobs/{_seg(job)}/drain",
                           {"rank": rank} if rank is not None else {"node": node})
 
+    def forward_telemetry(self, job: str, node: str, messages: list[str]) -> dict[str, Any]:
+        return self._json("POST", f"/v1/jobs/{_seg(job)}/telemetry", {"node": node, "messages": messages})
+
     def detection_config(self) -> dict[str, Any]:
         return self._json("GET", "/v1/config/detection")
 

@@ -101,6 +101,11 @@ class ApiHandler(Protocol):
     def drain(self, job: str, target: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/jobs/<job>/drain with ``{"rank": r}`` or ``{"node": n}``."""
 
+    def ingest_telemetry(self, job: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/jobs/<job>/telemetry: ``{"node": n, "messages": [datagram text, ...]}`` of the
+        ranks another node runs for this job (a job spanning nodes: the node that holds rank 0
+        judges every rank)."""
+
     def get_detection_config(self) -> dict[str, Any]:
         """GET /v1/config/detection."""
 

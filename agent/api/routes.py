@@ -17,6 +17,7 @@ GET      /v1/jobs/<id>/plan               read    get_plan(id)
 PUT      /v1/jobs/<id>/plan               admin   update_plan(id, body)
 POST     /v1/jobs/<id>/checkpoint         admin   checkpoint_now(id, body)
 POST     /v1/jobs/<id>/drain              admin   drain(id, body)
+POST     /v1/jobs/<id>/telemetry          admin   ingest_telemetry(id, body)  (other nodes' ranks)
 GET      /v1/checkpoints?job=             read    list_checkpoints(job)
 GET      /v1/config/detection             read    get_detection_config()
 PUT      /v1/config/detection             admin   update_detection_config(body)
@@ -153,6 +154,7 @@ ROUTES: tuple[Route, ...] = (
     _r("PUT", _JOB + r"/plan", ADMIN, lambda h, c: h.update_plan(_job(c), c.body)),
     _r("POST", _JOB + r"/checkpoint", ADMIN, lambda h, c: h.checkpoint_now(_job(c), c.body)),
     _r("POST", _JOB + r"/drain", ADMIN, lambda h, c: h.drain(_job(c), c.body)),
+    _r("POST", _JOB + r"/telemetry", ADMIN, lambda h, c: h.ingest_telemetry(_job(c), c.body)),
     _r("GET", r"/v1/checkpoints", READ, _checkpoints),
     _r("GET", r"/v1/config/detection", READ, lambda h, c: h.get_detection_config()),
     _r("PUT", r"/v1/config/detection", ADMIN, lambda h, c: h.update_detection_config(c.body)),

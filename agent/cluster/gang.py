@@ -35,7 +35,9 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -52,6 +54,7 @@ from agent.cluster.placement import Placement, PlacementError, place
 if TYPE_CHECKING:
     from agent.cluster.membership import EmitFn, NodeInfo
     from agent.supervisor import Supervisor
+    from agent.wire import Telemetry
 
 log = logging.getLogger("trainguard.cluster.gang")
 PART_MARK = ".part-"
@@ -226,6 +229,53 @@ class GangCoordinator:
         self._requests: dict[str, dict[str, Any]] = {}
         self.decisions = 0
         self.last: dict[str, dict[str, Any]] = {}
+        # Telemetry of local ranks of jobs whose rank 0 runs elsewhere: job -> master node.
+        self._forward_to: dict[str, str] = {}
+        self._outbox: dict[str, deque[str]] = {}
+        self._forwarder: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.forward_interval_s = 0.25
+        self.forwarded = 0
+        self.forward_dropped = 0
+
+    # -- telemetry forwarding ----------------------------------------------------------------------
+    def on_telemetry(self, msg: Telemetry) -> None:
+        """TelemetryServer hook (receiver thread): queue messages of ranks whose judge is elsewhere."""
+        if msg.job in self._forward_to:
+            box = self._outbox.get(msg.job)
+            if box is None:
+                box = self._outbox.setdefault(msg.job, deque(maxlen=8192))
+            if len(box) == box.maxlen:
+                self.forward_dropped += 1
+            box.append(msg.encode().decode())
+
+    def _forward_loop(self) -> None:
+        while not self._stop.wait(self.forward_interval_s):
+            self.flush_forward()
+
+    def flush_forward(self) -> None:
+        """One batch per job to the node holding its rank 0 (per node, not per rank: the leader's
+        and the judge's load grows with nodes, not with ranks)."""
+        apis = {n: i.api for n, i in self.members().items()}
+        for job, master in list(self._forward_to.items()):
+            box = self._outbox.get(job)
+            if not box:
+                continue
+            batch = [box.popleft() for _ in range(len(box))]
+            api = apis.get(master)
+            try:
+                if api is None:
+                    raise ConnectionError(f"{master} is not a member")
+                self.client_for(PeerRef(master, api)).forward_telemetry(job, self.node, batch)
+                self.forwarded += len(batch)
+            except Exception as exc:  # noqa: BLE001 - telemetry is best effort; counted, never fatal
+                self.forward_dropped += len(batch)
+                log.info("gang %s: telemetry to %s dropped (%d messages): %s", job, master, len(batch), exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._forwarder is not None:
+            self._forwarder.join(2.0)
 
     # -- submission --------------------------------------------------------------------------------
     def submit(self, spec: dict[str, Any]) -> None:
@@ -291,6 +341,7 @@ class GangCoordinator:
         local = self.supervisor.jobs.get(job)
         running_here = local is not None and not local.state.finished
         if rec.state in ("finished", "failed", "stopped"):
+            self._forward_to.pop(job, None)
             if running_here and rec.state != "finished":
                 self.supervisor.stop(job, f"cluster: job {rec.state} ({rec.cause})")
             return
@@ -308,6 +359,7 @@ class GangCoordinator:
         elif req is not None and req["attempt"] < g.attempt:
             self._requests.pop(job, None)  # superseded by a newer attempt
         if mine is None:
+            self._forward_to.pop(job, None)
             if running_here:
                 self.supervisor.stop(job, f"cluster: attempt {g.attempt} places no ranks on {self.node}")
                 self.emit("gang_left", f"job {job}: attempt {g.attempt} runs on {', '.join(g.nodes)}; "
@@ -353,6 +405,13 @@ class GangCoordinator:
             env["TRAINGUARD_RESTORE"] = str(path)
             restore = {"tier": "assembled", "step": g.restore_step, "path": str(path), "parts": how}
         block = RankBlock(offset, nproc, g.world_size, g.master_addr, g.master_port, group, env, g.attempt, restore)
+        if group == 0:
+            self._forward_to.pop(job, None)
+        else:
+            self._forward_to[job] = g.master_node
+            if self._forwarder is None:
+                self._forwarder = threading.Thread(target=self._forward_loop, name="gang-telemetry", daemon=True)
+                self._forwarder.start()
         spec = JobSpec.from_dict(rec.spec)
         local = self.supervisor.jobs.get(job)
         if self.on_restart is not None and g.attempt > 1:

@@ -52,7 +52,14 @@ MOVES = MetricSpec("trainguard_cluster_jobs_moved_total", "counter", "", (), "Jo
 ADOPTIONS = MetricSpec("trainguard_cluster_jobs_adopted_total", "counter", "", (), "Jobs of lost nodes this agent took over.")
 HELD_BYTES = MetricSpec("trainguard_cluster_peer_held_bytes", "gauge", "bytes", (),
                         "Peer-tier checkpoint bytes other nodes keep in this agent's RAM.")
-METRICS = (MEMBERS, IS_LEADER, ETCD_UP, REFRESH_FAILURES, MOVES, ADOPTIONS, HELD_BYTES)
+GANG_DECISIONS = MetricSpec("trainguard_cluster_spanning_decisions_total", "counter", "", (),
+                            "Attempts of jobs spanning nodes this agent, as leader, placed (start, restart, node loss).")
+FORWARDED = MetricSpec("trainguard_cluster_telemetry_forwarded_total", "counter", "", (),
+                       "Rank telemetry messages sent on to the node holding rank 0 of their job (one batch per job per 0.25 s).")
+FORWARD_DROPPED = MetricSpec("trainguard_cluster_telemetry_forward_dropped_total", "counter", "", (),
+                             "Rank telemetry messages that could not be sent on (rank-0 node unreachable, queue full).")
+METRICS = (MEMBERS, IS_LEADER, ETCD_UP, REFRESH_FAILURES, MOVES, ADOPTIONS, HELD_BYTES, GANG_DECISIONS, FORWARDED,
+           FORWARD_DROPPED)
 
 
 def _noop(kind: str, message: str, fields: dict[str, Any]) -> None:
@@ -139,6 +146,8 @@ class ClusterService:
         stopping an agent is an operator's act, not a failure, so the leader must not move them
         (with ``on_stop = "leave_ranks"`` they even keep running here)."""
         self._stop.set()
+        if self.gangs is not None:
+            self.gangs.stop()
         if self.membership is not None:
             self.membership._bump()  # wake the job loop now
         if self._thread is not None:
@@ -189,8 +198,12 @@ class ClusterService:
             g = spec.gauge()
             g.add_metric([], value)
             yield g
+        gangs = self.gangs
         for spec, value in ((REFRESH_FAILURES, m.refresh_failures if m is not None else 0),
-                            (MOVES, self.moves), (ADOPTIONS, self.adoptions)):
+                            (MOVES, self.moves), (ADOPTIONS, self.adoptions),
+                            (GANG_DECISIONS, gangs.decisions if gangs else 0),
+                            (FORWARDED, gangs.forwarded if gangs else 0),
+                            (FORWARD_DROPPED, gangs.forward_dropped if gangs else 0)):
             c = spec.counter()
             c.add_metric([], value)
             yield c

@@ -163,8 +163,9 @@ class Controller:
         with self._lock:
             for job in [j for j in self.jobs if j not in snapshot.jobs]:
                 self.jobs.pop(job).strategy.close()
+            records = getattr(getattr(agent, "supervisor", None), "jobs", {})
             for job, ranks in snapshot.jobs.items():
-                if not ranks:
+                if not ranks or (job in records and not records[job].decides_here):
                     continue
                 try:
                     self._tick_job(agent, job, ranks)

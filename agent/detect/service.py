@@ -164,7 +164,8 @@ class StragglerService:
         snapshot = self.agent.table.snapshot()
         records = getattr(self.agent.supervisor, "jobs", {})
         # A job that ended keeps its telemetry in the table for a while; it has nothing left to judge.
-        live = {j: v for j, v in snapshot.jobs.items() if not (j in records and records[j].state.finished)}
+        live = {j: v for j, v in snapshot.jobs.items()
+                if not (j in records and (records[j].state.finished or not records[j].decides_here))}
         with self._lock:
             for job in [j for j in self._jobs if j not in live]:
                 self._jobs.pop(job)
