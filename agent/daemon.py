@@ -151,6 +151,8 @@ class Agent:
             extra_keep=self.cluster.keep,
         )
         self.checkpoints.start()
+        if self.cluster.gangs is not None and self.checkpoints.object is not None:
+            self.cluster.gangs.shared_tiers = [self.checkpoints.object]
         self.recovery = RecoveryService(self, self.checkpoints)
         self.supervisor.launch_env = self.recovery.launch_env
         self.tick_hooks.append(self.recovery.tick)

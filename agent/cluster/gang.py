@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent.checkpoint.errors import CheckpointError
-from agent.checkpoint.manifest import MANIFEST_NAME, read_manifest
-from agent.checkpoint.tier import step_dirname
+from agent.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
+from agent.checkpoint.tier import Tier, step_dirname
 from agent.cluster.blobstore import CKPT_NS, INDEX, BlobStore
 from agent.cluster.jobs import JobRecordDoc, JobTable
 from agent.cluster.peertier import ClientFactory, PeerRef, fetch_remote_copy
@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trainguard.cluster.gang")
 PART_MARK = ".part-"
+TIER_HOLDER = "tier:"
+"""Prefix of a holder that is a tier every node reaches (the object store), not a node."""
 
 
 def part_key(job: str, node: str) -> str:
@@ -201,8 +203,8 @@ def decide(rec: JobRecordDoc, members: dict[str, NodeInfo], find_restore: Restor
 
 
 def _sorted_holders(part: str, holders: list[str]) -> list[str]:
-    """The writer itself first (its RAM, no copy), then the others by name."""
-    return sorted(set(holders), key=lambda n: (n != part, n))
+    """The writer itself first (its RAM, no copy), then nodes holding copies, shared tiers last."""
+    return sorted(set(holders), key=lambda n: (n != part, n.startswith(TIER_HOLDER), n))
 
 
 class GangCoordinator:
@@ -225,6 +227,8 @@ class GangCoordinator:
         self.on_restart = on_restart
         self.clock = clock
         self.supervisor: Supervisor | None = None
+        self.shared_tiers: list[Tier] = []
+        """Tiers every node reaches (the object store): the last resort for a part no live node holds."""
         self._launched: dict[str, int] = {}
         self._requests: dict[str, dict[str, Any]] = {}
         self.decisions = 0
@@ -426,7 +430,16 @@ class GangCoordinator:
                   {"job": job, "attempt": g.attempt, "restore_step": g.restore_step})
 
     # -- checkpoints -------------------------------------------------------------------------------
+    def _shared(self, holder: str) -> Tier:
+        name = holder[len(TIER_HOLDER):]
+        for tier in self.shared_tiers:
+            if tier.name == name:
+                return tier
+        raise CheckpointError(f"no shared tier {name!r} here")
+
     def _index(self, holder: str, api: str, origin: str, key: str) -> list[int]:
+        if holder.startswith(TIER_HOLDER):
+            return [i.step for i in self._shared(holder).list(key)]
         if holder == self.node:
             return [i.step for i in self.store.held(origin).list(key)]
         raw = self.client_for(PeerRef(holder, api)).get_blob(CKPT_NS, f"{origin}/{key}/{INDEX}")
@@ -434,14 +447,19 @@ class GangCoordinator:
         return [int(r["step"]) for r in json.loads(raw)]
 
     def _parts_of(self, holder: str, api: str, origin: str, key: str, step: int) -> list[str]:
-        if holder == self.node:
+        if holder.startswith(TIER_HOLDER):
+            probe = self.scratch / ".probe" / f"{key}-{step}"
+            shutil.rmtree(probe, ignore_errors=True)
+            try:
+                manifest = read_manifest(self._shared(holder).fetch(key, step, probe))
+            finally:
+                shutil.rmtree(probe, ignore_errors=True)
+        elif holder == self.node:
             manifest = read_manifest(self.store.held(origin).step_path(key, step))
         else:
             raw = self.client_for(PeerRef(holder, api)).get_blob(
                 CKPT_NS, f"{origin}/{key}/{step_dirname(step)}/{MANIFEST_NAME}")
             assert isinstance(raw, bytes)
-            from agent.checkpoint.manifest import Manifest
-
             manifest = Manifest.from_json(raw)
         parts = manifest.extra.get("parts")
         return [str(p) for p in parts] if isinstance(parts, list) else [origin]
@@ -450,6 +468,7 @@ class GangCoordinator:
                      max_step: int | None) -> tuple[int, dict[str, list[str]]]:
         """Newest step (<= ``max_step``) of which every part is held by a live node, and where."""
         have: dict[str, dict[int, list[str]]] = {}
+        apis = {**apis, **{TIER_HOLDER + t.name: "" for t in self.shared_tiers}}
         for origin in g.nodes_seen:
             key = part_key(rec.job, origin)
             for holder, api in apis.items():
@@ -463,7 +482,7 @@ class GangCoordinator:
         steps = sorted({s for by in have.values() for s in by if max_step is None or s <= max_step}, reverse=True)
         for step in steps:
             origin = next(o for o in have if step in have[o])
-            holder = have[origin][step][0]
+            holder = _sorted_holders("", have[origin][step])[0]
             try:
                 parts = self._parts_of(holder, apis[holder], origin, part_key(rec.job, origin), step)
             except Exception as exc:  # noqa: BLE001
@@ -487,7 +506,9 @@ class GangCoordinator:
             for holder in holders:
                 target = staging / part
                 try:
-                    if holder == self.node:
+                    if holder.startswith(TIER_HOLDER):
+                        self._shared(holder).fetch(key, step, target)
+                    elif holder == self.node:
                         src = self.store.held(part).step_path(key, step)
                         result = self.store.held(part).verify(key, step)
                         if not result.ok:
