@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo lint typecheck bench-quick
+.PHONY: setup test demo demo-cluster lint typecheck bench-quick
 
 setup:
 	@bash scripts/setup.sh
@@ -18,3 +18,7 @@ test: setup lint typecheck
 
 demo: setup
 	$(VENV)/bin/trainguard demo
+
+# Two agents + etcd on loopback, one job spanning both; one node is killed, the job goes on.
+demo-cluster: setup
+	$(PY) -m agent.cluster.demo

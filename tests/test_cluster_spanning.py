@@ -140,3 +140,15 @@ def test_rank_zero_node_judges_every_rank_from_forwarded_telemetry(
     sizes = plan.get("batch_sizes")
     assert plan["version"] >= 1 and sizes and len(sizes) == 4 and sizes[3] < max(sizes)  # shards moved off rank 3
     assert not b.events("straggler_detected")  # only rank 0's node judges
+
+
+def test_cluster_demo_runs(tmp_path: Path) -> None:
+    import io
+
+    from agent.cluster.demo import run_demo
+
+    out = io.StringIO()
+    assert run_demo(3000, tmp_path, out=out) == 0, out.getvalue()
+    text = out.getvalue()
+    assert "a: ranks 0-0; b: ranks 1-1" in text and "node_lost" in text and "dp 2 -> 1" in text
+    assert "on node b: state running, 1 rank(s)" in text and "parts from {'a': 'b', 'b': 'b'}" in text

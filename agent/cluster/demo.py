@@ -1,5 +1,6 @@
-"""Cluster demo: two agents and a local etcd on loopback; one node dies with its ranks, the job
-goes on on the other from the peer copy of its memory checkpoint.
+"""Cluster demo: two agents and a local etcd on loopback run one job spanning both; one node dies
+with its ranks, the job goes on on the other from its own checkpoint part and the peer copy of the
+lost node's part.
 
     python -m agent.cluster.demo [--steps N] [--keep DIR]
 
@@ -128,11 +129,14 @@ class ClusterNode:
         shutil.rmtree(self.shm, ignore_errors=True)
 
 
-_SHOWN = ("node_joined", "leader_elected", "node_lost", "job_moved", "job_adopted", "restore_selected",
-          "job_resumed", "checkpoint_replicated")
+_SHOWN = ("node_joined", "leader_elected", "node_lost", "gang_placed", "gang_ranks_started", "restore_selected",
+          "checkpoint_part_unusable", "job_restart_requested", "job_resumed")
 
 
 def run_demo(steps: int, root: Path, out: Any = sys.stdout) -> int:
+    """Two agents, one job spanning both (one rank each, dp=2); node a dies with its rank; the
+    leader restarts the job on b with dp=1 from a checkpoint assembled out of b's own part and
+    the copy of a's part that b holds in RAM."""
     from trainer.config import config_from_cli  # torch-free
 
     token = secrets.token_hex(16)
@@ -140,37 +144,46 @@ def run_demo(steps: int, root: Path, out: Any = sys.stdout) -> int:
     print(f"etcd on {etcd.endpoints[0]}", file=out)
     nodes: list[ClusterNode] = []
     try:
-        a = ClusterNode(root / "a", "a", etcd.endpoints, token, cluster="demo", slots=2)
+        a = ClusterNode(root / "a", "a", etcd.endpoints, token, cluster="demo", slots=1)
         nodes.append(a)
         b = ClusterNode(root / "b", "b", etcd.endpoints, token, cluster="demo", slots=1)
         nodes.append(b)
-        print(f"node a: API {a.api}, 2 slots; node b: API {b.api}, 1 slot", file=out)
+        print(f"node a: API {a.api}, 1 slot; node b: API {b.api}, 1 slot", file=out)
         trainer = config_from_cli(nproc=2, steps=steps, overrides=["model.layers=2", "model.d_model=32",
                                                                    "model.context=32", "global_batch=8"])
-        a.client.submit_job({"job": "demo", "nproc": 2, "trainer": trainer})
-        print("job 'demo' (dp=2) submitted to node a; waiting for a peer copy on node b ...", file=out)
-        wait_for(lambda: max(b.held_steps("a", "demo") or [0]) >= 8, 180, "peer copy")
-        print(f"node b holds node a's checkpoints at steps {b.held_steps('a', 'demo')}", file=out)
-        print("killing node a (agent and ranks, SIGKILL) ...", file=out)
+        a.client.submit_job({"job": "demo", "nproc": 2, "nodes": 2, "trainer": trainer})
+        print("job 'demo' (dp=2 over 2 nodes) submitted to node a", file=out)
+        placed = wait_for(lambda: [e for n in nodes for e in n.events("gang_placed")], 60, "placement")
+        print(f"  leader placed it: {placed[0]['message']}", file=out)
+        wait_for(lambda: max(b.held_steps("a", "demo.part-a") or [0]) >= 12, 180, "a peer copy of a's part")
+        before = b.client.job("demo")["progress_step"]
+        print(f"training at step {before}; node b holds node a's checkpoint parts at steps "
+              f"{b.held_steps('a', 'demo.part-a')} in RAM", file=out)
+        print("killing node a (agent and its rank, SIGKILL) ...", file=out)
         seen: set[int] = {e["seq"] for e in b.all_events()}  # show only what follows the kill
         killed = time.monotonic()
         a.kill_with_ranks("demo")
+        resumed: dict[str, Any] = {}
 
         def show() -> bool:
-            done = False
             for e in b.all_events():
                 if e["seq"] in seen or e["kind"] not in _SHOWN:
                     continue
                 seen.add(e["seq"])
                 print(f"  b +{time.monotonic() - killed:5.1f}s {e['kind']:<22} {e['message']}", file=out)
-                done = done or (e["kind"] == "job_resumed" and e.get("job") == "demo")
-            return done
+                if e["kind"] == "job_resumed" and e.get("job") == "demo":
+                    resumed.update(e)
+            return bool(resumed)
 
         wait_for(show, 120, "the job to resume on node b")
         time.sleep(3)
         job = b.client.job("demo")
-        print(f"job 'demo' on node b: state {job['state']}, {job['nproc']} rank(s), step {job['progress_step']}", file=out)
-        return 0
+        restored = (resumed.get("fields") or {}).get("restored_from") or {}
+        print(f"job 'demo' on node b: state {job['state']}, {job['nproc']} rank(s), step {job['progress_step']}; "
+              f"restored step {restored.get('step')} (parts from {restored.get('parts')}), "
+              f"about {max(0, before - int(restored.get('step', 0)))} step(s) redone, "
+              f"{(resumed.get('fields') or {}).get('recovery_s')} s from the first failure to training again", file=out)
+        return 0 if job["state"] in ("running", "starting", "succeeded") else 1
     finally:
         for n in nodes:
             n.stop()
