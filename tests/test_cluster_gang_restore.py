@@ -91,3 +91,13 @@ def test_no_good_copy_means_an_older_step(survivor: dict[str, Any]) -> None:
     step, sources = _find(gang, max_step=7)
     path, used = gang.assemble("job", step, sources)
     assert step == 4 and used == {"a": "b", "b": "b"} and (path / "__0_0.distcp").read_bytes() == bytes([0, 4]) * 4096
+
+
+def test_block_that_would_split_a_tp_group_is_not_started(survivor: dict[str, Any]) -> None:
+    gang: GangCoordinator = survivor["gang"]
+    gang.supervisor = object()  # type: ignore[assignment]  # must not be reached
+    g = Gang(attempt=1, blocks=[["a", 0, 1], ["b", 1, 3]], dp=2, tp=2, master_addr="127.0.0.1", master_port=1)
+    rec = JobRecordDoc("job", {"job": "job", "nproc": 4}, "a", gang=g.to_dict())
+    gang._start_block(rec, g, (1, 1, 3))
+    assert [k for k, _ in survivor["events"]] == ["gang_placement_refused"]
+    assert "split a tp=2 group" in survivor["events"][0][1]

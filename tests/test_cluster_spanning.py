@@ -140,6 +140,11 @@ def test_rank_zero_node_judges_every_rank_from_forwarded_telemetry(
     sizes = plan.get("batch_sizes")
     assert plan["version"] >= 1 and sizes and len(sizes) == 4 and sizes[3] < max(sizes)  # shards moved off rank 3
     assert not b.events("straggler_detected")  # only rank 0's node judges
+    # the plan lives with rank 0's node and is published to the job's etcd record (what a new rank-0
+    # node would start from): b sees the migrated split there
+    recorded = wait_for(lambda: (b.client.status()["cluster"]["spanning_jobs"]["big"]["plan"] or {}).get("batch_sizes"),
+                        20, "the plan in the etcd record")
+    assert len(recorded) == 4 and recorded[3] < max(recorded)
 
 
 def test_cluster_demo_runs(tmp_path: Path) -> None:

@@ -104,7 +104,7 @@ class Scripted:
 
 def make_agent(tmp_path: Path, **trainer: Any) -> SimpleNamespace:
     cfg = {"global_batch": 8, "parallel": {"dp": 2, "tp": 1, "pp": 1}, **trainer}
-    record = SimpleNamespace(spec=SimpleNamespace(trainer=cfg))
+    record = SimpleNamespace(spec=SimpleNamespace(trainer=cfg), decides_here=True)
     return SimpleNamespace(
         table=RankTable(), plans=PlanStore(str(tmp_path / "plans")), events=EventLog(str(tmp_path / "events"), "n1"),
         supervisor=SimpleNamespace(jobs={JOB: record}), tick_hooks=[])

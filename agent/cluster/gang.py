@@ -53,6 +53,7 @@ from agent.cluster.placement import Placement, PlacementError, place
 
 if TYPE_CHECKING:
     from agent.cluster.membership import EmitFn, NodeInfo
+    from agent.plans import PlanStore
     from agent.supervisor import Supervisor
     from agent.wire import Telemetry
 
@@ -227,6 +228,9 @@ class GangCoordinator:
         self.on_restart = on_restart
         self.clock = clock
         self.supervisor: Supervisor | None = None
+        self.plans: PlanStore | None = None
+        """This agent's plan store: the rank-0 node publishes the job's plan settings to the record
+        so that a new rank-0 node (after a node loss) starts from them."""
         self.shared_tiers: list[Tier] = []
         """Tiers every node reaches (the object store): the last resort for a part no live node holds."""
         self._launched: dict[str, int] = {}
@@ -297,7 +301,8 @@ class GangCoordinator:
     # -- the loop ----------------------------------------------------------------------------------
     def sync(self, records: dict[str, tuple[JobRecordDoc, int]]) -> None:
         gangs = {j: r for j, r in records.items() if r[0].gang}
-        self.last = {j: {"state": r.state, "cause": r.cause, **Gang.from_dict(r.gang).to_dict()} for j, (r, _) in gangs.items()}
+        self.last = {j: {"state": r.state, "cause": r.cause, "plan": r.plan, **Gang.from_dict(r.gang).to_dict()}
+                     for j, (r, _) in gangs.items()}
         if self.is_leader():
             members = self.members()
             for job, (rec, rev) in sorted(gangs.items()):
@@ -374,6 +379,11 @@ class GangCoordinator:
             if local is not None and local.state == JobState.SUCCEEDED and g.done.get(self.node) != "succeeded":
                 g.done[self.node] = "succeeded"
                 self._write_gang(rec, rev, g)
+            elif mine[0] == 0 and self.plans is not None and running_here:
+                plan = self.plans.get(job)
+                settings = {"lr_scale": plan.lr_scale, "lr": plan.lr, "batch_sizes": plan.batch_sizes}
+                if settings != rec.plan:
+                    self.table.write(replace(rec, plan=settings), rev)
             return
         if launched > g.attempt:
             return
@@ -394,6 +404,13 @@ class GangCoordinator:
 
         job = rec.job
         group, offset, nproc = mine
+        if offset % g.tp or nproc % g.tp:
+            # A placement read back from etcd is checked again here: a tp group split across nodes
+            # would run its per-layer collectives over the network.
+            self.emit("gang_placement_refused", f"job {job} attempt {g.attempt}: ranks {offset}-{offset + nproc - 1} "
+                      f"would split a tp={g.tp} group across nodes; not starting them",
+                      {"job": job, "attempt": g.attempt, "severity": "error"})
+            return
         env = {"TRAINGUARD_CKPT_PART": self.node, "TRAINGUARD_CKPT_PARTS": ",".join(g.nodes)}
         restore: dict[str, Any] | None = None
         if g.restore_step >= 0:
@@ -422,12 +439,31 @@ class GangCoordinator:
             self.on_restart(job, g.failed_at or self.clock())
         if local is None or local.state.finished:
             self.supervisor.submit(spec, block=block, on_failure=self.on_local_failure)
+            if group == 0:
+                self._carry_plan(rec, g)
         else:
             self.supervisor.relaunch(job, block, spec, f"cluster attempt {g.attempt}: {rec.cause}")
         self.emit("gang_ranks_started", f"job {job} attempt {g.attempt}: ranks {offset}-{offset + nproc - 1} of "
-                  f"{g.world_size} here, master {g.master_addr}:{g.master_port}"
+                  f"{g.world_size} here ({nproc // g.tp} whole tp={g.tp} group(s)), master {g.master_addr}:{g.master_port}"
                   + (f", restoring step {g.restore_step}" if restore else ""),
                   {"job": job, "attempt": g.attempt, "restore_step": g.restore_step})
+
+    def _carry_plan(self, rec: JobRecordDoc, g: Gang) -> None:
+        """The job's LR/batch settings as the previous rank-0 node had them (the per-dp-rank split
+        only while dp is unchanged)."""
+        if self.plans is None or not rec.plan:
+            return
+        fields: dict[str, Any] = {k: rec.plan[k] for k in ("lr_scale", "lr") if rec.plan.get(k) is not None}
+        sizes = rec.plan.get("batch_sizes")
+        if isinstance(sizes, list) and len(sizes) == g.dp:
+            fields["batch_sizes"] = sizes
+        if not fields:
+            return
+        fields["reason"] = f"carried over to attempt {g.attempt} ({rec.cause})"
+        try:
+            self.plans.update(rec.job, fields)
+        except Exception as exc:  # noqa: BLE001 - a bad carried plan must not block the restart
+            log.warning("gang %s: plan not carried over: %s", rec.job, exc)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _shared(self, holder: str) -> Tier:

@@ -128,6 +128,7 @@ class ClusterService:
         self.plans = plans
         if self.gangs is not None:
             self.gangs.supervisor = supervisor
+            self.gangs.plans = plans
         advertise = self.cfg.advertise or (api_address or "")
         if advertise.startswith("0.0.0.0:"):
             log.warning("cluster: API bound to 0.0.0.0; set cluster.advertise so peers can reach this node")
