@@ -66,8 +66,8 @@ class JobSpec:
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise JobSpecError("max_restarts", "an integer >= 0")
         nodes = body.get("nodes", 1)
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or not (1 <= nodes <= min(nproc, 256)):
-            raise JobSpecError("nodes", f"an integer in [1, nproc={nproc}]")
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or not (1 <= nodes <= 256):
+            raise JobSpecError("nodes", "an integer in [1, 256] (the job uses at most nproc of them)")
         return cls(job, nproc, trainer, command, env, faults, max_restarts, nodes)
 
     def to_dict(self) -> dict[str, Any]:

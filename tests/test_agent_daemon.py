@@ -83,6 +83,14 @@ def test_agent_serves_api_metrics_and_runs_a_job(agent_factory) -> None:
     with pytest.raises(ApiClientError) as info:
         client.submit_job({"nproc": "four"})
     assert info.value.status == 400 and "nproc" in str(info.value)
+    with pytest.raises(ApiClientError) as info:
+        client.submit_job({"nproc": 2, "nodes": 0})
+    assert info.value.status == 400 and "nodes" in str(info.value)
+    # several nodes without a cluster: refused with the reason, nothing started
+    with pytest.raises(ApiClientError) as info:
+        client.submit_job({"job": "wide", "nproc": 2, "nodes": 2, "command": FAKE})
+    assert info.value.status == 400 and "etcd_endpoints" in str(info.value)
+    assert all(j["job"] != "wide" for j in client.jobs())
     assert agent.stop() == 0
 
 

@@ -51,7 +51,7 @@ def test_place_spreads_over_the_requested_nodes_and_keeps_tp_groups_whole() -> N
     # one node left with room for one replica: dp shrinks, tp and pp never
     spec, placement, note = place_gang(_spec(dp=2, tp=2), {"b": 2})
     assert placement.dp == 1 and placement.tp == 2 and spec["nproc"] == 2 and "dp 2 -> 1" in note
-    assert spec["trainer"]["parallel"]["dp"] == 1 and spec["nodes"] == 2
+    assert spec["trainer"]["parallel"]["dp"] == 1 and spec["nodes"] == 2  # kept: it grows back over 2 nodes
     with pytest.raises(PlacementError, match="tp=2"):
         place_gang(_spec(dp=2, tp=2), {"a": 1, "b": 1})
 
@@ -73,12 +73,13 @@ def test_quiet_running_job_is_left_alone_and_stale_requests_are_ignored() -> Non
 
 
 def test_restart_request_restarts_every_node_from_the_chosen_step() -> None:
-    rec = _running(requests={"b": {"attempt": 1, "cause": "rank 1 died", "bad_step": None}})
+    rec = _running(requests={"b": {"attempt": 1, "cause": "rank 1 died", "bad_step": None, "at": 3.0}})
     finder = Finder(8, {"a": ["a", "b"], "b": ["b"]})
     new, _ = _decided(rec, _members(a=1, b=1), finder, 5.0)
     g = Gang.from_dict(new.gang)
     assert g.attempt == 2 and g.restore_step == 8 and g.sources == {"a": ["a", "b"], "b": ["b"]}
     assert g.requests == {} and g.master_port == 0 and "rank 1 died" in new.cause and finder.calls == [None]
+    assert g.failed_at == 3.0  # the recovery clock starts at the failure, not at the leader's decision
     # a part that could not be assembled: the next choice must be older than that step
     bad = _running(attempt=2, requests={"a": {"attempt": 2, "cause": "restore failed", "bad_step": 8}}, restore_step=8)
     finder2 = Finder(4)
@@ -90,7 +91,7 @@ def test_lost_node_shrinks_the_job_onto_the_survivors() -> None:
     new, what = _decided(_running(), _members(b=1), Finder(12, {"a": ["b"], "b": ["b"]}), 9.0)
     g = Gang.from_dict(new.gang)
     assert g.blocks == [["b", 0, 1]] and g.dp == 1 and new.spec["nproc"] == 1 and "node a lost" in new.cause
-    assert g.restore_step == 12 and "dp 2 -> 1" in what and g.nodes_seen == ["a", "b"]
+    assert g.restore_step == 12 and "dp 2 -> 1" in what and g.nodes_seen == ["a", "b"] and g.failed_at == 9.0
 
 
 def test_finished_everywhere_and_crash_loop() -> None:
@@ -120,3 +121,26 @@ def test_part_key_and_record_round_trip() -> None:
     rec = _running()
     back = JobRecordDoc.from_json(rec.to_json())
     assert back == rec and Gang.from_dict(back.gang).block_of("b") == (1, 1, 1)
+
+
+def test_leader_takes_rank_zero_and_a_shrunk_job_grows_back_when_nodes_return() -> None:
+    rec = JobRecordDoc("j", _spec(), "", state="pending", cause="submitted", gang=Gang().to_dict())
+    new, _ = _decided_as(rec, _members(a=1, b=1), "b")
+    g = Gang.from_dict(new.gang)
+    assert g.blocks == [["b", 0, 1], ["a", 1, 1]] and g.master_addr == "10.0.0.2" and g.want_dp == 2
+    # shrunk to dp 1 on b by a node loss; a is back; the next restart point grows it again
+    shrunk = JobRecordDoc("j", _spec(dp=1), "b", state="running", gang=Gang(
+        attempt=3, blocks=[["b", 0, 1]], dp=1, master_addr="10.0.0.2", master_port=5000, nodes_seen=["a", "b"],
+        want_dp=2, requests={"b": {"attempt": 3, "cause": "rank 0 died", "bad_step": None}}).to_dict())
+    grown, what = _decided_as(shrunk, _members(a=1, b=1), "b")
+    g = Gang.from_dict(grown.gang)
+    assert g.dp == 2 and grown.spec["nproc"] == 2 and g.blocks == [["b", 0, 1], ["a", 1, 1]]
+    assert "dp 1 -> 2 as nodes rejoined" in what
+    stays = decide(shrunk, _members(a=1, b=1), Finder(), 0.0, leader="b", rejoin=False)
+    assert stays is not None and Gang.from_dict(stays[0].gang).dp == 1
+
+
+def _decided_as(rec: JobRecordDoc, members: dict[str, NodeInfo], leader: str) -> tuple[JobRecordDoc, str]:
+    out = decide(rec, members, Finder(), 0.0, leader=leader)
+    assert out is not None
+    return out

@@ -32,6 +32,8 @@ def two_nodes(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[
         for name in ("a", "b"):
             nodes.append(ClusterNode(tmp_path / name, name, etcd.endpoints, token, cluster=f"s{os.getpid()}",
                                      slots=request.param))
+            # a leads (it starts alone), so the leader's node, which takes global rank 0, is known
+            wait_for(lambda: nodes[0].metric("trainguard_cluster_is_leader") == 1, 20, "a leads")
         yield nodes[0], nodes[1]
     finally:
         for n in nodes:

@@ -51,6 +51,9 @@ class ClusterConfig:
     copy (its job has moved and checkpoints anew, or it is gone for good)."""
     heal: bool = True
     """Leader restarts jobs of a lost node on the remaining nodes."""
+    rejoin: bool = True
+    """A job spanning nodes that lost dp with a node grows back to its submitted dp at its next
+    restart point once nodes have room again (false: it stays at the reduced size)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):

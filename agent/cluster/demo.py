@@ -43,7 +43,10 @@ class ClusterNode:
     """One simulated node: ``python -m agent.cluster.runner`` with its own directories."""
 
     def __init__(self, root: Path, name: str, endpoints: list[str], token: str, *, cluster: str, slots: int,
-                 memory_every: int = 4, ttl: int = 3) -> None:
+                 memory_every: int = 4, ttl: int = 3, peer_interval: int | None = None, object_url: str = "",
+                 object_every: int = 2000) -> None:
+        """``peer_interval``: steps between peer-tier copies (default: every memory checkpoint);
+        ``object_url``: an object tier (``file://...``) every ``object_every`` steps."""
         self.name = name
         self.root = root
         root.mkdir(parents=True)
@@ -56,12 +59,13 @@ class ClusterNode:
             f'[api]\ntcp = "127.0.0.1:0"\ntoken_file = "{self.token_file}"\n'
             f'[collectors]\nebpf = false\ngpu = false\n'
             f'[checkpoint]\nmemory_root = "{self.shm}"\nmemory_every = {memory_every}\nmemory_keep = 3\n'
-            f'disk_every = 100000\n'
+            f'disk_every = 100000\nobject_every = {object_every}\n'
+            + (f'[checkpoint.object]\nurl = "{object_url}"\n' if object_url else '')
         )
         eps = ", ".join(f'"{e}"' for e in endpoints)
         (root / "cluster.toml").write_text(
             f'[cluster]\nname = "{cluster}"\netcd_endpoints = [{eps}]\nlease_ttl_s = {ttl}\npoll_s = 0.2\n'
-            f'etcd_timeout_s = 0.5\nslots = {slots}\npeer_interval = {memory_every}\npeer_keep = 2\n'
+            f'etcd_timeout_s = 0.5\nslots = {slots}\npeer_interval = {peer_interval or memory_every}\npeer_keep = 2\n'
         )
         self.log_path = root / "agent.log"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -146,6 +150,7 @@ def run_demo(steps: int, root: Path, out: Any = sys.stdout) -> int:
     try:
         a = ClusterNode(root / "a", "a", etcd.endpoints, token, cluster="demo", slots=1)
         nodes.append(a)
+        wait_for(lambda: a.metric("trainguard_cluster_is_leader") == 1, 20, "a leads")
         b = ClusterNode(root / "b", "b", etcd.endpoints, token, cluster="demo", slots=1)
         nodes.append(b)
         print(f"node a: API {a.api}, 1 slot; node b: API {b.api}, 1 slot", file=out)

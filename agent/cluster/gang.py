@@ -86,6 +86,9 @@ class Gang:
     """Consecutive restarts that restored the same step (no progress): the crash-loop guard."""
     failed_at: float = 0.0
     """Wall time of the failure that led to this attempt (for the recovery clock)."""
+    want_dp: int = 0
+    """The data-parallel degree as submitted: a job shrunk by a node loss grows back towards it
+    at its next restart point when nodes have returned (``cluster.rejoin``)."""
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> Gang:
@@ -122,13 +125,16 @@ def _layout(spec: dict[str, Any]) -> tuple[int, int, int]:
     return dp, tp, pp
 
 
-def place_gang(spec: dict[str, Any], slots: dict[str, int]) -> tuple[dict[str, Any], Placement, str]:
+def place_gang(spec: dict[str, Any], slots: dict[str, int], *, want_dp: int = 0,
+               first: str | None = None) -> tuple[dict[str, Any], Placement, str]:
     """Place a spanning job on the live nodes: spread over ``spec['nodes']`` nodes when they have
-    room, else pack; lower dp (never tp or pp) until it fits. Returns (spec for this attempt,
-    placement, note on what changed). Raises PlacementError when not one model replica fits."""
+    room, else pack; lower dp (never tp or pp) until it fits, starting from ``want_dp`` when given
+    (a shrunk job grows back). ``first``: the node for global rank 0 (the leader: job-wide
+    decisions and the plan live with rank 0). Returns (spec for this attempt, placement, note on
+    what changed). Raises PlacementError when not one model replica fits."""
     dp0, tp, pp = _layout(spec)
     want_nodes = max(1, int(spec.get("nodes", 1)))
-    for dp in range(dp0, 0, -1):
+    for dp in range(max(want_dp, dp0), 0, -1):
         world = dp * tp * pp
         share = -(-world // want_nodes)  # even spread, in whole tp groups
         share = -(-share // tp) * tp
@@ -136,7 +142,7 @@ def place_gang(spec: dict[str, Any], slots: dict[str, int]) -> tuple[dict[str, A
         packed = {n: s if s else share for n, s in slots.items()}
         for room in (spread, packed):
             try:
-                placement = place(dp, tp, pp, room)
+                placement = place(dp, tp, pp, room, first=first)
             except PlacementError:
                 continue
             new = spec
@@ -144,8 +150,8 @@ def place_gang(spec: dict[str, Any], slots: dict[str, int]) -> tuple[dict[str, A
             if dp != dp0:
                 trainer = dict(spec.get("trainer") or {})
                 trainer["parallel"] = {**(trainer.get("parallel") or {}), "dp": dp, "tp": tp, "pp": pp}
-                new = {**spec, "nproc": world, "nodes": min(want_nodes, world), "trainer": trainer}
-                note = f"dp {dp0} -> {dp} to fit the live nodes"
+                new = {**spec, "nproc": world, "trainer": trainer}
+                note = f"dp {dp0} -> {dp} " + ("to fit the live nodes" if dp < dp0 else "as nodes rejoined")
             return new, placement, note
     raise PlacementError(f"no live node set holds one replica of tp={tp} x pp={pp} (slots {slots})")
 
@@ -154,14 +160,17 @@ RestoreFinder = Callable[[JobRecordDoc, Gang, dict[str, str], int | None], tuple
 
 
 def decide(rec: JobRecordDoc, members: dict[str, NodeInfo], find_restore: RestoreFinder,
-           now: float) -> tuple[JobRecordDoc, str] | None:
-    """The leader's decision for one spanning job: (new record, what happened) or None."""
+           now: float, *, leader: str | None = None, rejoin: bool = True) -> tuple[JobRecordDoc, str] | None:
+    """The leader's decision for one spanning job: (new record, what happened) or None.
+    ``leader`` gets global rank 0 when it has room; ``rejoin``: grow back to the submitted dp."""
     g = Gang.from_dict(rec.gang)
+    failed_at = now
     if rec.state == "pending":
         cause = rec.cause or "submitted"
     elif rec.state == "running":
         lost = [n for n in g.nodes if n not in members]
         requests = {n: r for n, r in g.requests.items() if r.get("attempt") == g.attempt}
+        failed_at = min([float(r.get("at", now)) for r in requests.values()] + [now])
         if lost:
             cause = f"node {', '.join(lost)} lost"
         elif requests:
@@ -183,8 +192,10 @@ def decide(rec: JobRecordDoc, members: dict[str, NodeInfo], find_restore: Restor
     if stalls > max_restarts:
         return (replace(rec, state="failed", cause=f"crash loop: {stalls - 1} restarts from step {step} "
                         f"without progress ({cause})"), "failed")
+    want_dp = g.want_dp or _layout(rec.spec)[0]
     try:
-        spec, placement, note = place_gang(rec.spec, {n: i.slots for n, i in members.items()})
+        spec, placement, note = place_gang(rec.spec, {n: i.slots for n, i in members.items()},
+                                           want_dp=want_dp if rejoin else 0, first=leader)
     except PlacementError as exc:
         if rec.state == "pending" and rec.cause == f"waiting: {exc}":
             return None
@@ -195,7 +206,7 @@ def decide(rec: JobRecordDoc, members: dict[str, NodeInfo], find_restore: Restor
     new_gang = Gang(attempt=g.attempt + 1, blocks=[[b.node, b.rank_offset, b.nproc] for b in placement.blocks],
                     dp=placement.dp, tp=placement.tp, pp=placement.pp, master_addr=host, master_port=0,
                     restore_step=step, sources=sources, nodes_seen=seen, stalls=stalls,
-                    failed_at=g.failed_at if rec.state == "running" and g.failed_at else now)
+                    failed_at=failed_at, want_dp=want_dp)
     what = f"attempt {new_gang.attempt}: {placement.describe()}" + (f"; {note}" if note else "") \
         + (f"; restore step {step}" if step >= 0 else "; no checkpoint, from step 0")
     history = [*rec.history, f"attempt {new_gang.attempt}: {cause}"][-20:]
@@ -215,7 +226,7 @@ class GangCoordinator:
                  scratch: str, emit: EmitFn, is_leader: Callable[[], bool],
                  members: Callable[[], dict[str, NodeInfo]], wake: Callable[[], None],
                  on_restart: Callable[[str, float], None] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, rejoin: bool = True) -> None:
         self.node = node
         self.table = table
         self.store = store
@@ -227,6 +238,7 @@ class GangCoordinator:
         self.wake = wake
         self.on_restart = on_restart
         self.clock = clock
+        self.rejoin = rejoin
         self.supervisor: Supervisor | None = None
         self.plans: PlanStore | None = None
         """This agent's plan store: the rank-0 node publishes the job's plan settings to the record
@@ -307,7 +319,7 @@ class GangCoordinator:
             members = self.members()
             for job, (rec, rev) in sorted(gangs.items()):
                 try:
-                    out = decide(rec, members, self.find_restore, self.clock())
+                    out = decide(rec, members, self.find_restore, self.clock(), leader=self.node, rejoin=self.rejoin)
                 except Exception as exc:  # noqa: BLE001 - one bad record must not stop the others
                     log.exception("gang %s: decision failed: %s", job, exc)
                     continue
@@ -335,7 +347,7 @@ class GangCoordinator:
         # that die while the next one is being assembled must not order yet another restart.
         local = self.supervisor.jobs.get(job) if self.supervisor is not None else None
         attempt = local.block.attempt if local is not None and local.block is not None else 0
-        self._requests[job] = {"attempt": attempt, "cause": cause, "bad_step": None}
+        self._requests[job] = {"attempt": attempt, "cause": cause, "bad_step": None, "at": self.clock()}
         self.wake()
 
     def _write_gang(self, rec: JobRecordDoc, rev: int, g: Gang) -> bool:
@@ -420,7 +432,7 @@ class GangCoordinator:
                 self.emit("checkpoint_restore_failed", f"job {job}: cannot assemble step {g.restore_step}: {exc}",
                           {"job": job, "step": g.restore_step, "severity": "error"})
                 self._requests[job] = {"attempt": g.attempt, "cause": f"restore of step {g.restore_step} failed",
-                                       "bad_step": g.restore_step}
+                                       "bad_step": g.restore_step, "at": self.clock()}
                 self.wake()
                 return
             env["TRAINGUARD_RESTORE"] = str(path)

@@ -78,13 +78,15 @@ class Placement:
         return bad
 
 
-def place(dp: int, tp: int, pp: int, slots: dict[str, int]) -> Placement:
-    """Place dp x tp x pp ranks on nodes with ``slots`` free ranks each (name order)."""
+def place(dp: int, tp: int, pp: int, slots: dict[str, int], first: str | None = None) -> Placement:
+    """Place dp x tp x pp ranks on nodes with ``slots`` free ranks each (name order; ``first``, when
+    it has room, takes the first block, so global rank 0 and the c10d store run there)."""
     for key, v in (("dp", dp), ("tp", tp), ("pp", pp)):
         if v < 1:
             raise PlacementError(f"{key} must be >= 1, got {v}")
     world = dp * tp * pp
-    usable = {n: (s // tp) * tp for n, s in sorted(slots.items()) if s >= tp}
+    order = sorted(slots, key=lambda n: (n != first, n))
+    usable = {n: (slots[n] // tp) * tp for n in order if slots[n] >= tp}
     notes = []
     for n, s in sorted(slots.items()):
         if s < tp:

@@ -91,7 +91,7 @@ class ClusterService:
                 node, self.jobs, self.store, token_client_factory(token, cfg.peer_timeout_s),
                 scratch=scratch or os.path.join(memory_root, ".assembled"), emit=emit,
                 is_leader=lambda: self.is_leader, members=self.members, wake=self._wake, on_restart=on_adopt,
-                clock=clock)
+                clock=clock, rejoin=cfg.rejoin)
         self.supervisor: Supervisor | None = None
         self.plans: PlanStore | None = None
         self._epochs: dict[str, int] = {}
