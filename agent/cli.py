@@ -151,7 +151,21 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"step_s {tel.get('step_s', float('nan')):.3f} compute_s {tel.get('compute_s', float('nan')):.3f} "
                 f"loss {tel.get('loss', float('nan')):.4f}"
             )
+    _print_cluster(st.get("cluster"))
     return 0
+
+
+def _print_cluster(cl: dict[str, Any] | None) -> None:
+    if not cl or not cl.get("etcd"):
+        return
+    members = ", ".join(f"{n} ({m.get('slots') or '?'} slots)" for n, m in sorted(cl.get("members", {}).items()))
+    print(f"cluster {cl['cluster']}  leader {cl.get('leader')}  etcd {'up' if cl.get('etcd_reachable') else 'UNREACHABLE'}  "
+          f"members {members or '-'}  peer copy to {cl.get('peer') or '-'}")
+    for job, g in sorted((cl.get("spanning_jobs") or {}).items()):
+        blocks = "; ".join(f"{n}: ranks {o}-{o + k - 1}" for n, o, k in g.get("blocks", []))
+        restore = f"  restored step {g['restore_step']}" if g.get("restore_step", -1) >= 0 else ""
+        print(f"  spanning job {job}  {g.get('state')}  attempt {g.get('attempt')}  dp={g.get('dp')} tp={g.get('tp')} "
+              f"pp={g.get('pp')}  {blocks or '-'}{restore}  ({g.get('cause')})")
 
 
 def _print_event(e: dict[str, Any]) -> None:

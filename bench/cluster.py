@@ -137,10 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=0, help="kills per arm (default 1 quick, 3 full)")
     args = p.parse_args(argv)
     runs = args.runs or (1 if args.quick else 3)
-    # The spec's intervals (memory 100, object 2000) in the full run; the kill lands halfway
-    # between two object checkpoints, where a real failure lands on average.
+    # The spec's intervals (memory 100, object 2000) in the full run. The kill lands halfway
+    # between two memory checkpoints and about halfway between two object checkpoints: where a
+    # failure lands on average.
     memory_every, object_every = (10, 200) if args.quick else (100, 2000)
-    warm = 300 if args.quick else 3000
+    warm = 305 if args.quick else 3050
     ttl = 3
     print(f"cluster: 2 agents x 1 slot, dp=2 job over both, memory checkpoints every {memory_every} steps; "
           f"node a SIGKILLed after >= {warm} steps; lease TTL {ttl} s; {runs} run(s) per arm; "

@@ -118,7 +118,7 @@ def test_job_spans_two_agents_restarts_together_and_survives_node_loss(
 
 @pytest.mark.parametrize("two_nodes", [2], indirect=True)
 def test_rank_zero_node_judges_every_rank_from_forwarded_telemetry(
-        two_nodes: tuple[ClusterNode, ClusterNode], tmp_path: Path) -> None:
+        two_nodes: tuple[ClusterNode, ClusterNode], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """dp=4 over two nodes, rank 3 (on b) made 3x slower: b forwards its ranks' telemetry to a (rank
     0's node), a detects the straggler and migrates its shards through the plan rank 0 reads; b
     judges nothing itself."""
@@ -147,6 +147,12 @@ def test_rank_zero_node_judges_every_rank_from_forwarded_telemetry(
     recorded = wait_for(lambda: (b.client.status()["cluster"]["spanning_jobs"]["big"]["plan"] or {}).get("batch_sizes"),
                         20, "the plan in the etcd record")
     assert len(recorded) == 4 and recorded[3] < max(recorded)
+
+    from agent.cli import main as cli_main
+
+    assert cli_main(["status", "--agent", b.api, "--token-file", str(b.token_file)]) == 0
+    shown = capsys.readouterr().out
+    assert "leader a" in shown and "spanning job big  running  attempt 1  dp=4 tp=1 pp=1  a: ranks 0-1; b: ranks 2-3" in shown
 
 
 def test_cluster_demo_runs(tmp_path: Path) -> None:
