@@ -114,8 +114,18 @@ class AgentControl:
         return result
 
     def stop_job(self, job: str, options: dict[str, Any]) -> dict[str, Any]:
+        reason = str(options.get("reason", "requested through the API"))
+        cluster = getattr(self.agent, "cluster", None)
+        gangs = cluster.gangs if cluster is not None else None
+        if gangs is not None and gangs.is_spanning(job):
+            # Stopping one node's ranks would only make the leader restart them: stop it everywhere.
+            try:
+                gangs.stop_job(job, reason)
+            except ValueError as exc:
+                raise ApiError(409, str(exc)) from None
+            return {"job": job, "state": "stopping on every node"}
         self._job(job)
-        record = self.agent.supervisor.stop(job, str(options.get("reason", "requested through the API")))
+        record = self.agent.supervisor.stop(job, reason)
         return {"job": job, "state": record.state.value}
 
     def get_plan(self, job: str) -> dict[str, Any]:

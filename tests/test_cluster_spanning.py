@@ -154,6 +154,13 @@ def test_rank_zero_node_judges_every_rank_from_forwarded_telemetry(
     shown = capsys.readouterr().out
     assert "leader a" in shown and "spanning job big  running  attempt 1  dp=4 tp=1 pp=1  a: ranks 0-1; b: ranks 2-3" in shown
 
+    # a stop on any node stops the job on every node (stopping one node's ranks alone would be healed)
+    assert b.client.stop_job("big")["state"] == "stopping on every node"
+    wait_for(lambda: a.client.job("big")["state"] == "stopped" == b.client.job("big")["state"], 30, "stopped everywhere")
+    time.sleep(1.5)
+    assert a.client.job("big")["state"] == "stopped" == b.client.job("big")["state"]  # and not restarted
+    assert [e["fields"]["attempt"] for e in _events(a, "gang_placed")] == [1]  # no restart of a stopped job
+
 
 def test_cluster_demo_runs(tmp_path: Path) -> None:
     import io

@@ -310,6 +310,24 @@ class GangCoordinator:
             raise ValueError(f"job {job} was submitted concurrently")
         self.wake()
 
+    def is_spanning(self, job: str) -> bool:
+        local = self.supervisor.jobs.get(job) if self.supervisor is not None else None
+        return job in self.last or (local is not None and local.block is not None)
+
+    def stop_job(self, job: str, reason: str) -> None:
+        """Mark the job stopped in etcd; every node stops its ranks when it sees that."""
+        for _ in range(5):
+            cur = self.table.read().get(job)
+            if cur is None:
+                raise ValueError(f"job {job} has no cluster record")
+            rec, rev = cur
+            if rec.state in ("finished", "failed", "stopped"):
+                return
+            if self.table.write(replace(rec, state="stopped", cause=f"stopped: {reason}"), rev):
+                self.wake()
+                return
+        raise ValueError(f"job {job}: its record kept changing; try again")
+
     # -- the loop ----------------------------------------------------------------------------------
     def sync(self, records: dict[str, tuple[JobRecordDoc, int]]) -> None:
         gangs = {j: r for j, r in records.items() if r[0].gang}
