@@ -101,3 +101,21 @@ def test_block_that_would_split_a_tp_group_is_not_started(survivor: dict[str, An
     gang._start_block(rec, g, (1, 1, 3))
     assert [k for k, _ in survivor["events"]] == ["gang_placement_refused"]
     assert "split a tp=2 group" in survivor["events"][0][1]
+
+
+def test_new_rank_zero_node_starts_from_the_carried_plan(survivor: dict[str, Any], tmp_path: Path) -> None:
+    from agent.plans import PlanStore
+
+    gang: GangCoordinator = survivor["gang"]
+    gang.plans = PlanStore(str(tmp_path / "plans"))
+    spec = {"job": "job", "nproc": 2, "trainer": {"global_batch": 8, "parallel": {"dp": 2}}}
+    rec = JobRecordDoc("job", spec, "b", plan={"lr_scale": 2.0, "lr": None, "batch_sizes": [10, 6]})
+    gang._carry_plan(rec, Gang(attempt=3, dp=2))  # same dp: the split is kept as it was
+    plan = gang.plans.get("job")
+    assert plan.lr_scale == 2.0 and plan.batch_sizes == [10, 6]
+    # dp changed (on a node that starts the job afresh): the split is dropped, so the global batch
+    # returns to the configured 8 from 16, and the LR scale follows by sqrt(8/16)
+    fresh = PlanStore(str(tmp_path / "plans2"))
+    gang.plans = fresh
+    gang._carry_plan(rec, Gang(attempt=4, dp=1))
+    assert fresh.get("job").batch_sizes is None and fresh.get("job").lr_scale == pytest.approx(2.0 * (8 / 16) ** 0.5)

@@ -485,11 +485,21 @@ class GangCoordinator:
             return
         fields: dict[str, Any] = {k: rec.plan[k] for k in ("lr_scale", "lr") if rec.plan.get(k) is not None}
         sizes = rec.plan.get("batch_sizes")
+        reason = f"carried over to attempt {g.attempt} ({rec.cause})"
         if isinstance(sizes, list) and len(sizes) == g.dp:
             fields["batch_sizes"] = sizes
+        elif isinstance(sizes, list) and sizes and "lr_scale" in fields:
+            # The split was for the old dp and is dropped, so the global batch returns to the
+            # configured one: rescale LR by sqrt(new / old global batch), as the controller does
+            # on a world-size change (this node has no history of the job to do it from).
+            old = sum(int(x) for x in sizes)
+            new = int((rec.spec.get("trainer") or {}).get("global_batch", old) or old)
+            if old > 0 and new != old:
+                fields["lr_scale"] = float(fields["lr_scale"]) * (new / old) ** 0.5
+                reason += f"; global batch {old} -> {new}, LR scale x sqrt({new}/{old})"
         if not fields:
             return
-        fields["reason"] = f"carried over to attempt {g.attempt} ({rec.cause})"
+        fields["reason"] = reason
         try:
             self.plans.update(rec.job, fields)
         except Exception as exc:  # noqa: BLE001 - a bad carried plan must not block the restart
