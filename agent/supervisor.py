@@ -135,8 +135,8 @@ class Supervisor:
         except Exception as exc:  # noqa: BLE001 - a launch failure is a job failure, not an agent crash
             with self._lock:
                 if not record.state.finished:
-                    record.state = JobState.FAILED
                     record.reason = f"could not start ranks: {exc}"
+                    record.state = JobState.FAILED
             self.events.emit("job_failed", f"job {record.job}: could not start ranks: {exc}", severity="error", job=record.job, cause=str(exc))
 
     def _launch(self, record: JobRecord) -> None:
@@ -273,8 +273,9 @@ class Supervisor:
             if record.restarts_without_progress > record.spec.max_restarts:
                 self._set_state(record, JobState.STOPPING)
                 self.launcher.stop(record.ranks, self.stop_grace_s, hard=True)
-                self._set_state(record, JobState.FAILED)
+                # Reason first: a reader that sees FAILED must also see why.
                 record.reason = f"crash loop: {record.restarts_without_progress - 1} restarts without progress"
+                self._set_state(record, JobState.FAILED)
                 self.events.emit(
                     "crash_loop",
                     f"job {job}: giving up after {record.restarts_without_progress - 1} restarts without progress",
@@ -303,8 +304,8 @@ class Supervisor:
             self._launch(record)
         except Exception as exc:  # noqa: BLE001
             with self._lock:
-                record.state = JobState.FAILED
                 record.reason = f"could not restart ranks: {exc}"
+                record.state = JobState.FAILED
             self.events.emit("job_failed", f"job {job}: could not restart ranks: {exc}", severity="error", job=job, cause=str(exc))
 
     def _handle_exits(self, record: JobRecord, ended: list[RankProcess]) -> None:
