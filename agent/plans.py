@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from collections import deque
 from typing import Any
 
 from agent.wire import Plan, WireError, write_plan_file
@@ -17,6 +18,9 @@ class PlanStore:
         os.makedirs(directory, mode=0o755, exist_ok=True)
         self.directory = directory
         self._plans: dict[str, Plan] = {}
+        # The last versions of each job's plan: a reader that polls (the controller, once a tick)
+        # must not miss a rollback that a migration superseded before it looked.
+        self._recent: dict[str, deque[Plan]] = {}
         self._lock = threading.Lock()
 
     def path(self, job: str) -> str:
@@ -25,6 +29,14 @@ class PlanStore:
     def get(self, job: str) -> Plan:
         with self._lock:
             return dataclasses.replace(self._plans.get(job) or Plan())
+
+    def changes_since(self, job: str, version: int) -> list[Plan]:
+        """The versions after ``version`` that are still remembered (the last 64), oldest first."""
+        with self._lock:
+            return [dataclasses.replace(p) for p in self._recent.get(job, ()) if p.version > version]
+
+    def _remember(self, job: str, plan: Plan) -> None:
+        self._recent.setdefault(job, deque(maxlen=64)).append(dataclasses.replace(plan))
 
     def update(self, job: str, changes: dict[str, Any], *, checkpoint_now: bool = False) -> Plan:
         """Apply a partial change and publish it as the next version. Raises WireError on bad fields."""
@@ -40,6 +52,7 @@ class PlanStore:
             plan.validate()
             write_plan_file(self.path(job), plan)
             self._plans[job] = plan
+            self._remember(job, plan)
             return dataclasses.replace(plan)
 
     def reset(self, job: str) -> Plan:
@@ -51,11 +64,13 @@ class PlanStore:
                 plan.lr_scale, plan.lr, plan.batch_sizes = old.lr_scale, old.lr, old.batch_sizes
             write_plan_file(self.path(job), plan)
             self._plans[job] = plan
+            self._remember(job, plan)
             return dataclasses.replace(plan)
 
     def forget(self, job: str) -> None:
         with self._lock:
             self._plans.pop(job, None)
+            self._recent.pop(job, None)
         try:
             os.unlink(self.path(job))
         except OSError:

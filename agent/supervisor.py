@@ -273,9 +273,8 @@ class Supervisor:
             if record.restarts_without_progress > record.spec.max_restarts:
                 self._set_state(record, JobState.STOPPING)
                 self.launcher.stop(record.ranks, self.stop_grace_s, hard=True)
-                # Reason first: a reader that sees FAILED must also see why.
+                # Reason and event first: a reader that sees FAILED must also find why.
                 record.reason = f"crash loop: {record.restarts_without_progress - 1} restarts without progress"
-                self._set_state(record, JobState.FAILED)
                 self.events.emit(
                     "crash_loop",
                     f"job {job}: giving up after {record.restarts_without_progress - 1} restarts without progress",
@@ -283,6 +282,7 @@ class Supervisor:
                     job=job,
                     cause=cause,
                 )
+                self._set_state(record, JobState.FAILED)
                 self._ranks_changed()
                 return
             self._set_state(record, JobState.RESTARTING)

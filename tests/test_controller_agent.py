@@ -122,14 +122,17 @@ def test_controller_in_real_agent_and_training(tmp_path: Path) -> None:
             assert m0.batch_size + m1.batch_size == e["batch_to"]
         # The diverging change was rolled back (by the controller, or by the agent's recovery
         # service noticing first) to the last good setting with the LR cut.
+        # Which of the two sees it first depends on timing (a loaded machine); when the recovery
+        # service does, the controller still takes it as its own divergence (one controller rollback).
         assert len(rollbacks) == 1, "\n".join(e["message"] for e in events)
         rb = rollbacks[0]
         good = [e for e in changed if e["seq"] < rb["seq"] and e["lr_scale_to"] != 300.0]
         good_lr = good[-1]["lr_scale_to"] if good else 1.0
         assert rb["lr_scale_from"] == 300.0, rb
         assert math.isclose(rb["lr_scale_to"], min(good_lr, 300.0 * math.sqrt(0.5)) * ccfg.lr_cut), rb
+        rolled_back_at = rb["plan_version"]
         hot = [m for m in r0 if m.plan_version >= next(e["plan_version"] for e in changed if e["lr_scale_to"] == 300.0)
-               and m.plan_version < rb["plan_version"]]
+               and m.plan_version < rolled_back_at]
         assert hot and (max(m.loss for m in hot) > 1.3 * hot[0].loss or not all(math.isfinite(m.loss) for m in hot))
         assert math.isfinite(r0[-1].loss) and r0[-1].loss < max(m.loss for m in hot)
 

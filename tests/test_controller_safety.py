@@ -166,6 +166,25 @@ def test_divergence_rolls_back_and_cuts_lr(tmp_path: Path) -> None:
     assert "clamped" in events(agent, "controller_decision")[-1]["cause"]
 
 
+def test_recovery_rollback_superseded_by_a_migration_is_still_taken_in(tmp_path: Path) -> None:
+    """The recovery service rolls back under the controller's setting and a shard migration
+    publishes the next plan version before the controller's next tick: the controller must still
+    treat it as its own divergence (it once saw only the newest version's reason)."""
+    agent = make_agent(tmp_path)
+    strat = Scripted([Setting(1.0, 8), Setting(3.0, 8)])
+    cfg = ControllerConfig(strategy="rl", every_steps=10, warmup_steps=10, lr_scale_max=16.0)
+    ctl = install(agent, cfg, strategy_factory=lambda c, s, j: strat)
+    sim = SimJob(agent.plans, agent.table)
+    sim.run(25, agent, ctl)
+    assert ctl.jobs[JOB].current == Setting(3.0, 8) and not events(agent, "controller_rollback")
+    agent.plans.update(JOB, {"lr_scale": 1.5, "reason": "rollback: loss 9.1 at step 25 is 3x the recent median"})
+    agent.plans.update(JOB, {"batch_sizes": [5, 3], "reason": "migrate: away from straggler rank(s) [1]"})
+    sim.run(2, agent, ctl)
+    rollbacks = events(agent, "controller_rollback")
+    assert len(rollbacks) == 1 and rollbacks[0]["cause"].startswith("recovery rolled the job back"), rollbacks
+    assert [o.setting.lr_scale for o in strat.observed if o.diverged] == [3.0]
+
+
 def test_world_size_change_rescales_lr_for_the_new_global_batch(tmp_path: Path) -> None:
     agent = make_agent(tmp_path)
     strat = Scripted([Setting(1.0, 16)])

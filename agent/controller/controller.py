@@ -434,15 +434,18 @@ class Controller:
         plan = agent.plans.get(jc.job)
         if plan.version <= jc.known_version:
             return
+        changes = agent.plans.changes_since(jc.job, jc.known_version) if hasattr(agent.plans, "changes_since") else [plan]
+        rollback = next((p for p in changes if p.reason.startswith("rollback")), None)
         jc.known_version = plan.version
         sizes = plan.batch_sizes
         batch = sum(sizes) if sizes and len(sizes) == jc.dp else (jc.current.batch if sizes else jc.space.base_batch)
         now = Setting(float(plan.lr_scale), int(batch))
         w = jc.window
-        if plan.reason.startswith("rollback") and w is not None and not w.recovery and w.setting != jc.good:
+        if rollback is not None and w is not None and not w.recovery and w.setting != jc.good:
             # The recovery service saw the loss diverge first, under a setting of ours: that is our
-            # divergence too (penalise it, return to the last good setting with the LR cut).
-            self._rollback(agent, jc, w, external=plan.reason)
+            # divergence too (penalise it, return to the last good setting with the LR cut). It may
+            # already be superseded by a later plan (a shard migration): look at every version since.
+            self._rollback(agent, jc, w, external=rollback.reason)
             return
         if now == jc.current:
             return
