@@ -384,10 +384,17 @@ sys.stdin.readline()
             child.stdin.write("go\n")
             child.stdin.flush()
             assert child.stdout.readline() == "connecting\n"
-            time.sleep(1.6)
-            c.poll(time.monotonic())
-            stats = c.rank_stats("net", 2)
-            snap = c.snapshot
+            # The SYN retransmits fire after the 1 s RTO; on a loaded machine the timers and the
+            # perf-buffer reads run late, so poll until they are in (or 8 s passed).
+            deadline = time.monotonic() + 8.0
+            time.sleep(1.2)
+            while True:
+                c.poll(time.monotonic())
+                stats = c.rank_stats("net", 2)
+                snap = c.snapshot
+                if (stats is not None and stats.tcp_retransmits >= 2) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
         finally:
             reap(child)
             c.track({})
