@@ -45,6 +45,16 @@ def _events(node: ClusterNode, kind: str, job: str = "big") -> list[dict[str, An
     return [e for e in node.events(kind) if e.get("job") == job]
 
 
+def _keep_parts(nodes: list[ClusterNode], step: int, dest: Path) -> Path:
+    """Copy every node's memory-tier part of ``step`` now: the moment the leader chose it, before
+    the restarted job's new checkpoints push it out of the memory tier (it keeps the newest 3)."""
+    for n in nodes:
+        src = n.shm / f"big.part-{n.name}" / f"step_{step}"
+        if src.exists():
+            shutil.copytree(src, dest / n.name)
+    return dest
+
+
 def _merge(parts: list[Path], dest: Path) -> Path:
     """The checkpoint as its writers left it: the union of the parts' files."""
     for part in parts:
@@ -95,6 +105,7 @@ def test_job_spans_two_agents_restarts_together_and_survives_node_loss(
     moved = wait_for(lambda: [e for e in _events(b, "gang_placed") if e["fields"]["attempt"] == 3], 30,
                      f"the leader re-places the job\n{[(e['kind'], e['message']) for e in b.all_events()][-25:]}")
     assert "b: ranks 0-0" in moved[0]["message"] and "dp 2 -> 1" in moved[0]["message"]
+    kept = _keep_parts([a, b], moved[0]["fields"]["restore_step"], tmp_path / "kept")
     selected = wait_for(lambda: [e for e in _events(b, "restore_selected") if e["fields"]["tier"] == "assembled"
                                  and e["fields"]["step"] > second["fields"]["restore_step"]], 60, "assembled restore")
     step = selected[-1]["fields"]["step"]
@@ -106,7 +117,8 @@ def test_job_spans_two_agents_restarts_together_and_survives_node_loss(
     assert job["nproc"] == 1 and job["state"] in ("running", "starting") and job["local_ranks"] == [0, 0]
 
     # what b restored is bit-equal to what the two nodes wrote at that step
-    written = _merge([a.shm / "big.part-a" / f"step_{step}", b.shm / "big.part-b" / f"step_{step}"], tmp_path / "written")
+    assert step == moved[0]["fields"]["restore_step"]
+    written = _merge([kept / "a", kept / "b"], tmp_path / "written")
     assembled = b.shm / ".assembled" / "big" / f"step_{step}"
     got = load_full_model_state(str(shutil.copytree(assembled, tmp_path / "assembled")))
     want = load_full_model_state(str(written))
@@ -172,3 +184,34 @@ def test_cluster_demo_runs(tmp_path: Path) -> None:
     text = out.getvalue()
     assert "a: ranks 0-0; b: ranks 1-1" in text and "node_lost" in text and "dp 2 -> 1" in text
     assert "on node b: state running, 1 rank(s)" in text and "parts from {'a': 'b', 'b': 'b'}" in text
+
+
+@pytest.mark.parametrize("two_nodes", [2], indirect=True)
+def test_tensor_parallel_groups_stay_inside_nodes_and_reshard_after_node_loss(
+        two_nodes: tuple[ClusterNode, ClusterNode], tmp_path: Path) -> None:
+    """dp=2 x tp=2 over two 2-slot nodes: each node holds one whole tp group (dp spans the nodes);
+    after node a is lost, b runs dp=1 x tp=2 from the checkpoint assembled out of both nodes' parts."""
+    from trainer.checkpoint import load_full_model_state
+    from trainer.testing import tiny_config
+
+    a, b = two_nodes
+    trainer = tiny_config(str(tmp_path / "corpus"), steps=3000, parallel={"dp": 2, "tp": 2}).to_dict()
+    a.client.submit_job({"job": "big", "nproc": 4, "nodes": 2, "trainer": trainer})
+    placed = wait_for(lambda: _events(a, "gang_placed"), 30, "placement")
+    assert "dp=2 tp=2 pp=1 on 2 node(s): a: ranks 0-1; b: ranks 2-3" in placed[0]["message"]
+    started = wait_for(lambda: _events(b, "gang_ranks_started"), 30, "b starts its block")
+    assert "ranks 2-3 of 4 here (1 whole tp=2 group(s))" in started[0]["message"]
+    wait_for(lambda: max(b.held_steps("a", "big.part-a") or [0]) >= 8, 120, f"a's part on b\n{b.log()[-2000:]}")
+    a.kill_with_ranks("big")
+    moved = wait_for(lambda: [e for e in _events(b, "gang_placed") if "node a lost" in e["message"]], 30,
+                     f"re-placed on b\n{b.log()[-2000:]}")
+    assert "dp=1 tp=2 pp=1 on 1 node(s): b: ranks 0-1; dp 2 -> 1" in moved[0]["message"]
+    kept = _keep_parts([a, b], moved[0]["fields"]["restore_step"], tmp_path / "kept")
+    resumed = wait_for(lambda: [e for e in _events(b, "job_resumed")
+                                if (e["fields"].get("restored_from") or {}).get("tier") == "assembled"], 90,
+                       f"resumed on b\n{b.log()[-3000:]}")
+    step = resumed[0]["fields"]["restored_from"]["step"]
+    written = _merge([kept / "a", kept / "b"], tmp_path / "written")
+    got = load_full_model_state(str(shutil.copytree(b.shm / ".assembled" / "big" / f"step_{step}", tmp_path / "got")))
+    want = load_full_model_state(str(written))
+    assert want.keys() == got.keys() and len(want) > 0 and all((want[k] == got[k]).all() for k in want)

@@ -350,6 +350,7 @@ class GangCoordinator:
                     self.emit("gang_placed" if new.state == "running" else f"gang_{new.state}",
                               f"job {job}: {what}" + (f" (cause: {new.cause})" if new.state == "running" else ""),
                               {"job": job, "attempt": Gang.from_dict(new.gang).attempt, "cause_": new.cause,
+                               "restore_step": Gang.from_dict(new.gang).restore_step,
                                "severity": "warning" if new.state in ("failed",) or "lost" in new.cause else "info"})
         for job, (rec, rev) in sorted(gangs.items()):
             if rev < 0:
