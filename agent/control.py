@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from agent import __version__
 from agent.api.handler import ApiError, Blob, BlobReader, Json
 from agent.jobs import JobSpec, JobSpecError
-from agent.wire import WireError, decode_telemetry
+from agent.wire import WireError
 
 MAX_FORWARDED = 20_000
 
@@ -161,17 +161,9 @@ class AgentControl:
         record = self.agent.supervisor.jobs.get(job)
         if record is None or record.block is None or record.block.group_rank != 0:
             raise ApiError(409, f"job {job} does not hold rank 0 here; telemetry goes to the node that does")
-        good, dropped = [], 0
-        for raw in messages:
-            try:
-                msg = decode_telemetry(raw.encode() if isinstance(raw, str) else b"")
-            except WireError:
-                dropped += 1
-                continue
-            if msg.job != job:
-                dropped += 1
-                continue
-            good.append(msg)
+        from agent.cluster.gang import decode_forwarded
+
+        good, dropped = decode_forwarded(job, messages)
         result = self.agent.table.add_many(good, time.time())
         dropped += sum(result.rejected.values())
         self.agent.forwarded_in[node] = self.agent.forwarded_in.get(node, 0) + len(result.accepted)

@@ -9,8 +9,10 @@ messages a second), in real time, in one process:
 * control: the real ``Controller`` (goodput strategy: gradient-noise-scale batch size) once a
   second.
 
-Side by side: ``ingest`` (the baseline: only decode + store) and ``leader`` (ingest + detect +
-control). The simulator that builds and encodes the messages runs in the same thread but is not
+Side by side: ``ingest`` (the baseline: only decode + store), ``leader`` (ingest + detect +
+control) and ``forwarded`` (the same as ``leader``, but the messages arrive the way a job spanning
+nodes delivers them to its rank-0 node: batched per node of 8 ranks every 0.25 s, one JSON body
+per node, unpacked by ``agent.cluster.gang.decode_forwarded``; HTTP parsing and auth not counted). The simulator that builds and encodes the messages runs in the same thread but is not
 counted: each phase is timed with ``time.thread_time()`` (CPU seconds of this thread, so a busy
 shared machine does not inflate it). At ``--slow-at`` seconds rank 517 becomes 2x slower in
 compute; *decision latency* is the wall time from its first slow step to the leader's
@@ -39,10 +41,12 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from agent.cluster.gang import decode_forwarded  # noqa: E402
 from agent.controller import ControllerConfig  # noqa: E402
 from agent.controller.controller import Controller  # noqa: E402
 from agent.detect import StragglerConfig  # noqa: E402
 from agent.detect.service import StragglerService  # noqa: E402
+from agent.jobs import JobState  # noqa: E402
 from agent.plans import PlanStore  # noqa: E402
 from agent.ranktable import RankTable, RankTableConfig  # noqa: E402
 from agent.wire import Telemetry, decode_telemetry  # noqa: E402
@@ -109,7 +113,7 @@ def leader_for(ranks: int, tmp: str) -> SimpleNamespace:
     spec = SimpleNamespace(job=JOB, nproc=ranks, trainer=trainer)
     return SimpleNamespace(
         table=RankTable(RankTableConfig(ring=64, window=32)),
-        supervisor=SimpleNamespace(jobs={JOB: SimpleNamespace(spec=spec)}),
+        supervisor=SimpleNamespace(jobs={JOB: SimpleNamespace(spec=spec, state=JobState.RUNNING, decides_here=True)}),
         plans=PlanStore(os.path.join(tmp, "plans")),
         events=Events(),
         collectors=[],
@@ -122,7 +126,7 @@ def run(mode: str, ranks: int, rate: float, seconds: float, slow_at: float, seed
     with tempfile.TemporaryDirectory(prefix="tg-scale-") as tmp:
         agent = leader_for(ranks, tmp)
         hooks: list[Any] = []
-        if mode == "leader":
+        if mode in ("leader", "forwarded"):
             # No /proc evidence for simulated pids: point the readers at an empty tree.
             empty = os.path.join(tmp, "proc")
             os.makedirs(empty)
@@ -142,6 +146,9 @@ def run(mode: str, ranks: int, rate: float, seconds: float, slow_at: float, seed
         msgs = 0
         ticks: list[float] = []
         step = 0
+        per_node = 8
+        outbox: dict[int, list[str]] = {}
+        next_flush = t_start + 0.25
         while True:
             now = time.time()
             if now - t_start >= seconds:
@@ -160,11 +167,27 @@ def run(mode: str, ranks: int, rate: float, seconds: float, slow_at: float, seed
                     grad_norm=1.0, local_grad_sq=1.0 + 0.1 * rng.random(), lr=3e-4, batch_size=PER_RANK_BATCH,
                     mem_bytes=1 << 30, plan_version=0, dp_rank=r, world_size=ranks,
                 ).encode())
-            # leader: decode + store
-            c0 = time.thread_time()
-            agent.table.add_many([decode_telemetry(p) for p in payloads], now)
-            ingest_cpu += time.thread_time() - c0
-            msgs += len(payloads)
+            if mode == "forwarded":
+                for r, p in enumerate(payloads):
+                    outbox.setdefault(r // per_node, []).append(p.decode())
+                if now >= next_flush:
+                    # the sending nodes' work (not counted): one body per node per 0.25 s
+                    bodies = [json.dumps({"node": f"n{n}", "messages": m}) for n, m in outbox.items()]
+                    outbox.clear()
+                    next_flush += 0.25
+                    c0 = time.thread_time()
+                    for body in bodies:
+                        doc = json.loads(body)
+                        good, _ = decode_forwarded(JOB, doc["messages"])
+                        agent.table.add_many(good, now)
+                        msgs += len(good)
+                    ingest_cpu += time.thread_time() - c0
+            else:
+                # leader: decode + store
+                c0 = time.thread_time()
+                agent.table.add_many([decode_telemetry(p) for p in payloads], now)
+                ingest_cpu += time.thread_time() - c0
+                msgs += len(payloads)
             if hooks and now >= next_tick:
                 c0 = time.thread_time()
                 for hook in hooks:
@@ -206,7 +229,7 @@ def main() -> int:
     print(f"scale: {args.ranks} simulated ranks x {args.rate:g} steps/s = {args.ranks * args.rate:,.0f} msg/s to the "
           f"leader; {seconds:g} s per mode; rank {SLOW_RANK} 2x slower from t={slow_at:g} s; "
           f"{os.cpu_count()} CPUs, load average {load:.1f}")
-    results = [run("ingest", args.ranks, args.rate, seconds, slow_at), run("leader", args.ranks, args.rate, seconds, slow_at)]
+    results = [run(m, args.ranks, args.rate, seconds, slow_at) for m in ("ingest", "leader", "forwarded")]
     print(f"{'mode':8} {'msgs/s':>9} {'ingest us/msg':>14} {'tick CPU p50 ms':>16} {'tick CPU p99 ms':>16} "
           f"{'CPU cores':>10} {'at offered':>10} {'decision latency s':>19} {'false pos.':>10} {'plans':>6}")
     offered = args.ranks * args.rate
@@ -215,8 +238,8 @@ def main() -> int:
         p50 = f"{1e3 * r.tick_p(0.5):.1f}" if r.ticks else "-"
         p99 = f"{1e3 * r.tick_p(0.99):.1f}" if r.ticks else "-"
         print(f"{r.mode:8} {r.msgs / r.seconds:>9,.0f} {r.us_per_msg:>14.1f} {p50:>16} {p99:>16} {r.cpu_cores:>10.3f} "
-              f"{r.cores_at(offered):>10.3f} {lat:>19} {r.false_positives if r.mode == 'leader' else '-':>10} {r.plans_published:>6}")
-    base, lead = results
+              f"{r.cores_at(offered):>10.3f} {lat:>19} {r.false_positives if r.mode != 'ingest' else '-':>10} {r.plans_published:>6}")
+    base, lead, fwd = results
     overhead = lead.cpu_cores / base.cpu_cores if base.cpu_cores > 0 else float("nan")
     achieved = lead.msgs / lead.seconds / offered
     full = lead.cores_at(offered)
@@ -225,11 +248,18 @@ def main() -> int:
           f"offered load achieved: {achieved:.0%}; leader at the full offered load: {full:.3f} cores, goal <= 1 core: {'met' if full <= 1.0 else 'NOT met'}")
     if args.json:
         print(json.dumps([asdict(r) | {"cpu_cores": r.cpu_cores} for r in results]))
+    fwd_full = fwd.cores_at(offered)
+    print(f"forwarded (batched per node, rank-0 node as judge) vs direct: {fwd_full / full if full > 0 else float('nan'):.2f}x CPU "
+          f"({fwd.us_per_msg:.1f} vs {lead.us_per_msg:.1f} us/msg ingest); decision latency "
+          f"{fwd.decision_latency_s if fwd.decision_latency_s is not None else float('nan'):.2f} s; false positives {fwd.false_positives}")
     lat = lead.decision_latency_s
     print(f"RESULT leader_cpu_cores={full:.3f} measured_cpu_cores={lead.cpu_cores:.3f} decision_latency_s={lat if lat is not None else float('nan'):.2f} "
           f"ingest_cpu_cores={base.cores_at(offered):.3f} leader_overhead_ratio={overhead:.2f} "
           f"tick_cpu_ms_p50={1e3 * lead.tick_p(0.5):.1f} tick_cpu_ms_p99={1e3 * lead.tick_p(0.99):.1f} "
-          f"load_achieved_ratio={achieved:.3f} false_positives={lead.false_positives}")
+          f"load_achieved_ratio={achieved:.3f} false_positives={lead.false_positives} "
+          f"forwarded_cpu_cores={fwd_full:.3f} forwarded_ratio={fwd_full / full if full > 0 else float('nan'):.2f} "
+          f"forwarded_decision_latency_s={fwd.decision_latency_s if fwd.decision_latency_s is not None else float('nan'):.2f} "
+          f"forwarded_false_positives={fwd.false_positives}")
     return 0
 
 

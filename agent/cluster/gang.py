@@ -63,6 +63,24 @@ TIER_HOLDER = "tier:"
 """Prefix of a holder that is a tier every node reaches (the object store), not a node."""
 
 
+def decode_forwarded(job: str, messages: list[Any]) -> tuple[list[Telemetry], int]:
+    """The messages another node forwarded for ``job``: (valid ones, how many were dropped)."""
+    from agent.wire import WireError, decode_telemetry
+
+    good, dropped = [], 0
+    for raw in messages:
+        try:
+            msg = decode_telemetry(raw.encode() if isinstance(raw, str) else b"")
+        except WireError:
+            dropped += 1
+            continue
+        if msg.job != job:
+            dropped += 1
+            continue
+        good.append(msg)
+    return good, dropped
+
+
 def part_key(job: str, node: str) -> str:
     """The checkpoint-tier key of ``node``'s part of ``job``."""
     return f"{job}{PART_MARK}{node}"
