@@ -144,3 +144,17 @@ def _decided_as(rec: JobRecordDoc, members: dict[str, NodeInfo], leader: str) ->
     out = decide(rec, members, Finder(), 0.0, leader=leader)
     assert out is not None
     return out
+
+
+def test_forwarded_telemetry_keeps_valid_messages_of_the_job_and_counts_the_rest() -> None:
+    from agent.cluster.gang import decode_forwarded
+    from agent.wire import Telemetry
+
+    def msg(job: str, rank: int) -> str:
+        return Telemetry(job=job, rank=rank, local_rank=0, pid=10 + rank, step=5, wall_time=1.0, step_s=0.1,
+                         data_s=0.0, fwd_bwd_s=0.05, comm_s=0.04, opt_s=0.01, samples=4, tokens=128, loss=2.0,
+                         grad_norm=1.0, local_grad_sq=1.0, lr=1e-3, batch_size=4, mem_bytes=1,
+                         plan_version=0).encode().decode()
+
+    good, dropped = decode_forwarded("j", [msg("j", 2), msg("other", 3), "{not json", 42, msg("j", 3)])
+    assert [m.rank for m in good] == [2, 3] and dropped == 3
