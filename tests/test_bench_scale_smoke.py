@@ -16,7 +16,8 @@ def test_scale_bench_runs_all_modes_and_ends_with_its_result_line() -> None:
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    modes = [ln.split()[0] for ln in lines if ln.split() and ln.split()[0] in ("ingest", "leader", "forwarded")]
+    rows = [ln.split() for ln in lines]
+    modes = [r[0] for r in rows if len(r) > 1 and r[0] in ("ingest", "leader", "forwarded") and r[1].replace(",", "").isdigit()]
     assert modes == ["ingest", "leader", "forwarded"], out.stdout
     result = dict(kv.split("=", 1) for kv in lines[-1].removeprefix("RESULT ").split())
     assert lines[-1].startswith("RESULT ") and float(result["leader_cpu_cores"]) > 0
