@@ -119,3 +119,20 @@ def test_new_rank_zero_node_starts_from_the_carried_plan(survivor: dict[str, Any
     gang.plans = fresh
     gang._carry_plan(rec, Gang(attempt=4, dp=1))
     assert fresh.get("job").batch_sizes is None and fresh.get("job").lr_scale == pytest.approx(2.0 * (8 / 16) ** 0.5)
+
+
+def test_a_node_that_cannot_start_its_ranks_asks_for_a_restart_instead_of_going_quiet(survivor: dict[str, Any]) -> None:
+    from types import SimpleNamespace
+
+    gang: GangCoordinator = survivor["gang"]
+
+    def refuse(spec: Any, **kw: Any) -> None:
+        raise OSError("no space left on device")
+
+    gang.supervisor = SimpleNamespace(jobs={}, submit=refuse)  # type: ignore[assignment]
+    g = Gang(attempt=2, blocks=[["a", 0, 1], ["b", 1, 1]], dp=2, master_addr="127.0.0.1", master_port=1)
+    rec = JobRecordDoc("job", {"job": "job", "nproc": 2, "nodes": 2}, "a", gang=g.to_dict())
+    gang._start_block(rec, g, (1, 1, 1))
+    assert [k for k, _ in survivor["events"]] == ["gang_start_failed"]
+    req = gang._requests["job"]
+    assert req["attempt"] == 2 and "could not start its ranks" in req["cause"] and req["bad_step"] is None

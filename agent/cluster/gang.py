@@ -465,7 +465,7 @@ class GangCoordinator:
         if g.restore_step >= 0:
             try:
                 path, how = self.assemble(job, g.restore_step, g.sources)
-            except CheckpointError as exc:
+            except (CheckpointError, OSError) as exc:
                 self.emit("checkpoint_restore_failed", f"job {job}: cannot assemble step {g.restore_step}: {exc}",
                           {"job": job, "step": g.restore_step, "severity": "error"})
                 self._requests[job] = {"attempt": g.attempt, "cause": f"restore of step {g.restore_step} failed",
@@ -482,16 +482,24 @@ class GangCoordinator:
             if self._forwarder is None:
                 self._forwarder = threading.Thread(target=self._forward_loop, name="gang-telemetry", daemon=True)
                 self._forwarder.start()
-        spec = JobSpec.from_dict(rec.spec)
-        local = self.supervisor.jobs.get(job)
-        if self.on_restart is not None and g.attempt > 1:
-            self.on_restart(job, g.failed_at or self.clock())
-        if local is None or local.state.finished:
-            self.supervisor.submit(spec, block=block, on_failure=self.on_local_failure)
-            if group == 0:
-                self._carry_plan(rec, g)
-        else:
-            self.supervisor.relaunch(job, block, spec, f"cluster attempt {g.attempt}: {rec.cause}")
+        try:
+            spec = JobSpec.from_dict(rec.spec)
+            local = self.supervisor.jobs.get(job)
+            if self.on_restart is not None and g.attempt > 1:
+                self.on_restart(job, g.failed_at or self.clock())
+            if local is None or local.state.finished:
+                self.supervisor.submit(spec, block=block, on_failure=self.on_local_failure)
+                if group == 0:
+                    self._carry_plan(rec, g)
+            else:
+                self.supervisor.relaunch(job, block, spec, f"cluster attempt {g.attempt}: {rec.cause}")
+        except Exception as exc:  # noqa: BLE001 - the other nodes wait for us: say so, do not go quiet
+            self.emit("gang_start_failed", f"job {job} attempt {g.attempt}: cannot start ranks here: {exc}",
+                      {"job": job, "attempt": g.attempt, "severity": "error"})
+            self._requests[job] = {"attempt": g.attempt, "cause": f"{self.node} could not start its ranks: {exc}",
+                                   "bad_step": None, "at": self.clock()}
+            self.wake()
+            return
         self.emit("gang_ranks_started", f"job {job} attempt {g.attempt}: ranks {offset}-{offset + nproc - 1} of "
                   f"{g.world_size} here ({nproc // g.tp} whole tp={g.tp} group(s)), master {g.master_addr}:{g.master_port}"
                   + (f", restoring step {g.restore_step}" if restore else ""),
