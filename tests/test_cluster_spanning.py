@@ -22,10 +22,18 @@ from agent.cluster.etcdserver import LocalEtcd
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[LocalEtcd]:
+    server = LocalEtcd(tmp_path / "etcd", size=1).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(params=[1])
-def two_nodes(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[ClusterNode, ClusterNode]]:
+def two_nodes(tmp_path: Path, request: pytest.FixtureRequest, etcd: LocalEtcd) -> Iterator[tuple[ClusterNode, ClusterNode]]:
     """Agents a and b with ``request.param`` slots each."""
-    etcd = LocalEtcd(tmp_path / "etcd", size=1).start()
     token = secrets.token_hex(16)
     nodes: list[ClusterNode] = []
     try:
@@ -38,7 +46,6 @@ def two_nodes(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[
     finally:
         for n in nodes:
             n.stop()
-        etcd.stop()
 
 
 def _events(node: ClusterNode, kind: str, job: str = "big") -> list[dict[str, Any]]:
@@ -130,7 +137,8 @@ def test_job_spans_two_agents_restarts_together_and_survives_node_loss(
 
 @pytest.mark.parametrize("two_nodes", [2], indirect=True)
 def test_rank_zero_node_judges_every_rank_from_forwarded_telemetry(
-        two_nodes: tuple[ClusterNode, ClusterNode], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        two_nodes: tuple[ClusterNode, ClusterNode], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        etcd: LocalEtcd) -> None:
     """dp=4 over two nodes, rank 3 (on b) made 3x slower: b forwards its ranks' telemetry to a (rank
     0's node), a detects the straggler and migrates its shards through the plan rank 0 reads; b
     judges nothing itself."""
@@ -165,6 +173,18 @@ def test_rank_zero_node_judges_every_rank_from_forwarded_telemetry(
     assert cli_main(["status", "--agent", b.api, "--token-file", str(b.token_file)]) == 0
     shown = capsys.readouterr().out
     assert "leader a" in shown and "spanning job big  running  attempt 1  dp=4 tp=1 pp=1  a: ranks 0-1; b: ranks 2-3" in shown
+
+    # etcd frozen for a third of the lease TTL: the ranks train on, nobody is declared lost, no restart
+    before = a.client.job("big")["progress_step"]
+    etcd.members[0].pause()
+    try:
+        time.sleep(1.0)
+        during = a.client.job("big")["progress_step"]
+    finally:
+        etcd.members[0].resume()
+    time.sleep(2.0)
+    assert during > before and not a.events("node_lost") and not b.events("node_lost")
+    assert [e["fields"]["attempt"] for e in _events(a, "gang_placed")] == [1]
 
     # a stop on any node stops the job on every node (stopping one node's ranks alone would be healed)
     assert b.client.stop_job("big")["state"] == "stopping on every node"
