@@ -1,4 +1,4 @@
-"""Real agent processes (agent.cluster.runner) on loopback with a real etcd: registration and one
+"""Real agent processes (`trainguard agent` with a [cluster] section) on loopback with a real etcd: registration and one
 leader, the token-protected API between agents, and node loss: one agent is SIGKILLed with its
 ranks, the leader moves the job, the survivor restores it from the peer tier in its own RAM."""
 

@@ -1,4 +1,4 @@
-"""One gloo job spanning two real agents (agent.cluster.runner) on loopback with a real etcd: the
+"""One gloo job spanning two real agents (`trainguard agent` with a [cluster] section) on loopback with a real etcd: the
 leader places it, each agent starts its block with global ranks, a rank failure restarts both
 nodes' ranks together from a checkpoint assembled out of the nodes' parts, and the loss of a
 node (agent and ranks SIGKILLed) moves the job onto the survivor with dp reduced, restoring the

@@ -9,7 +9,6 @@ import pytest
 
 from agent.cluster.jobs import JobRecordDoc, plan_moves, shrink_spec
 from agent.cluster.placement import NodeBlock, Placement, PlacementError, place
-from agent.cluster.runner import load_cluster_config
 
 
 def spec(nproc: int, dp: int, tp: int = 1, pp: int = 1) -> dict:
@@ -79,17 +78,19 @@ def test_placement_keeps_tp_groups_inside_nodes() -> None:
     assert [b.node for b in skipped.blocks] == ["big"] and any("skipped" in n for n in skipped.notes)
 
 
-def test_cluster_config_file(tmp_path: Path) -> None:
-    path = tmp_path / "c.toml"
-    path.write_text('[cluster]\nname = "prod"\netcd_endpoints = ["127.0.0.1:2379"]\nlease_ttl_s = 6\n')
-    cfg = load_cluster_config(str(path))
-    assert cfg.name == "prod" and cfg.lease_ttl_s == 6 and not cfg.solo
-    path.write_text('[cluster]\nleese_ttl_s = 6\n')
-    with pytest.raises(ValueError, match=r"^cluster\.leese_ttl_s: unknown key"):
-        load_cluster_config(str(path))
-    path.write_text('[cluster]\nlease_ttl_s = "6"\n')
-    with pytest.raises(ValueError, match=r"^cluster\.lease_ttl_s: expected int"):
-        load_cluster_config(str(path))
-    path.write_text('[cluster]\netcd_endpoints = ["127.0.0.1:2379"]\nlease_ttl_s = 3\netcd_timeout_s = 2.0\n')
-    with pytest.raises(ValueError, match=r"^cluster\.etcd_timeout_s"):
-        load_cluster_config(str(path))
+def test_cluster_config_section(tmp_path: Path) -> None:
+    """The daemon's own config file carries [cluster]; errors name the key."""
+    from agent.config import ConfigError, load_config
+
+    path = tmp_path / "agent.toml"
+    path.write_text('[cluster]\nname = "prod"\netcd_endpoints = ["127.0.0.1:2379"]\nlease_ttl_s = 6\nrejoin = false\n')
+    cfg = load_config(str(path), must_exist=True).cluster
+    assert cfg.name == "prod" and cfg.lease_ttl_s == 6 and not cfg.solo and cfg.rejoin is False
+    for body, error in (('leese_ttl_s = 6', r"^cluster\.leese_ttl_s: unknown key"),
+                        ('lease_ttl_s = "6"', r"^cluster\.lease_ttl_s: expected an integer"),
+                        ('etcd_endpoints = ["127.0.0.1:2379"]\nlease_ttl_s = 3\netcd_timeout_s = 2.0',
+                         r"^cluster\.etcd_timeout_s"),
+                        ('rejoin = "yes"', r"^cluster\.rejoin")):
+        path.write_text(f"[cluster]\n{body}\n")
+        with pytest.raises(ConfigError, match=error):
+            load_config(str(path), must_exist=True)

@@ -11,6 +11,7 @@ cluster config) is also what the tests use.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shutil
@@ -40,7 +41,8 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
 
 
 class ClusterNode:
-    """One simulated node: ``python -m agent.cluster.runner`` with its own directories."""
+    """One simulated node: ``trainguard agent`` (``python -m agent.cli agent``) with its own
+    directories and an ``agent.toml`` whose ``[cluster]`` section points at the shared etcd."""
 
     def __init__(self, root: Path, name: str, endpoints: list[str], token: str, *, cluster: str, slots: int,
                  memory_every: int = 4, ttl: int = 3, peer_interval: int | None = None, object_url: str = "",
@@ -61,19 +63,16 @@ class ClusterNode:
             f'[checkpoint]\nmemory_root = "{self.shm}"\nmemory_every = {memory_every}\nmemory_keep = 3\n'
             f'disk_every = 100000\nobject_every = {object_every}\n'
             + (f'[checkpoint.object]\nurl = "{object_url}"\n' if object_url else '')
-        )
-        eps = ", ".join(f'"{e}"' for e in endpoints)
-        (root / "cluster.toml").write_text(
-            f'[cluster]\nname = "{cluster}"\netcd_endpoints = [{eps}]\nlease_ttl_s = {ttl}\npoll_s = 0.2\n'
-            f'etcd_timeout_s = 0.5\nslots = {slots}\npeer_interval = {peer_interval or memory_every}\npeer_keep = 2\n'
+            + f'[cluster]\nname = "{cluster}"\netcd_endpoints = {json.dumps(endpoints)}\n'
+            f'lease_ttl_s = {ttl}\npoll_s = 0.2\netcd_timeout_s = 0.5\nslots = {slots}\n'
+            f'peer_interval = {peer_interval or memory_every}\npeer_keep = 2\n'
         )
         self.log_path = root / "agent.log"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "agent.cluster.runner", "--state-dir", str(root / "state"),
-                 "--config", str(root / "agent.toml"), "--cluster-config", str(root / "cluster.toml"),
-                 "--metrics-addr", "127.0.0.1:0"],
+                [sys.executable, "-m", "agent.cli", "agent", "--state-dir", str(root / "state"),
+                 "--config", str(root / "agent.toml"), "--metrics-addr", "127.0.0.1:0"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         addr_file = root / "state" / "run" / "api.addr"
         wait_for(lambda: self.proc.poll() is not None or addr_file.exists(), 60, f"agent {name} up")

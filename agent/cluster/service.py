@@ -1,6 +1,6 @@
 """The cluster part of one agent: membership, leader, peer tier, blob store, job records.
 
-Daemon wiring (see ``agent.cluster.runner.ClusterAgent`` for the same thing as working code)::
+Daemon wiring (``agent.daemon.Agent._start_recovery`` and ``start``)::
 
     cluster = ClusterService(cfg.cluster, node=cfg.agent.node, memory_root=..., token=...,
                              emit=...)                      # before the checkpoint manager
