@@ -209,15 +209,19 @@ def test_cluster_demo_runs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("two_nodes", [2], indirect=True)
 def test_tensor_parallel_groups_stay_inside_nodes_and_reshard_after_node_loss(
-        two_nodes: tuple[ClusterNode, ClusterNode], tmp_path: Path) -> None:
+        two_nodes: tuple[ClusterNode, ClusterNode], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """dp=2 x tp=2 over two 2-slot nodes: each node holds one whole tp group (dp spans the nodes);
     after node a is lost, b runs dp=1 x tp=2 from the checkpoint assembled out of both nodes' parts."""
+    from agent.cli import main as cli_main
     from trainer.checkpoint import load_full_model_state
-    from trainer.testing import tiny_config
 
     a, b = two_nodes
-    trainer = tiny_config(str(tmp_path / "corpus"), steps=3000, parallel={"dp": 2, "tp": 2}).to_dict()
-    a.client.submit_job({"job": "big", "nproc": 4, "nodes": 2, "trainer": trainer})
+    tiny = [f"--set={kv}" for kv in ("model.layers=2", "model.d_model=32", "model.heads=4", "model.context=32",
+                                     "data.max_bytes=2000000", "global_batch=8", f"data.cache_dir={tmp_path / 'corpus'}")]
+    # submitted the way a user does: `trainguard train --nodes 2` on node a
+    assert cli_main(["train", "--state-dir", str(a.root / "state"), "--job", "big", "--nproc", "4", "--dp", "2",
+                     "--tp", "2", "--nodes", "2", "--steps", "3000", *tiny]) == 0
+    assert "big: recorded in the cluster; the leader places it on 2 nodes" in capsys.readouterr().out
     placed = wait_for(lambda: _events(a, "gang_placed"), 30, "placement")
     assert "dp=2 tp=2 pp=1 on 2 node(s): a: ranks 0-1; b: ranks 2-3" in placed[0]["message"]
     started = wait_for(lambda: _events(b, "gang_ranks_started"), 30, "b starts its block")
