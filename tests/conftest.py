@@ -100,6 +100,7 @@ def agent_factory(tmp_path: Path) -> Iterator:
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A real 1 MiB filesystem that fills up: the disk-full paths are tested against it."""
     if os.geteuid() != 0:
+        # test_disk_tier_write_error_leaves_nothing_half_written checks the same path without root.
         pytest.skip("mounting a 1 MiB tmpfs needs root (the CI and this machine run as root)")
     mnt = tmp_path / "tiny"
     mnt.mkdir()

@@ -8,24 +8,18 @@ import os
 import signal
 import stat
 import sys
-import time
 import urllib.request
 
 import pytest
 
+from agent import waiting
 from agent.api.client import ApiClient, ApiClientError
 
 FAKE = [sys.executable, "-m", "tests.helpers.fake_rank"]
 
 
 def wait_for(pred, timeout: float = 30, what: str = "condition"):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return waiting.wait_for(pred, timeout, what, interval=0.05)
 
 
 def scrape(url: str) -> str:

@@ -148,6 +148,35 @@ def test_abort_and_commit_without_stage(shm_root: Path) -> None:
         tier.stage("../evil", 1)
 
 
+def test_disk_tier_write_error_leaves_nothing_half_written(tmp_path: Path, shm_root: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The full-filesystem path without a real full filesystem (the tmpfs test below needs root):
+    the second file's copy fails with ENOSPC."""
+    import agent.checkpoint.local as local
+
+    disk = DiskTier(tmp_path / "ckpt")
+    small = tmp_path / "small"
+    fake_dcp(small, ranks=1, size=1000)
+    disk.write_from(small, "job", 100)
+    memory = MemoryTier(shm_root)
+    write_ranks(memory.stage("job", 200), {f"__{r}_0.distcp": os.urandom(1000) for r in range(3)})
+    memory.commit("job", 200)
+    real, calls = local.copy_checked, []
+
+    def fill_up(src: Path, dst: Path, algorithm: str, *, durable: bool) -> tuple[int, str]:
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        return real(src, dst, algorithm, durable=durable)
+
+    monkeypatch.setattr(local, "copy_checked", fill_up)
+    with pytest.raises(CheckpointWriteError) as ei:
+        disk.write_from(memory.step_path("job", 200), "job", 200)
+    assert ei.value.step == 200 and ei.value.cause.errno == errno.ENOSPC  # type: ignore[union-attr]
+    assert [i.step for i in disk.list("job")] == [100]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "job").iterdir()) == ["step_100"]
+
+
 def test_disk_tier_on_full_filesystem(tiny_tmpfs: Path, tmp_path: Path, shm_root: Path) -> None:
     disk = DiskTier(tiny_tmpfs / "ckpt")
     small = tmp_path / "small"

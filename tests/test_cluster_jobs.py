@@ -5,7 +5,7 @@ it comes back, and a cleanly stopped agent's jobs are paused instead of moved.""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from agent.cluster.jobs import JobRecordDoc
 from agent.cluster.service import ClusterService
 from agent.jobs import JobSpec, JobState
 from agent.plans import PlanStore
+from agent.waiting import wait_for
 
 
 @dataclass
@@ -50,15 +51,6 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcd]:
     with LocalEtcd(tmp_path_factory.mktemp("etcd"), size=1) as e:
         yield e
 
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def make(etcd: LocalEtcd, tmp: Path, cluster: str, name: str, events: list[tuple[str, str, dict[str, Any]]],

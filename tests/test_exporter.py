@@ -131,7 +131,8 @@ def test_scrape_over_http_with_raising_source(table: RankTable) -> None:
         assert registry.get_sample_value("trainguard_rank_step", {"job": "job-1", "rank": "0"}) == 9
         # A job forgotten by the table disappears from the next scrape: no stale series.
         table.forget_job("job-1")
-        assert "trainguard_rank_step" not in scrape(port) or not scrape(port)["trainguard_rank_step"].samples
+        with pytest.raises(KeyError):
+            sample(scrape(port), "trainguard_rank_step", job="job-1")
     finally:
         stop_metrics(server)
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):

@@ -6,23 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
 import pytest
 
+from agent.waiting import wait_for
 from trainer.testing import tiny_config
 
 pytestmark = pytest.mark.slow
-
-
-def wait_for(pred, timeout: float = 120, what: str = "condition"):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def events_of(client, kind: str) -> list[dict]:  # noqa: ANN001

@@ -204,7 +204,9 @@ class CpuCgroup:
                 time.sleep(0.1)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="pinning other processes, eBPF and cgroups need root")
+# Elsewhere the attribution itself is still checked from given evidence and a fake /proc
+# (test_straggler_units.py: test_cause_precedence_and_thresholds, test_proc_reader_cgroup_v1_and_v2).
+@pytest.mark.skipif(os.geteuid() != 0, reason="moving processes into CPU cgroups needs root")
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs: one for the healthy rank, one shared")
 def test_pinned_cpu_hog_then_cpu_quota_are_attributed(harness_factory: Callable[..., Harness]) -> None:
     """2-rank job, rank 0 pinned to CPU 0 and rank 1 to CPU 1. CPU hogs pinned to CPU 1 make rank 1
@@ -222,8 +224,9 @@ def test_pinned_cpu_hog_then_cpu_quota_are_attributed(harness_factory: Callable[
         pytest.skip("needs a CPU cgroup controller (v1 cpu or v2 cpu) to isolate the ranks from other load")
     probe.remove()
     h = harness_factory(ebpf=True)
-    if not h.agent.collector_state.get("ebpf", (False,))[0]:
-        pytest.skip(f"eBPF collector is off here: {h.agent.collector_state.get('ebpf')}")
+    # Without eBPF (no kernel headers, an old kernel) the run delay comes from /proc schedstat:
+    # the same cause must be found, from the other source.
+    source = "ebpf" if h.agent.collector_state.get("ebpf", (False,))[0] else "schedstat"
     job = "contention"
     h.submit(job, 2, trainer_spec(2, 5000, batch=48))
     groups: list[CpuCgroup] = []
@@ -251,7 +254,7 @@ def test_pinned_cpu_hog_then_cpu_quota_are_attributed(harness_factory: Callable[
         took = time.monotonic() - t_start
         ev = h.events("straggler_detected", job)[0]
         assert ev["rank"] == 1 and ev["cause"] == "cpu_contention", ev["fields"]
-        assert ev["fields"]["details"]["run_delay_source"] == "ebpf"
+        assert ev["fields"]["details"]["run_delay_source"] == source
         # Within the window: the run delay is a median over delay_window_s seconds, then two
         # evaluations below the threshold.
         assert took <= FAST.delay_window_s + 8, (took, start, ev["fields"]["step"])

@@ -22,7 +22,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol, overload
 from urllib.parse import quote, urlencode
 
 from agent.api.auth import TokenFileError, read_client_token
@@ -31,6 +31,12 @@ DEFAULT_TIMEOUT_S = 10.0
 _CHUNK = 1 << 20
 _CONTINUE_WAIT_S = 5.0  # how long to wait for "100 Continue" before sending the body anyway (RFC 9110)
 
+
+
+class BlobSink(Protocol):
+    """Where a downloaded blob goes, chunk by chunk (a file, or a checksumming wrapper)."""
+
+    def write(self, data: bytes, /) -> int: ...
 
 class ApiClientError(Exception):
     """A call that failed; ``status`` 0 means the agent could not be reached or did not answer."""
@@ -164,9 +170,16 @@ class ApiClient:
             size = os.fstat(data.fileno()).st_size - data.tell()
         return self._request("PUT", _blob_url(namespace, path), raw=data, raw_size=size)
 
-    def get_blob(self, namespace: str, path: str, dst: BinaryIO | None = None) -> bytes | int:
+    @overload
+    def get_blob(self, namespace: str, path: str) -> bytes: ...
+
+    @overload
+    def get_blob(self, namespace: str, path: str, dst: BlobSink) -> int: ...
+
+    def get_blob(self, namespace: str, path: str, dst: BlobSink | None = None) -> bytes | int:
         """Download a blob: into ``dst`` in chunks (returns the byte count), or as bytes."""
-        return self._request("GET", _blob_url(namespace, path), sink=dst, want_bytes=dst is None)
+        result: bytes | int = self._request("GET", _blob_url(namespace, path), sink=dst, want_bytes=dst is None)
+        return result
 
     def delete_blob(self, namespace: str, path: str) -> dict[str, Any]:
         return self._json("DELETE", _blob_url(namespace, path))
@@ -201,7 +214,7 @@ class ApiClient:
 
     def _request(self, method: str, url: str, *, body: dict[str, Any] | None = None,
                  raw: bytes | BinaryIO | None = None, raw_size: int = 0,
-                 sink: BinaryIO | None = None, want_bytes: bool = False) -> Any:
+                 sink: BlobSink | None = None, want_bytes: bool = False) -> Any:
         headers = self._headers()
         conn = self._connect()
         try:
@@ -286,7 +299,7 @@ def _send_body(conn: http.client.HTTPConnection, raw: bytes | BinaryIO, size: in
         left -= len(chunk)
 
 
-def _receive_blob(resp: http.client.HTTPResponse, sink: BinaryIO | None) -> bytes | int:
+def _receive_blob(resp: http.client.HTTPResponse, sink: BlobSink | None) -> bytes | int:
     parts: list[bytes] = []
     total = 0
     while True:

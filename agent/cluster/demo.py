@@ -20,24 +20,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from agent.api.client import ApiClient
 from agent.cluster.etcdserver import LocalEtcd
+from agent.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
 class ClusterNode:

@@ -365,10 +365,11 @@ class GangCoordinator:
                 if self.table.write(new, rev):
                     self.decisions += 1
                     gangs[job] = (new, -1)  # written: act on it at the next change (fresh revision)
+                    placed = Gang.from_dict(new.gang)
                     self.emit("gang_placed" if new.state == "running" else f"gang_{new.state}",
                               f"job {job}: {what}" + (f" (cause: {new.cause})" if new.state == "running" else ""),
-                              {"job": job, "attempt": Gang.from_dict(new.gang).attempt, "cause_": new.cause,
-                               "restore_step": Gang.from_dict(new.gang).restore_step,
+                              {"job": job, "attempt": placed.attempt, "cause_": new.cause,
+                               "restore_step": placed.restore_step,
                                "severity": "warning" if new.state in ("failed",) or "lost" in new.cause else "info"})
         for job, (rec, rev) in sorted(gangs.items()):
             if rev < 0:
@@ -546,7 +547,6 @@ class GangCoordinator:
         if holder == self.node:
             return [i.step for i in self.store.held(origin).list(key)]
         raw = self.client_for(PeerRef(holder, api)).get_blob(CKPT_NS, f"{origin}/{key}/{INDEX}")
-        assert isinstance(raw, bytes)
         return [int(r["step"]) for r in json.loads(raw)]
 
     def _parts_of(self, holder: str, api: str, origin: str, key: str, step: int) -> list[str]:
@@ -562,7 +562,6 @@ class GangCoordinator:
         else:
             raw = self.client_for(PeerRef(holder, api)).get_blob(
                 CKPT_NS, f"{origin}/{key}/{step_dirname(step)}/{MANIFEST_NAME}")
-            assert isinstance(raw, bytes)
             manifest = Manifest.from_json(raw)
         parts = manifest.extra.get("parts")
         return [str(p) for p in parts] if isinstance(parts, list) else [origin]

@@ -146,7 +146,6 @@ class PeerTier(Tier):
             return []
         peer, client = remote
         raw = client.get_blob(CKPT_NS, self._path(job, rel=INDEX))
-        assert isinstance(raw, bytes)
         rows = json.loads(raw)
         out = []
         for row in rows if isinstance(rows, list) else []:
@@ -235,7 +234,6 @@ class PeerTier(Tier):
         peer, client = remote
         try:
             raw = client.get_blob(CKPT_NS, self._path(job, step, VERIFY))
-            assert isinstance(raw, bytes)
             doc: dict[str, Any] = json.loads(raw)
         except (ApiClientError, ValueError) as exc:
             return VerifyResult(error=f"peer {peer.node}: cannot verify: {exc}")
@@ -311,7 +309,6 @@ def fetch_remote_copy(client: ApiClient, holder: str, origin: str, job: str, ste
             if exc.status == 404:
                 raise CheckpointNotFound(f"{label}: {holder} holds no {job} step {step}") from None
             raise
-        assert isinstance(raw, bytes)
         manifest = Manifest.from_json(raw)
         if manifest.job != job or manifest.step != step:
             raise CheckpointCorrupt(f"{label}: manifest on {holder} names {manifest.job} step {manifest.step}")
@@ -321,7 +318,7 @@ def fetch_remote_copy(client: ApiClient, holder: str, origin: str, job: str, ste
             target.parent.mkdir(parents=True, exist_ok=True)
             with open(target, "wb") as f:
                 sink = _HashingSink(f, manifest.algorithm)
-                client.get_blob(CKPT_NS, f"{prefix}/{entry.path}", sink)  # type: ignore[arg-type]
+                client.get_blob(CKPT_NS, f"{prefix}/{entry.path}", sink)
             if sink.size != entry.size or sink.hasher.hexdigest() != entry.checksum:
                 bad.append(f"checksum mismatch: {entry.path}")
         if bad:
