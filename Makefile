@@ -8,10 +8,10 @@ setup:
 	@bash scripts/setup.sh
 
 lint: setup
-	$(VENV)/bin/ruff check agent trainer tui tests bench
+	$(VENV)/bin/ruff check trainguard agent trainer tui tests bench examples
 
 typecheck: setup
-	$(VENV)/bin/mypy agent trainer tui
+	$(VENV)/bin/mypy -p trainguard
 
 test: setup lint typecheck
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup tests
@@ -21,4 +21,4 @@ demo: setup
 
 # Two agents + etcd on loopback, one job spanning both; one node is killed, the job goes on.
 demo-cluster: setup
-	$(PY) -m agent.cluster.demo
+	$(PY) -m trainguard.agent.cluster.demo

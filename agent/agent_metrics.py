@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.metrics_core import Metric
 
-from agent.jobs import JobState
-from agent.metricspec import MetricSpec
+from trainguard.agent.jobs import JobState
+from trainguard.agent.metricspec import MetricSpec
 
 if TYPE_CHECKING:
-    from agent.daemon import Agent
+    from trainguard.agent.daemon import Agent
 
 EVENTS = MetricSpec("trainguard_events_total", "counter", "", ("kind", "severity"), "Events written to the event log, by kind and severity.")
 JOB_STATE = MetricSpec("trainguard_job_state", "gauge", "", ("job", "state"), "1 for the state each job is in, 0 for the others.")

@@ -30,9 +30,9 @@ class ConfigError(ValueError):
 
 
 # Sections owned by their modules (imported after ConfigError, which they raise).
-from agent.cluster.config import ClusterConfig  # noqa: E402
-from agent.controller.config import ControllerConfig  # noqa: E402
-from agent.detect.config import StragglerConfig  # noqa: E402
+from trainguard.agent.cluster.config import ClusterConfig  # noqa: E402
+from trainguard.agent.controller.config import ControllerConfig  # noqa: E402
+from trainguard.agent.detect.config import StragglerConfig  # noqa: E402
 
 
 def _positive(key: str, value: float) -> None:

@@ -8,15 +8,17 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from agent import __version__
-from agent.api.handler import ApiError, Blob, BlobReader, Json
-from agent.jobs import JobSpec, JobSpecError
-from agent.wire import WireError
+from trainguard.agent import __version__
+from trainguard.agent.api.handler import ApiError, Blob, BlobReader, Json
+from trainguard.agent.jobs import JobSpec, JobSpecError
+from trainguard.agent.wire import WireError
 
 MAX_FORWARDED = 20_000
+EXTERNAL_NOTE = ("started by another launcher (torchrun): trainguard monitors it (telemetry, per-rank eBPF, "
+                 "stragglers, plans, memory checkpoints) but cannot restart its ranks")
 
 if TYPE_CHECKING:
-    from agent.daemon import Agent
+    from trainguard.agent.daemon import Agent
 
 
 class AgentControl:
@@ -28,6 +30,11 @@ class AgentControl:
         if record is None:
             raise ApiError(404, f"no job {job!r} on this agent")
         return record
+
+    def _known(self, job: str) -> None:
+        """A job this agent launched, or one whose ranks report to it (e.g. a torchrun job)."""
+        if job not in self.agent.supervisor.jobs and job not in self.agent.table.jobs():
+            raise ApiError(404, f"no job {job!r} on this agent")
 
     def health(self) -> dict[str, Any]:
         return {"node": self.agent.cfg.agent.node, "version": __version__, "pid": os.getpid()}
@@ -57,6 +64,9 @@ class AgentControl:
                     {
                         "job": job,
                         "state": "external",
+                        "managed": False,
+                        "note": EXTERNAL_NOTE,
+                        "plan": dataclasses.asdict(agent.plans.get(job)),
                         "ranks": [
                             {"rank": rank, "telemetry": _telemetry_dict(tel)}
                             for rank, tel in sorted(ranks.items())
@@ -128,12 +138,35 @@ class AgentControl:
         record = self.agent.supervisor.stop(job, reason)
         return {"job": job, "state": record.state.value}
 
+    def job_output(self, job: str, rank: int, offset: int, limit: int) -> dict[str, Any]:
+        record = self._job(job)
+        path = next((r.log_path for r in record.ranks if r.rank == rank), None)
+        if path is None:
+            path = os.path.join(self.agent.paths.jobs_dir, job, f"rank{rank}.log")
+        try:
+            with open(path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                fh.seek(min(offset, size))
+                data = fh.read(limit)
+        except FileNotFoundError:
+            return {"rank": rank, "offset": offset, "next": offset, "size": 0, "text": ""}
+        except OSError as exc:
+            raise ApiError(500, f"cannot read the output of rank {rank}: {exc}") from None
+        end = data.rfind(b"\n") + 1
+        if end == 0 and len(data) < limit:
+            data = b""  # half a line: wait for the rest
+        elif end:
+            data = data[:end]
+        start = min(offset, size)
+        return {"rank": rank, "offset": start, "next": start + len(data), "size": size,
+                "text": data.decode("utf-8", errors="replace")}
+
     def get_plan(self, job: str) -> dict[str, Any]:
-        self._job(job)
+        self._known(job)
         return dataclasses.asdict(self.agent.plans.get(job))
 
     def update_plan(self, job: str, fields: dict[str, Any]) -> dict[str, Any]:
-        self._job(job)
+        self._known(job)
         try:
             plan = self.agent.plans.update(job, fields)
         except (WireError, TypeError) as exc:
@@ -149,7 +182,7 @@ class AgentControl:
         return result
 
     def checkpoint_now(self, job: str, options: dict[str, Any]) -> dict[str, Any]:
-        self._job(job)
+        self._known(job)
         plan = self.agent.plans.update(job, {"reason": "checkpoint requested"}, checkpoint_now=True)
         self.agent.events.emit("checkpoint_requested", f"checkpoint requested for job {job}", job=job, cause="api")
         return {"job": job, "checkpoint_id": plan.checkpoint_id, "plan_version": plan.version}
@@ -161,7 +194,7 @@ class AgentControl:
         record = self.agent.supervisor.jobs.get(job)
         if record is None or record.block is None or record.block.group_rank != 0:
             raise ApiError(409, f"job {job} does not hold rank 0 here; telemetry goes to the node that does")
-        from agent.cluster.gang import decode_forwarded
+        from trainguard.agent.cluster.gang import decode_forwarded
 
         good, dropped = decode_forwarded(job, messages)
         result = self.agent.table.add_many(good, time.time())

@@ -7,6 +7,7 @@ reloads the config file. Under systemd it reports READY/STATUS/WATCHDOG/STOPPING
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -16,18 +17,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent import __version__
-from agent.collectors.base import Collector, CollectorUnavailable, TrackedProcess
-from agent.config import AgentConfig, ConfigError, load_config, parse_host_port
-from agent.eventlog import EventLog
-from agent.jobs import JobSpec
-from agent.launcher import LaunchContext, Launcher
-from agent.paths import AgentPaths
-from agent.plans import PlanStore
-from agent.sdnotify import Notifier
-from agent.supervisor import Supervisor
+from trainguard.agent import __version__
+from trainguard.agent.collectors.base import Collector, CollectorUnavailable, TrackedProcess
+from trainguard.agent.config import AgentConfig, ConfigError, load_config, parse_host_port
+from trainguard.agent.eventlog import EventLog
+from trainguard.agent.jobs import JobSpec
+from trainguard.agent.launcher import LaunchContext, Launcher
+from trainguard.agent.paths import AgentPaths
+from trainguard.agent.plans import PlanStore
+from trainguard.agent.sdnotify import Notifier
+from trainguard.agent.supervisor import Supervisor
 
 log = logging.getLogger("trainguard.agent")
+EXTERNAL_SILENCE_S = 60.0
+"""A rank of a job this agent did not start stops being tracked after this long without a step."""
 
 # A main-loop step (collect, detect, act) runs after each interval; these hooks are where the
 # detectors and healers of later modules plug in. Each gets the agent and the current time.
@@ -51,13 +54,14 @@ class Agent:
         self.forwarded_in: dict[str, int] = {}
         """Telemetry messages other nodes forwarded here, per node (jobs spanning nodes)."""
         self.metrics_port: int | None = None
+        self._external: dict[int, TrackedProcess] = {}
         self.api_tcp_port: int | None = None
 
     # --- start-up ---------------------------------------------------------------------------
     def start(self) -> None:
-        from agent.exporter import AgentExporter, TelemetryMetrics, serve_metrics
-        from agent.ranktable import RankTable, RankTableConfig
-        from agent.telemetry import TelemetryServer
+        from trainguard.agent.exporter import AgentExporter, TelemetryMetrics, serve_metrics
+        from trainguard.agent.ranktable import RankTable, RankTableConfig
+        from trainguard.agent.telemetry import TelemetryServer
 
         self.paths.ensure()
         cfg = self.cfg
@@ -96,6 +100,7 @@ class Agent:
         self._start_api()
         with open(self.paths.pid_file, "w") as fh:
             fh.write(f"{os.getpid()}\n")
+        self._write_discovery()
         self.events.emit(
             "agent_started",
             f"agent {__version__} started on {cfg.agent.node}",
@@ -104,10 +109,25 @@ class Agent:
         )
         self.notifier.ready(self._status_line())
 
+    def _write_discovery(self) -> None:
+        """Tell ranks this agent did not start (torchrun jobs calling ``trainguard.init()``) where
+        to report, read plans and put memory checkpoints (``trainguard.environment``)."""
+        body = {
+            "node": self.cfg.agent.node, "pid": os.getpid(), "version": __version__,
+            "telemetry_socket": self.paths.telemetry_socket, "plans_dir": self.paths.plans_dir,
+            "memory_root": self.checkpoints.settings.memory_root,
+            "memory_every": self.checkpoints.settings.memory_interval,
+        }
+        tmp = f"{self.paths.discovery_file}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(body, fh)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, self.paths.discovery_file)
+
     def _peer_token(self) -> str | None:
         from pathlib import Path
 
-        from agent.api.auth import TokenFileError, read_client_token
+        from trainguard.agent.api.auth import TokenFileError, read_client_token
 
         path = self.cfg.cluster.peer_token_file or self.cfg.api.token_file
         if not path:
@@ -125,9 +145,9 @@ class Agent:
         self.events.emit(kind, message, severity=severity, job=job if isinstance(job, str) else None, cause=cause, **_safe_fields(fields))
 
     def _start_recovery(self) -> None:
-        from agent.checkpoint import CheckpointManager
-        from agent.cluster.service import ClusterService
-        from agent.recovery.service import RecoveryService, checkpoint_settings
+        from trainguard.agent.checkpoint import CheckpointManager
+        from trainguard.agent.cluster.service import ClusterService
+        from trainguard.agent.recovery.service import RecoveryService, checkpoint_settings
 
         settings = checkpoint_settings(self.cfg)
         # Membership, leader election and the peer tier; with no etcd this node is its own leader.
@@ -164,18 +184,18 @@ class Agent:
     def _install_policies(self) -> None:
         """Straggler detection/migration and the LR/batch controller, as configured."""
         if self.cfg.detection.enabled:
-            from agent.detect import install as install_stragglers
+            from trainguard.agent.detect import install as install_stragglers
 
             install_stragglers(self, self.cfg.detection)
         if self.cfg.controller.strategy != "none":
-            from agent.controller import install as install_controller
+            from trainguard.agent.controller import install as install_controller
 
             install_controller(self, self.cfg.controller)
         self.drain_handler = self._drain
 
     def _drain(self, job: str, target: dict[str, Any]) -> dict[str, Any]:
         """Operator drain: restart the job without the rank's data-parallel replica."""
-        from agent.api.handler import ApiError
+        from trainguard.agent.api.handler import ApiError
 
         rank = target.get("rank")
         if isinstance(rank, bool) or not isinstance(rank, int):
@@ -199,9 +219,9 @@ class Agent:
     def _start_api(self) -> None:
         from pathlib import Path
 
-        from agent.api.config import ApiConfig
-        from agent.api.server import ApiServer
-        from agent.control import AgentControl
+        from trainguard.agent.api.config import ApiConfig
+        from trainguard.agent.api.server import ApiServer
+        from trainguard.agent.control import AgentControl
 
         cfg = self.cfg.api
         self.control = AgentControl(self)
@@ -254,17 +274,17 @@ class Agent:
         log.warning("collector %s is off: %s", name, reason)
 
     def _make_host(self) -> Collector:
-        from agent.collectors.host import HostCollector
+        from trainguard.agent.collectors.host import HostCollector
 
         return HostCollector()
 
     def _make_ebpf(self) -> Collector:
-        from agent.collectors.ebpf import EbpfCollector
+        from trainguard.agent.collectors.ebpf import EbpfCollector
 
         return EbpfCollector(self._on_collector_event, interval=self.cfg.agent.interval_s, print_bpf=self.print_bpf)
 
     def _make_gpu(self) -> Collector:
-        from agent.collectors.gpu import GpuCollector
+        from trainguard.agent.collectors.gpu import GpuCollector
 
         return GpuCollector(self._on_collector_event)
 
@@ -283,7 +303,22 @@ class Agent:
         severity = "error" if kind in ("oom_kill", "gpu_xid", "gpu_lost") else ("debug" if kind == "process_exit_seen" else "info")
         self.events.emit(kind, f"{kind.replace('_', ' ')}: {fields}", severity=severity, job=job, rank=rank, source="collector", **_safe_fields(fields))
 
+    def _track_external(self, snapshot: Any, now: float) -> None:
+        """Ranks of jobs this agent did not start but that report to it (torchrun jobs): their pids
+        go to the collectors too (per-rank eBPF), while they keep reporting."""
+        fresh = {}
+        for job, ranks in snapshot.jobs.items():
+            if job in self.supervisor.jobs:
+                continue
+            for v in ranks.values():
+                if now - v.last_seen < EXTERNAL_SILENCE_S and os.path.exists(f"/proc/{v.pid}"):
+                    fresh[v.pid] = TrackedProcess(v.pid, job, v.rank, v.local_rank)
+        if set(fresh) != set(self._external):
+            self._external = fresh
+            self._ranks_changed(self.supervisor.tracked())
+
     def _ranks_changed(self, processes: dict[int, TrackedProcess]) -> None:
+        processes = {**getattr(self, "_external", {}), **processes}
         for c in self.collectors:
             try:
                 c.track(processes)
@@ -313,6 +348,7 @@ class Agent:
             steps = [r.step for r in ranks.values()]
             if steps:
                 self.supervisor.note_progress(job, max(steps))
+        self._track_external(snapshot, now)
         for hook in list(self.tick_hooks):
             try:
                 hook(self, now)
@@ -388,7 +424,7 @@ class Agent:
                     log.warning("stopping %s: %s", part, exc)
         server = getattr(self, "_metrics_server", None)
         if server is not None:
-            from agent.exporter import stop_metrics
+            from trainguard.agent.exporter import stop_metrics
 
             stop_metrics(server)
         for c in self.collectors:
@@ -399,7 +435,7 @@ class Agent:
         if events is not None:
             events.emit("agent_stopped", "agent stopped")
             events.close()
-        for path in (self.paths.pid_file, self.paths.metrics_addr_file):
+        for path in (self.paths.pid_file, self.paths.metrics_addr_file, self.paths.discovery_file):
             try:
                 os.unlink(path)
             except OSError:
@@ -418,7 +454,7 @@ class Agent:
 
     def metrics(self) -> Any:
         """Agent-level metric families (events, restarts, jobs) for the exporter."""
-        from agent.agent_metrics import agent_metrics
+        from trainguard.agent.agent_metrics import agent_metrics
 
         return agent_metrics(self)
 

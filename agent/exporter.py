@@ -23,10 +23,10 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector as PromCollector
 from prometheus_client.registry import CollectorRegistry
 
-from agent.collectors.host import HOST_METRICS
-from agent.metricspec import MetricSpec, index
-from agent.ranktable import RankTable, RankView
-from agent.telemetry import TelemetryServer
+from trainguard.agent.collectors.host import HOST_METRICS
+from trainguard.agent.metricspec import MetricSpec, index
+from trainguard.agent.ranktable import RankTable, RankView
+from trainguard.agent.telemetry import TelemetryServer
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.wire import valid_job_id
+from trainguard.agent.wire import valid_job_id
 
 
 class JobSpecError(ValueError):
@@ -28,19 +28,30 @@ class JobSpec:
     trainer: dict[str, Any] = field(default_factory=dict)
     """TrainConfig as a dict (trainer/config.py), handed to every rank in $TRAINGUARD_JOB_SPEC."""
     command: list[str] = field(default_factory=list)
-    """Rank command (empty: the embedded trainer, `python -m trainer.worker`)."""
+    """Rank command (empty: the embedded trainer, `python -m trainguard.trainer.worker`)."""
     env: dict[str, str] = field(default_factory=dict)
     faults: list[str] = field(default_factory=list)
     """Fault specs injected into the ranks (tests and the demo)."""
     max_restarts: int = 3
     nodes: int = 1
     """Spread the ranks over this many nodes (the cluster leader places them; needs etcd)."""
+    cwd: str = ""
+    """Working directory of a command's ranks (absolute; empty: the job's log directory)."""
+    hang_timeout_s: float = 0.0
+    """A command job is hung when none of its ranks used the CPU for this long (0: hangs of a job
+    that does not report steps are never judged; see ``agent.recovery.activity``)."""
+
+    @property
+    def is_command(self) -> bool:
+        """A user's command (not the embedded trainer): it may never report a step."""
+        return bool(self.command)
 
     @classmethod
     def from_dict(cls, body: Any) -> JobSpec:
         if not isinstance(body, dict):
             raise JobSpecError("job", "spec must be an object")
-        known = {"job", "nproc", "trainer", "command", "env", "faults", "max_restarts", "nodes"}
+        known = {"job", "nproc", "trainer", "command", "env", "faults", "max_restarts", "nodes", "cwd",
+                 "hang_timeout_s"}
         for key in body:
             if key not in known:
                 raise JobSpecError(key, "unknown key")
@@ -68,7 +79,13 @@ class JobSpec:
         nodes = body.get("nodes", 1)
         if isinstance(nodes, bool) or not isinstance(nodes, int) or not (1 <= nodes <= 256):
             raise JobSpecError("nodes", "an integer in [1, 256] (the job uses at most nproc of them)")
-        return cls(job, nproc, trainer, command, env, faults, max_restarts, nodes)
+        cwd = body.get("cwd", "")
+        if not isinstance(cwd, str) or (cwd and not cwd.startswith("/")):
+            raise JobSpecError("cwd", "an absolute path")
+        hang = body.get("hang_timeout_s", 0.0)
+        if isinstance(hang, bool) or not isinstance(hang, int | float) or not (0 <= hang <= 7 * 86400):
+            raise JobSpecError("hang_timeout_s", "seconds in [0, 604800] (0: off)")
+        return cls(job, nproc, trainer, command, env, faults, max_restarts, nodes, cwd, float(hang))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +97,8 @@ class JobSpec:
             "faults": self.faults,
             "max_restarts": self.max_restarts,
             "nodes": self.nodes,
+            "cwd": self.cwd,
+            "hang_timeout_s": self.hang_timeout_s,
         }
 
 

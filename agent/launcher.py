@@ -1,7 +1,9 @@
 """Starts a job's local ranks as the agent's own children, watches them, stops them.
 
 Each start attempt gets a fresh rendezvous port, so restarted ranks never read a dead attempt's
-addresses from the store (FACTS.md pitfall 1). Ranks never inherit the agent's capabilities: they
+addresses from the store (FACTS.md pitfall 1). A user's command gets torchrun's environment
+contract (``torchrun_env``), its own working directory and its own ``PYTHONPATH`` (nothing of
+trainguard's is put on it, so its own ``agent.py`` or ``trainer.py`` stay its own). Ranks never inherit the agent's capabilities: they
 run as a configured user, or through ``setpriv`` with every capability set cleared.
 """
 
@@ -20,11 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from agent.jobs import JobSpec
-from agent.wire import ENV_JOB, ENV_JOB_SPEC, ENV_PLAN, ENV_SOCKET
-from agent.zygote_client import Zygote, ZygoteError
+from trainguard.agent.jobs import JobSpec
+from trainguard.agent.wire import ENV_JOB, ENV_JOB_SPEC, ENV_PLAN, ENV_SOCKET
+from trainguard.agent.zygote_client import Zygote, ZygoteError
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The directory that holds the ``trainguard`` package (the checkout, or site-packages).
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -95,6 +98,32 @@ class RankBlock:
     """The checkpoint this attempt restores (shown in status, used for the recovery clock)."""
 
 
+def torchrun_env(spec: JobSpec, block: RankBlock, attempt: int) -> dict[str, str]:
+    """torchrun's environment contract beyond RANK/WORLD_SIZE/MASTER_*: what scripts written for
+    torchrun (and the frameworks that detect it) read."""
+    return {
+        "TORCHELASTIC_RESTART_COUNT": str(max(0, attempt - 1)),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        "TORCHELASTIC_RUN_ID": spec.job,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "GROUP_WORLD_SIZE": str(max(1, block.world_size // max(1, block.nproc))),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(block.rank_offset),
+        "ROLE_WORLD_SIZE": str(block.world_size),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    }
+
+
+def _same_interpreter(command: str, python: str, path: str | None) -> bool:
+    found = shutil.which(command, path=path) if os.sep not in command else command
+    if not found:
+        return False
+    try:
+        return os.path.samefile(found, python) or os.path.realpath(found) == os.path.realpath(python)
+    except OSError:
+        return False
+
+
 def _privilege_wrapper(user: str) -> tuple[list[str], dict[str, object]]:
     """argv prefix and Popen kwargs that start a rank without the agent's privileges."""
     if user:
@@ -122,15 +151,16 @@ class Launcher:
         self.zygotes: dict[str, Zygote] = {}
         self.warm_failures = 0
 
-    def _zygote(self, spec: JobSpec, ctx: LaunchContext, argv_prefix: list[str], env: dict[str, str]) -> Zygote | None:
+    def _zygote(self, spec: JobSpec, ctx: LaunchContext, argv_prefix: list[str], env: dict[str, str],
+                cwd: str) -> Zygote | None:
         zygote = self.zygotes.get(spec.job)
         if zygote is not None and zygote.alive:
             return zygote
         try:
             zygote = Zygote(
-                argv_prefix + [ctx.python or sys.executable, "-m", "trainer.zygote"],
+                argv_prefix + [ctx.python or sys.executable, "-m", "trainguard.trainer.zygote"],
                 env,
-                REPO_ROOT,
+                cwd,
                 os.path.join(ctx.log_dir, "zygote.log"),
             )
         except (OSError, ZygoteError):
@@ -140,12 +170,20 @@ class Launcher:
         return zygote
 
     @staticmethod
-    def warm_module(spec: JobSpec) -> tuple[str, list[str]] | None:
-        """(module, args) when the rank command is ``python -m module ...`` (forkable), else None."""
+    def warm_module(spec: JobSpec, python: str = "") -> tuple[str, list[str]] | None:
+        """What the warm launcher can fork for this job: ``(module, args)`` for ``python -m module``,
+        ``("path:" + script, args)`` for ``python script.py``; None for anything else, or when the
+        command's interpreter is not the warm launcher's (a user's own venv: started cold, as is)."""
         if not spec.command:
-            return "trainer.worker", []
-        if len(spec.command) >= 3 and spec.command[1] == "-m":
-            return spec.command[2], list(spec.command[3:])
+            return "trainguard.trainer.worker", []
+        cmd = spec.command
+        if len(cmd) < 2 or not _same_interpreter(cmd[0], python or sys.executable, spec.env.get("PATH")):
+            return None
+        if cmd[1] == "-m" and len(cmd) >= 3:
+            return cmd[2], list(cmd[3:])
+        if cmd[1].endswith(".py") and not cmd[1].startswith("-"):
+            script = cmd[1] if os.path.isabs(cmd[1]) else os.path.join(spec.cwd or os.getcwd(), cmd[1])
+            return f"path:{script}", list(cmd[2:])
         return None
 
     def close_job(self, job: str) -> None:
@@ -153,10 +191,16 @@ class Launcher:
         if zygote is not None:
             zygote.close()
 
+    @staticmethod
+    def rank_cwd(spec: JobSpec, ctx: LaunchContext) -> str:
+        if spec.is_command:
+            return spec.cwd or ctx.log_dir
+        return PACKAGE_PARENT
+
     def rank_command(self, spec: JobSpec, ctx: LaunchContext) -> list[str]:
         if spec.command:
             return list(spec.command)
-        return [ctx.python or sys.executable, "-m", "trainer.worker"]
+        return [ctx.python or sys.executable, "-m", "trainguard.trainer.worker"]
 
     def start(self, spec: JobSpec, ctx: LaunchContext, attempt: int, env_overrides: dict[str, str] | None = None,
               block: RankBlock | None = None) -> list[RankProcess]:
@@ -171,18 +215,24 @@ class Launcher:
         # Ranks must not inherit the agent's systemd plumbing.
         for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID"):
             base_env.pop(key, None)
-        pythonpath = base_env.get("PYTHONPATH", "")
-        base_env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + pythonpath if pythonpath else "")
+        if not spec.is_command:
+            # The embedded trainer is trainguard's own code: find it even from a plain checkout.
+            pythonpath = base_env.get("PYTHONPATH", "")
+            base_env["PYTHONPATH"] = PACKAGE_PARENT + (os.pathsep + pythonpath if pythonpath else "")
         base_env.update(ctx.extra_env)
         base_env.update(spec.env)
+        if spec.is_command and block.nproc > 1:
+            # As torchrun does: one intra-op thread per rank unless the user chose otherwise.
+            base_env.setdefault("OMP_NUM_THREADS", "1")
+        cwd = self.rank_cwd(spec, ctx)
         if spec.faults:
             base_env["TRAINGUARD_FAULTS"] = ";".join(spec.faults)
             # An injected fault fires once per job, not again in every restarted attempt.
             base_env.setdefault("TRAINGUARD_FAULT_MARKER_DIR", os.path.join(ctx.log_dir, "faults-fired"))
         zygote = None
-        warm_target = self.warm_module(spec)
+        warm_target = self.warm_module(spec, ctx.python)
         if self.mode == "warm" and warm_target is not None:
-            zygote = self._zygote(spec, ctx, prefix, base_env)
+            zygote = self._zygote(spec, ctx, prefix, base_env, cwd)
         ranks: list[RankProcess] = []
         for local in range(block.nproc):
             rank = block.rank_offset + local
@@ -203,13 +253,15 @@ class Launcher:
                     ENV_JOB_SPEC: json.dumps(spec.trainer),
                 }
             )
+            if spec.is_command:
+                env.update(torchrun_env(spec, block, attempt))
             if env_overrides:
                 env.update(env_overrides)
             env.update(block.env)
             log_path = os.path.join(ctx.log_dir, f"rank{rank}.log")
             if zygote is not None:
                 assert warm_target is not None
-                child = zygote.spawn(rank, env, log_path, REPO_ROOT, warm_target[0], warm_target[1])
+                child = zygote.spawn(rank, env, log_path, cwd, warm_target[0], warm_target[1])
                 ranks.append(RankProcess(rank, local, child, self.clock(), log_path))
                 continue
             log = open(log_path, "ab")
@@ -220,7 +272,7 @@ class Launcher:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    cwd=REPO_ROOT,
+                    cwd=cwd,
                     start_new_session=True,
                     **popen_kwargs,
                 )

@@ -7,7 +7,7 @@ declares ``METRICS`` either as :class:`~agent.metricspec.MetricSpec` objects or 
 ``(name, type, unit, labels, help)`` tuples (modules that predate MetricSpec); both are normalised
 here, validated by MetricSpec's own rules, and a name claimed twice is refused.
 
-Regenerate the reference with ``python -m agent.metric_reference > METRICS.md``.
+Regenerate the reference with ``python -m trainguard.agent.metric_reference > METRICS.md``.
 """
 
 from __future__ import annotations
@@ -18,24 +18,24 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agent.metricspec import MetricSpec
+from trainguard.agent.metricspec import MetricSpec
 
 MODULES: tuple[str, ...] = (
-    "agent.exporter",
-    "agent.agent_metrics",
-    "agent.collectors.gpu",
-    "agent.collectors.ebpf",
-    "agent.checkpoint",
-    "agent.detect.service",
-    "agent.recovery.service",
-    "agent.controller.controller",
-    "agent.cluster.service",
+    "trainguard.agent.exporter",
+    "trainguard.agent.agent_metrics",
+    "trainguard.agent.collectors.gpu",
+    "trainguard.agent.collectors.ebpf",
+    "trainguard.agent.checkpoint",
+    "trainguard.agent.detect.service",
+    "trainguard.agent.recovery.service",
+    "trainguard.agent.controller.controller",
+    "trainguard.agent.cluster.service",
 )
 """Modules whose ``METRICS`` the agent exports, in reference order. A module that adds metrics
 appends its import path here (a test fails while a live agent exports a name missing from this
 list), then regenerates METRICS.md (a test fails while it is stale)."""
 
-REGENERATE = "python -m agent.metric_reference > METRICS.md"
+REGENERATE = "python -m trainguard.agent.metric_reference > METRICS.md"
 
 _TYPES = ("gauge", "counter", "histogram")
 

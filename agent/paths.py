@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from agent.config import DEFAULT_RUN_DIR, DEFAULT_STATE_DIR
+from trainguard.agent.config import DEFAULT_RUN_DIR, DEFAULT_STATE_DIR
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,11 @@ class AgentPaths:
     @property
     def checkpoints_dir(self) -> str:
         return os.path.join(self.state_dir, "checkpoints")
+
+    @property
+    def discovery_file(self) -> str:
+        """Where ranks the agent did not start find it (``trainguard.environment``)."""
+        return os.path.join(self.run_dir, "agent.json")
 
     @property
     def pid_file(self) -> str:

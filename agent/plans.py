@@ -8,7 +8,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from agent.wire import Plan, WireError, write_plan_file
+from trainguard.agent.wire import Plan, WireError, write_plan_file
 
 _SETTABLE = {"lr_scale", "lr", "batch_sizes", "stop", "reason", "extra"}
 

@@ -18,7 +18,7 @@ from itertools import islice
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from agent.wire import Telemetry
+from trainguard.agent.wire import Telemetry
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.collectors.base import TrackedProcess
-from agent.eventlog import EventLog
-from agent.jobs import JobSpec, JobState, check_transition
-from agent.launcher import LaunchContext, Launcher, RankBlock, RankProcess
-from agent.plans import PlanStore
+from trainguard.agent.collectors.base import TrackedProcess
+from trainguard.agent.eventlog import EventLog
+from trainguard.agent.jobs import JobSpec, JobState, check_transition
+from trainguard.agent.launcher import LaunchContext, Launcher, RankBlock, RankProcess
+from trainguard.agent.plans import PlanStore
 
 
 @dataclass
@@ -37,6 +37,8 @@ class JobRecord:
     step_at_last_restart: int = -1
     reason: str = ""
     exit_codes: dict[int, int | None] = field(default_factory=dict)
+    failure_code: int | None = None
+    """Exit status of the rank whose death caused the latest restart (128 + N for signal N)."""
     restore_max_step: int | None = None
     """For a rollback: restore the newest checkpoint at or before this step (None: the newest)."""
     restored_from: dict[str, Any] | None = None
@@ -50,6 +52,19 @@ class JobRecord:
     @property
     def job(self) -> str:
         return self.spec.job
+
+    @property
+    def exit_code(self) -> int | None:
+        """The job's exit status as a launcher reports it: 0 when it succeeded, the failing rank's
+        status when it failed (1 when it failed for another reason), 1 when it was stopped, None
+        while it runs."""
+        if not self.state.finished:
+            return None
+        if self.state == JobState.SUCCEEDED:
+            return 0
+        if self.state == JobState.FAILED:
+            return self.failure_code or 1
+        return 1
 
     @property
     def decides_here(self) -> bool:
@@ -68,6 +83,7 @@ class JobRecord:
             "local_ranks": [self.block.rank_offset, self.block.rank_offset + self.block.nproc - 1] if self.block else None,
             "progress_step": self.progress_step,
             "reason": self.reason,
+            "exit_code": self.exit_code,
             "submitted": self.submitted,
             "ranks": [
                 {
@@ -327,11 +343,13 @@ class Supervisor:
         if record.state in (JobState.STOPPING, JobState.RESTARTING):
             return
         if any(r.exit_code not in (0, None) for r in ended):
-            dead = [r.rank for r in ended if r.exit_code != 0]
-            self.restart(record.job, cause=f"rank {dead[0]} died")
+            dead = [r for r in ended if r.exit_code != 0]
+            record.failure_code = dead[0].exit_code
+            self.restart(record.job, cause=f"rank {dead[0].rank} died")
         elif all(not r.alive for r in record.ranks) and all(r.exit_code == 0 for r in record.ranks):
-            self._set_state(record, JobState.SUCCEEDED)
+            # The event first: a reader that sees SUCCEEDED must also find it.
             self.events.emit("job_succeeded", f"job {record.job} finished", job=record.job)
+            self._set_state(record, JobState.SUCCEEDED)
             self._ranks_changed()
 
     def _monitor(self) -> None:

@@ -24,8 +24,8 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
-from agent.ranktable import RankTable, RankTableConfig, RankView, TableSnapshot
-from agent.wire import MAX_DATAGRAM_BYTES, Telemetry, WireError, decode_telemetry
+from trainguard.agent.ranktable import RankTable, RankTableConfig, RankView, TableSnapshot
+from trainguard.agent.wire import MAX_DATAGRAM_BYTES, Telemetry, WireError, decode_telemetry
 
 __all__ = ["RankTable", "RankTableConfig", "RankView", "TableSnapshot", "TelemetryServer", "TelemetryStats",
            "ensure_dgram_qlen", "read_dgram_qlen"]
@@ -210,7 +210,7 @@ class TelemetryServer:
     def metrics(self) -> Iterable[Metric]:
         """Telemetry counters and per-rank figures as Prometheus families (see agent.exporter)."""
         if self._metrics is None:
-            from agent.exporter import TelemetryMetrics  # the exporter imports this module
+            from trainguard.agent.exporter import TelemetryMetrics  # the exporter imports this module
 
             self._metrics = TelemetryMetrics(self.table, self)
         return self._metrics.metrics()  # type: ignore[no-any-return]

@@ -120,6 +120,15 @@ class Telemetry:
         return json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
 
 
+PART_MARK = ".part-"
+
+
+def part_key(job: str, node: str) -> str:
+    """The checkpoint-tier key of ``node``'s part of a job that spans nodes (each node commits the
+    ranks it runs under this key; the agents assemble the parts before a restart)."""
+    return f"{job}{PART_MARK}{node}"
+
+
 _JOB_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 

@@ -50,16 +50,16 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from agent.controller import ControllerConfig, install  # noqa: E402
-from agent.eventlog import EventLog  # noqa: E402
-from agent.plans import PlanStore  # noqa: E402
-from agent.ranktable import RankTable  # noqa: E402
-from agent.wire import Telemetry  # noqa: E402
-from trainer.agent_link import PlanWatcher  # noqa: E402
-from trainer.config import TrainConfig  # noqa: E402
-from trainer.data import Corpus, Sampler, split_counts, val_index, windows  # noqa: E402
-from trainer.model import build_stage  # noqa: E402
-from trainer.train import lr_at  # noqa: E402
+from trainguard.agent.controller import ControllerConfig, install  # noqa: E402
+from trainguard.agent.eventlog import EventLog  # noqa: E402
+from trainguard.agent.plans import PlanStore  # noqa: E402
+from trainguard.agent.ranktable import RankTable  # noqa: E402
+from trainguard.agent.wire import Telemetry  # noqa: E402
+from trainguard.link import PlanWatcher  # noqa: E402
+from trainguard.trainer.config import TrainConfig  # noqa: E402
+from trainguard.trainer.data import Corpus, Sampler, split_counts, val_index, windows  # noqa: E402
+from trainguard.trainer.model import build_stage  # noqa: E402
+from trainguard.trainer.train import lr_at  # noqa: E402
 
 JOB = "bench"
 DP = 2

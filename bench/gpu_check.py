@@ -26,8 +26,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from agent.collectors.base import TrackedProcess, noop_emit  # noqa: E402
-from agent.collectors.gpu import GpuCollector, GpuCollectorConfig, GpuReading  # noqa: E402
+from trainguard.agent.collectors.base import TrackedProcess, noop_emit  # noqa: E402
+from trainguard.agent.collectors.gpu import GpuCollector, GpuCollectorConfig, GpuReading  # noqa: E402
 
 MIB = 1024**2
 SMI_FIELDS = [
@@ -357,7 +357,7 @@ def train_commands(py: str, state_dir: str) -> list[tuple[str, list[str], dict[s
     if override:
         return [("GPU_CHECK_TRAIN_CMD", ["bash", "-c", override], {})]
     cmds = []
-    if importlib.util.find_spec("trainer.worker") is not None:
+    if importlib.util.find_spec("trainguard.trainer.worker") is not None:
         env = {
             "RANK": "0",
             "LOCAL_RANK": "0",
@@ -369,11 +369,11 @@ def train_commands(py: str, state_dir: str) -> list[tuple[str, list[str], dict[s
             "TRAINGUARD_JOB": "gpucheck",
             "TRAINGUARD_JSON": "1",
         }
-        cmds.append(("python -m trainer.worker (world size 1, nccl)", [py, "-m", "trainer.worker"], env))
-    if importlib.util.find_spec("agent.cli") is not None:
+        cmds.append(("python -m trainer.worker (world size 1, nccl)", [py, "-m", "trainguard.trainer.worker"], env))
+    if importlib.util.find_spec("trainguard.cli") is not None:
         argv = ["train", "--nproc", "1", "--steps", "1", "--standalone", "--json", "--state-dir", state_dir]
         argv += ["--set", "device=cuda"]
-        cmds.append(("trainguard " + " ".join(argv), [py, "-m", "agent.cli", *argv], {}))
+        cmds.append(("trainguard " + " ".join(argv), [py, "-m", "trainguard", *argv], {}))
     return cmds
 
 
@@ -431,7 +431,7 @@ def self_test_nvml(drift: bool) -> Any:
     sys.path.insert(0, str(REPO / "tests"))
     from fakenvml import FakeGpu, FakeNvml
 
-    from agent.collectors.gpu import Nvml
+    from trainguard.agent.collectors.gpu import Nvml
 
     gpus = [FakeGpu(index=0, processes={os.getpid(): 1 << 30}), FakeGpu(index=1, nvlinks=(), temperature=70)]
     gpus[1].throttle_power()

@@ -8,7 +8,7 @@ receivers run side by side on the same offered load:
             table snapshot once a second as the daemon's main loop takes one.
 
 Loads: 1,024 simulated ranks at 10 steps/s each (10,240 msg/s offered, each rank at its own
-phase, sent non-blocking the way trainer/agent_link.TelemetrySender does, so a full socket queue
+phase, sent non-blocking the way trainguard/link.TelemetrySender does, so a full socket queue
 shows up as sender-side drops), then one blocking sender as fast as the receiver takes them
 (the receiver's maximum rate).
 
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agent.telemetry import read_dgram_qlen  # noqa: E402
-from agent.wire import Telemetry  # noqa: E402
+from trainguard.agent.telemetry import read_dgram_qlen  # noqa: E402
+from trainguard.agent.wire import Telemetry  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -46,8 +46,8 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 def serve(mode: str, path: str) -> None:
     """Run a receiver until stdin closes; answer 'stats' lines with a JSON line."""
     if mode == "agent":
-        from agent.ranktable import RankTable
-        from agent.telemetry import TelemetryServer
+        from trainguard.agent.ranktable import RankTable
+        from trainguard.agent.telemetry import TelemetryServer
 
         table = RankTable()
         server = TelemetryServer(path, table)

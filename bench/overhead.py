@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from agent.collectors.ebpf import bpfstats  # noqa: E402
+from trainguard.agent.collectors.ebpf import bpfstats  # noqa: E402
 
 STORM_C = r"""
 #define _GNU_SOURCE
@@ -132,7 +132,7 @@ class Agent:
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
         self.log = open(state_dir / "agent.log", "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "agent", "--state-dir", str(state_dir),
+        self.proc = subprocess.Popen([sys.executable, "-m", "trainguard", "agent", "--state-dir", str(state_dir),
                                       "--metrics-addr", "127.0.0.1:0"], cwd=REPO, env=env(),
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.ebpf_up, self.metrics_url = False, ""
@@ -174,7 +174,7 @@ def tokens_per_s(lines: list[str], warmup: int) -> float | None:
 
 
 def run_job(steps: int, warmup: int, state_dir: Path | None) -> tuple[float | None, str]:
-    cmd = [sys.executable, "-m", "agent.cli", "train", "--nproc", "4", "--steps", str(steps), "--json"]
+    cmd = [sys.executable, "-m", "trainguard", "train", "--nproc", "4", "--steps", str(steps), "--json"]
     cmd += ["--state-dir", str(state_dir)] if state_dir else ["--standalone"]
     p = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=900)
     rate = tokens_per_s(p.stdout.splitlines(), warmup)

@@ -32,8 +32,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from agent.api.client import ApiClient  # noqa: E402
-from trainer.testing import tiny_config  # noqa: E402
+from trainguard.agent.api.client import ApiClient  # noqa: E402
+from trainguard.trainer.testing import tiny_config  # noqa: E402
 
 
 @dataclass
@@ -137,7 +137,7 @@ def run_trainguard(name: str, warm: bool, nproc: int, trainer: dict[str, Any], k
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))
     agent = subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "agent", "--state-dir", str(state), "--config", str(state / "agent.toml"),
+        [sys.executable, "-m", "trainguard", "agent", "--state-dir", str(state), "--config", str(state / "agent.toml"),
          "--metrics-addr", "127.0.0.1:0"],
         stdout=open(state / "agent.log", "wb"), stderr=subprocess.STDOUT, cwd=REPO, env=env,
     )
@@ -178,7 +178,7 @@ def run_torchrun(nproc: int, trainer: dict[str, Any], kills: list[int], ckpt_eve
                OMP_NUM_THREADS="1")
     env.pop("TRAINGUARD_SOCKET", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={len(kills) + 1}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1", "-m", "trainer.worker"]
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1", "-m", "trainguard.trainer.worker"]
     out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=3600)
     (work / "torchrun.log").write_text(out.stdout + "\n---stderr---\n" + out.stderr)
     rows = parse_rows(out.stdout.splitlines())
@@ -214,7 +214,7 @@ def main() -> int:
     cache = str(work / "corpus")
     trainer = tiny_config(cache, steps=steps, parallel={"dp": nproc}, model={"layers": 2, "d_model": 64, "heads": 4, "context": 64}).to_dict()
     # Build the corpus cache once so no run pays for it.
-    from trainer.data import build_corpus
+    from trainguard.trainer.data import build_corpus
 
     build_corpus(cache, trainer["data"]["max_bytes"])
     print(f"recovery benchmark: {nproc} ranks, {steps} steps, kills at {kills}; memory tier every {mem_every}, torchrun DCP every {disk_every}")

@@ -41,15 +41,15 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agent.cluster.gang import decode_forwarded  # noqa: E402
-from agent.controller import ControllerConfig  # noqa: E402
-from agent.controller.controller import Controller  # noqa: E402
-from agent.detect import StragglerConfig  # noqa: E402
-from agent.detect.service import StragglerService  # noqa: E402
-from agent.jobs import JobState  # noqa: E402
-from agent.plans import PlanStore  # noqa: E402
-from agent.ranktable import RankTable, RankTableConfig  # noqa: E402
-from agent.wire import Telemetry, decode_telemetry  # noqa: E402
+from trainguard.agent.cluster.gang import decode_forwarded  # noqa: E402
+from trainguard.agent.controller import ControllerConfig  # noqa: E402
+from trainguard.agent.controller.controller import Controller  # noqa: E402
+from trainguard.agent.detect import StragglerConfig  # noqa: E402
+from trainguard.agent.detect.service import StragglerService  # noqa: E402
+from trainguard.agent.jobs import JobState  # noqa: E402
+from trainguard.agent.plans import PlanStore  # noqa: E402
+from trainguard.agent.ranktable import RankTable, RankTableConfig  # noqa: E402
+from trainguard.agent.wire import Telemetry, decode_telemetry  # noqa: E402
 
 JOB = "scale"
 SLOW_RANK = 517

@@ -38,10 +38,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agent.config import AgentConfig, apply_state_dir  # noqa: E402
-from agent.daemon import Agent  # noqa: E402
-from agent.detect import StragglerConfig, install  # noqa: E402
-from agent.jobs import JobSpec  # noqa: E402
+from trainguard.agent.config import AgentConfig, apply_state_dir  # noqa: E402
+from trainguard.agent.daemon import Agent  # noqa: E402
+from trainguard.agent.detect import StragglerConfig, install  # noqa: E402
+from trainguard.agent.jobs import JobSpec  # noqa: E402
 
 FACTOR = 2.0
 SLOW_RANK = 1

@@ -23,8 +23,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainer.model import param_count  # noqa: E402
-from trainer.testing import run_job, tiny_config  # noqa: E402
+from trainguard.trainer.model import param_count  # noqa: E402
+from trainguard.trainer.testing import run_job, tiny_config  # noqa: E402
 
 LAYOUTS: list[tuple[str, int, dict[str, Any]]] = [
     ("single", 1, {}),
@@ -93,7 +93,7 @@ def run_compression(work: Path, cache: str, quick: bool) -> dict[str, dict[str, 
 
 
 def param_count_bytes(quick: bool) -> int:
-    from trainer.config import ModelConfig
+    from trainguard.trainer.config import ModelConfig
     return param_count(ModelConfig(**model_section(quick))) * 4
 
 

@@ -36,7 +36,7 @@ class RunningAgent:
         return f"http://127.0.0.1:{port}/metrics"
 
     def client(self):  # noqa: ANN201
-        from agent.api.client import ApiClient
+        from trainguard.agent.api.client import ApiClient
 
         return ApiClient.local(self.control_socket)
 
@@ -51,7 +51,7 @@ class RunningAgent:
 
 def start_agent(state_dir: Path, config: str | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None) -> RunningAgent:
     state_dir.mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, "-m", "agent.cli", "agent", "--state-dir", str(state_dir), "--metrics-addr", "127.0.0.1:0"]
+    args = [sys.executable, "-m", "trainguard", "agent", "--state-dir", str(state_dir), "--metrics-addr", "127.0.0.1:0"]
     if config is not None:
         cfg_path = state_dir / "agent.toml"
         cfg_path.write_text(config)

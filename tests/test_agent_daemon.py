@@ -9,13 +9,14 @@ import signal
 import stat
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
-from agent import waiting
-from agent.api.client import ApiClient, ApiClientError
+from trainguard.agent import waiting
+from trainguard.agent.api.client import ApiClient, ApiClientError
 
-FAKE = [sys.executable, "-m", "tests.helpers.fake_rank"]
+FAKE = [sys.executable, str(Path(__file__).resolve().parent / "helpers" / "fake_rank.py")]
 
 
 def wait_for(pred, timeout: float = 30, what: str = "condition"):  # noqa: ANN001, ANN201

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from agent.api import (
+from trainguard.agent.api import (
     ApiClient,
     ApiClientError,
     ApiConfig,
@@ -28,7 +28,7 @@ from agent.api import (
     BlobReader,
     TokenFileError,
 )
-from agent.api.server import AUTH_REPORT_BURST
+from trainguard.agent.api.server import AUTH_REPORT_BURST
 
 ADMIN = "a" * 40
 READER = "r" * 40

@@ -15,8 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-from agent.checkpoint.memory import MemoryTier  # noqa: E402
-from trainer.tiers import ReuseFileSystem  # noqa: E402 - the trainer's own writer, under test here
+from trainguard.agent.checkpoint.memory import MemoryTier  # noqa: E402
+from trainguard.checkpointing import ReuseFileSystem  # noqa: E402 - the API's own writer, under test here
 
 
 @pytest.fixture

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.checkpoint.disk import DiskTier
-from agent.checkpoint.errors import CheckpointError, CheckpointWriteError
-from agent.checkpoint.manifest import MANIFEST_NAME, read_manifest
-from agent.checkpoint.memory import REUSE_DIRNAME, SPARE_PREFIX, MemoryTier, open_for_overwrite
+from trainguard.agent.checkpoint.disk import DiskTier
+from trainguard.agent.checkpoint.errors import CheckpointError, CheckpointWriteError
+from trainguard.agent.checkpoint.manifest import MANIFEST_NAME, read_manifest
+from trainguard.agent.checkpoint.memory import REUSE_DIRNAME, SPARE_PREFIX, MemoryTier, open_for_overwrite
 
 
 def fake_dcp(d: Path, ranks: int = 2, size: int = 40_000, seed: bytes = b"") -> dict[str, bytes]:
@@ -152,7 +152,7 @@ def test_disk_tier_write_error_leaves_nothing_half_written(tmp_path: Path, shm_r
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The full-filesystem path without a real full filesystem (the tmpfs test below needs root):
     the second file's copy fails with ENOSPC."""
-    import agent.checkpoint.local as local
+    import trainguard.agent.checkpoint.local as local
 
     disk = DiskTier(tmp_path / "ckpt")
     small = tmp_path / "small"

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from agent.checkpoint import CheckpointManager, CheckpointSettings, ObjectStoreConfig
+from trainguard.agent.checkpoint import CheckpointManager, CheckpointSettings, ObjectStoreConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
 TRAINER = textwrap.dedent("""
     import os, sys
-    from agent.checkpoint.memory import MemoryTier, open_for_overwrite
+    from trainguard.agent.checkpoint.memory import MemoryTier, open_for_overwrite
     root, job, steps = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3:]]
     tier = MemoryTier(root)
     for step in steps:

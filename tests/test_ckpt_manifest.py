@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.checkpoint.errors import CheckpointError, ManifestError, UnsafePathError
-from agent.checkpoint.local import LocalDirTier
-from agent.checkpoint.manifest import (
+from trainguard.agent.checkpoint.errors import CheckpointError, ManifestError, UnsafePathError
+from trainguard.agent.checkpoint.local import LocalDirTier
+from trainguard.agent.checkpoint.manifest import (
     ALGORITHMS,
     MANIFEST_NAME,
     Manifest,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.checkpoint.errors import CheckpointCorrupt, CheckpointWriteError, UnsafePathError
-from agent.checkpoint.manifest import MANIFEST_NAME, build_manifest, write_manifest
-from agent.checkpoint.objectstore import ObjectStoreConfig, ObjectTier
+from trainguard.agent.checkpoint.errors import CheckpointCorrupt, CheckpointWriteError, UnsafePathError
+from trainguard.agent.checkpoint.manifest import MANIFEST_NAME, build_manifest, write_manifest
+from trainguard.agent.checkpoint.objectstore import ObjectStoreConfig, ObjectTier
 
 
 def fake_dcp(d: Path, ranks: int = 2, size: int = 30_000) -> dict[str, bytes]:

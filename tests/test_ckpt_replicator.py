@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.checkpoint.catalog import newest_restorable, restore
-from agent.checkpoint.disk import DiskTier
-from agent.checkpoint.memory import MemoryTier, open_for_overwrite
-from agent.checkpoint.objectstore import ObjectStoreConfig, ObjectTier
-from agent.checkpoint.replicator import TierReplicator
-from agent.checkpoint.status import METRICS, CheckpointStatus
-from agent.checkpoint.tier import CheckpointInfo
+from trainguard.agent.checkpoint.catalog import newest_restorable, restore
+from trainguard.agent.checkpoint.disk import DiskTier
+from trainguard.agent.checkpoint.memory import MemoryTier, open_for_overwrite
+from trainguard.agent.checkpoint.objectstore import ObjectStoreConfig, ObjectTier
+from trainguard.agent.checkpoint.replicator import TierReplicator
+from trainguard.agent.checkpoint.status import METRICS, CheckpointStatus
+from trainguard.agent.checkpoint.tier import CheckpointInfo
 
 
 class Events:

@@ -23,7 +23,7 @@ def test_train_through_the_agent_prints_a_row_per_step(agent_factory, tmp_path) 
     agent = agent_factory()
     cache = ["--set", f"data.cache_dir={tmp_path / 'corpus'}"]
     res = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "train", "--state-dir", str(agent.state_dir), "--nproc", "2", "--steps", "6",
+        [sys.executable, "-m", "trainguard", "train", "--state-dir", str(agent.state_dir), "--nproc", "2", "--steps", "6",
          "--job", "cli-job", "--json", *TINY, *cache],
         capture_output=True, text=True, timeout=300,
     )
@@ -37,13 +37,13 @@ def test_train_through_the_agent_prints_a_row_per_step(agent_factory, tmp_path) 
 def test_train_standalone_and_bad_layout(tmp_path) -> None:
     cache = ["--set", f"data.cache_dir={tmp_path / 'corpus'}"]
     res = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "train", "--standalone", "--nproc", "2", "--steps", "3", "--json", *TINY, *cache],
+        [sys.executable, "-m", "trainguard", "train", "--standalone", "--nproc", "2", "--steps", "3", "--json", *TINY, *cache],
         capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stderr
     assert [r["step"] for r in json_rows(res.stdout)] == [1, 2, 3]
     bad = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "train", "--standalone", "--nproc", "3", "--tp", "2", "--steps", "3"],
+        [sys.executable, "-m", "trainguard", "train", "--standalone", "--nproc", "3", "--tp", "2", "--steps", "3"],
         capture_output=True, text=True, timeout=120,
     )
     assert bad.returncode == 2

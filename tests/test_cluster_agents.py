@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from agent.api.client import ApiClient, ApiClientError
-from agent.cluster.blobstore import CKPT_NS
-from agent.cluster.demo import ClusterNode, wait_for
-from agent.cluster.etcd import EtcdClient
-from agent.cluster.etcdserver import LocalEtcd
+from trainguard.agent.api.client import ApiClient, ApiClientError
+from trainguard.agent.cluster.blobstore import CKPT_NS
+from trainguard.agent.cluster.demo import ClusterNode, wait_for
+from trainguard.agent.cluster.etcd import EtcdClient
+from trainguard.agent.cluster.etcdserver import LocalEtcd
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,8 +94,8 @@ def test_agents_register_elect_one_leader_and_refuse_wrong_tokens(cluster: Calla
 
 @pytest.mark.slow
 def test_node_loss_job_resumes_on_survivor_from_peer_tier(cluster: Callable[..., ClusterNode], tmp_path: Path) -> None:
-    from trainer.checkpoint import load_full_model_state
-    from trainer.testing import tiny_config
+    from trainguard.trainer.checkpoint import load_full_model_state
+    from trainguard.trainer.testing import tiny_config
 
     a = cluster("a", slots=2)
     b = cluster("b", slots=1)  # the survivor has room for one rank: dp 2 -> 1, resharded restore

@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 
-from agent.checkpoint.errors import CheckpointError
-from agent.checkpoint.memory import MemoryTier
-from agent.checkpoint.objectstore import ObjectStoreConfig, ObjectTier
-from agent.cluster.blobstore import BlobStore
-from agent.cluster.gang import Gang, GangCoordinator, part_key
-from agent.cluster.jobs import JobRecordDoc
-from agent.cluster.membership import NodeInfo
+from trainguard.agent.checkpoint.errors import CheckpointError
+from trainguard.agent.checkpoint.memory import MemoryTier
+from trainguard.agent.checkpoint.objectstore import ObjectStoreConfig, ObjectTier
+from trainguard.agent.cluster.blobstore import BlobStore
+from trainguard.agent.cluster.gang import Gang, GangCoordinator
+from trainguard.agent.cluster.jobs import JobRecordDoc
+from trainguard.agent.cluster.membership import NodeInfo
+from trainguard.agent.wire import part_key
 
 
 def _write_part(tier: MemoryTier, node: str, step: int, ranks: range, parts: list[str]) -> Path:
@@ -104,7 +105,7 @@ def test_block_that_would_split_a_tp_group_is_not_started(survivor: dict[str, An
 
 
 def test_new_rank_zero_node_starts_from_the_carried_plan(survivor: dict[str, Any], tmp_path: Path) -> None:
-    from agent.plans import PlanStore
+    from trainguard.agent.plans import PlanStore
 
     gang: GangCoordinator = survivor["gang"]
     gang.plans = PlanStore(str(tmp_path / "plans"))

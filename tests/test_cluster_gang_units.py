@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from agent.cluster.gang import Gang, decide, part_key, place_gang
-from agent.cluster.jobs import JobRecordDoc
-from agent.cluster.membership import NodeInfo
-from agent.cluster.placement import PlacementError
+from trainguard.agent.cluster.gang import Gang, decide, part_key, place_gang
+from trainguard.agent.cluster.jobs import JobRecordDoc
+from trainguard.agent.cluster.membership import NodeInfo
+from trainguard.agent.cluster.placement import PlacementError
 
 
 def _spec(dp: int = 2, tp: int = 1, pp: int = 1, nodes: int = 2, max_restarts: int = 3) -> dict[str, Any]:
@@ -147,8 +147,8 @@ def _decided_as(rec: JobRecordDoc, members: dict[str, NodeInfo], leader: str) ->
 
 
 def test_forwarded_telemetry_keeps_valid_messages_of_the_job_and_counts_the_rest() -> None:
-    from agent.cluster.gang import decode_forwarded
-    from agent.wire import Telemetry
+    from trainguard.agent.cluster.gang import decode_forwarded
+    from trainguard.agent.wire import Telemetry
 
     def msg(job: str, rank: int) -> str:
         return Telemetry(job=job, rank=rank, local_rank=0, pid=10 + rank, step=5, wall_time=1.0, step_s=0.1,

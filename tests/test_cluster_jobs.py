@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from agent.cluster.config import ClusterConfig
-from agent.cluster.etcdserver import LocalEtcd
-from agent.cluster.jobs import JobRecordDoc
-from agent.cluster.service import ClusterService
-from agent.jobs import JobSpec, JobState
-from agent.plans import PlanStore
-from agent.waiting import wait_for
+from trainguard.agent.cluster.config import ClusterConfig
+from trainguard.agent.cluster.etcdserver import LocalEtcd
+from trainguard.agent.cluster.jobs import JobRecordDoc
+from trainguard.agent.cluster.service import ClusterService
+from trainguard.agent.jobs import JobSpec, JobState
+from trainguard.agent.plans import PlanStore
+from trainguard.agent.waiting import wait_for
 
 
 @dataclass

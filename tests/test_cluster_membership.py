@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from agent.cluster.config import ClusterConfig
-from agent.cluster.etcd import EtcdClient, EtcdUnavailable, prefix_end
-from agent.cluster.etcdserver import LocalEtcd
-from agent.cluster.membership import ClusterView, Membership, NodeInfo
+from trainguard.agent.cluster.config import ClusterConfig
+from trainguard.agent.cluster.etcd import EtcdClient, EtcdUnavailable, prefix_end
+from trainguard.agent.cluster.etcdserver import LocalEtcd
+from trainguard.agent.cluster.membership import ClusterView, Membership, NodeInfo
 
 TTL = 3
 
@@ -198,7 +198,7 @@ def test_expired_own_lease_reregisters(etcd1: LocalEtcd) -> None:
 
 
 def test_unreachable_etcd_raises_typed_error() -> None:
-    from agent.cluster.etcdserver import free_port
+    from trainguard.agent.cluster.etcdserver import free_port
 
     client = EtcdClient([f"127.0.0.1:{free_port()}"], timeout_s=0.2)
     with pytest.raises(EtcdUnavailable):

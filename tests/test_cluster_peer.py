@@ -11,15 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from agent.api.client import ApiClient, ApiClientError
-from agent.api.config import ApiConfig
-from agent.api.server import ApiServer
-from agent.checkpoint import CheckpointManager, CheckpointSettings
-from agent.checkpoint.errors import CheckpointCorrupt, CheckpointWriteError
-from agent.checkpoint.manifest import MANIFEST_NAME, Manifest
-from agent.cluster.blobstore import CKPT_NS, BlobStore
-from agent.cluster.peertier import PeerRef, PeerTier, ring_peer, token_client_factory
-from agent.control import AgentControl
+from trainguard.agent.api.client import ApiClient, ApiClientError
+from trainguard.agent.api.config import ApiConfig
+from trainguard.agent.api.server import ApiServer
+from trainguard.agent.checkpoint import CheckpointManager, CheckpointSettings
+from trainguard.agent.checkpoint.errors import CheckpointCorrupt, CheckpointWriteError
+from trainguard.agent.checkpoint.manifest import MANIFEST_NAME, Manifest
+from trainguard.agent.cluster.blobstore import CKPT_NS, BlobStore
+from trainguard.agent.cluster.peertier import PeerRef, PeerTier, ring_peer, token_client_factory
+from trainguard.agent.control import AgentControl
 
 
 class Node:
@@ -152,7 +152,7 @@ def test_receiver_rejects_upload_that_does_not_match_manifest(nodes: dict[str, N
     client = ApiClient.remote("127.0.0.1", int(b.api.rsplit(":", 1)[1]), token=token)
     client.put_blob(CKPT_NS, "x/j/step_1/f.bin", b"hello world")
     good = Manifest("j", 1, 1.0, "crc32", (), {})
-    from agent.checkpoint.manifest import FileEntry, file_checksum
+    from trainguard.agent.checkpoint.manifest import FileEntry, file_checksum
 
     tmp = b.root / "f.bin"
     tmp.write_bytes(b"hello WORLD")  # what the sender thinks it sent
@@ -189,7 +189,7 @@ def test_wrong_token_is_refused(nodes: dict[str, Node], token: str) -> None:
     src = a.root / "src"
     src.mkdir()
     (src / "f").write_bytes(b"data")
-    from agent.checkpoint.manifest import build_manifest, write_manifest
+    from trainguard.agent.checkpoint.manifest import build_manifest, write_manifest
 
     write_manifest(src, build_manifest(src, "job5", 1), durable=False)
     with pytest.raises(CheckpointWriteError, match="401|403|token"):

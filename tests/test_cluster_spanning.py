@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from agent.cluster.demo import ClusterNode, wait_for
-from agent.cluster.etcdserver import LocalEtcd
+from trainguard.agent.cluster.demo import ClusterNode, wait_for
+from trainguard.agent.cluster.etcdserver import LocalEtcd
 
 pytestmark = pytest.mark.slow
 
@@ -72,8 +72,8 @@ def _merge(parts: list[Path], dest: Path) -> Path:
 
 def test_job_spans_two_agents_restarts_together_and_survives_node_loss(
         two_nodes: tuple[ClusterNode, ClusterNode], tmp_path: Path) -> None:
-    from trainer.checkpoint import load_full_model_state
-    from trainer.testing import tiny_config
+    from trainguard.trainer.checkpoint import load_full_model_state
+    from trainguard.trainer.testing import tiny_config
 
     a, b = two_nodes
     trainer = tiny_config(str(tmp_path / "corpus"), steps=3000, parallel={"dp": 2}).to_dict()
@@ -143,7 +143,7 @@ def test_rank_zero_node_judges_every_rank_from_forwarded_telemetry(
     """dp=4 over two nodes, rank 3 (on b) made 3x slower: b forwards its ranks' telemetry to a (rank
     0's node), a detects the straggler and migrates its shards through the plan rank 0 reads; b
     judges nothing itself."""
-    from trainer.testing import tiny_config
+    from trainguard.trainer.testing import tiny_config
 
     a, b = two_nodes
     trainer = tiny_config(str(tmp_path / "corpus"), steps=3000, parallel={"dp": 4}, global_batch=16).to_dict()
@@ -169,7 +169,7 @@ def test_rank_zero_node_judges_every_rank_from_forwarded_telemetry(
                         20, "the plan in the etcd record")
     assert len(recorded) == 4 and recorded[3] < max(recorded)
 
-    from agent.cli import main as cli_main
+    from trainguard.cli import main as cli_main
 
     assert cli_main(["status", "--agent", b.api, "--token-file", str(b.token_file)]) == 0
     shown = capsys.readouterr().out
@@ -198,7 +198,7 @@ def test_rank_zero_node_judges_every_rank_from_forwarded_telemetry(
 def test_cluster_demo_runs(tmp_path: Path) -> None:
     import io
 
-    from agent.cluster.demo import run_demo
+    from trainguard.agent.cluster.demo import run_demo
 
     out = io.StringIO()
     assert run_demo(3000, tmp_path, out=out) == 0, out.getvalue()
@@ -212,8 +212,8 @@ def test_tensor_parallel_groups_stay_inside_nodes_and_reshard_after_node_loss(
         two_nodes: tuple[ClusterNode, ClusterNode], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """dp=2 x tp=2 over two 2-slot nodes: each node holds one whole tp group (dp spans the nodes);
     after node a is lost, b runs dp=1 x tp=2 from the checkpoint assembled out of both nodes' parts."""
-    from agent.cli import main as cli_main
-    from trainer.checkpoint import load_full_model_state
+    from trainguard.cli import main as cli_main
+    from trainguard.trainer.checkpoint import load_full_model_state
 
     a, b = two_nodes
     tiny = [f"--set={kv}" for kv in ("model.layers=2", "model.d_model=32", "model.heads=4", "model.context=32",

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.cluster.jobs import JobRecordDoc, plan_moves, shrink_spec
-from agent.cluster.placement import NodeBlock, Placement, PlacementError, place
+from trainguard.agent.cluster.jobs import JobRecordDoc, plan_moves, shrink_spec
+from trainguard.agent.cluster.placement import NodeBlock, Placement, PlacementError, place
 
 
 def spec(nproc: int, dp: int, tp: int = 1, pp: int = 1) -> dict:
@@ -80,7 +80,7 @@ def test_placement_keeps_tp_groups_inside_nodes() -> None:
 
 def test_cluster_config_section(tmp_path: Path) -> None:
     """The daemon's own config file carries [cluster]; errors name the key."""
-    from agent.config import ConfigError, load_config
+    from trainguard.agent.config import ConfigError, load_config
 
     path = tmp_path / "agent.toml"
     path.write_text('[cluster]\nname = "prod"\netcd_endpoints = ["127.0.0.1:2379"]\nlease_ttl_s = 6\nrejoin = false\n')

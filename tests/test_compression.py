@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.compression import (
+from trainguard.trainer.compression import (
     CompressionStats,
     dequantize,
     packed_nbytes,

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from agent.config import ConfigError, apply_state_dir, config_from_dict, load_config
+from trainguard.agent.config import ConfigError, apply_state_dir, config_from_dict, load_config
 
 BAD_CASES = [
     ({"agent": {"intervl_s": 1}}, "agent.intervl_s"),
@@ -59,7 +59,7 @@ def test_check_config_cli_exit_codes(tmp_path) -> None:
     bad.write_text("[agent]\ninterval_s = -3\n")
     broken = tmp_path / "broken.toml"
     broken.write_text("[agent\n")
-    run = [sys.executable, "-m", "agent.cli", "agent", "--check-config"]
+    run = [sys.executable, "-m", "trainguard", "agent", "--check-config"]
     ok = subprocess.run(run + [str(good)], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     res = subprocess.run(run + [str(bad)], capture_output=True, text=True)

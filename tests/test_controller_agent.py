@@ -17,14 +17,22 @@ from typing import Any
 
 import pytest
 
-from agent.config import AgentConfig, apply_state_dir
-from agent.controller import ControllerConfig, Proposal, Setting, Space, WindowResult, install, make_strategy
-from agent.controller.optuna_strategy import OptunaStrategy
-from agent.daemon import Agent
-from agent.jobs import JobSpec
-from agent.wire import Telemetry
-from trainer.config import config_from_cli
-from trainer.data import build_corpus
+from trainguard.agent.config import AgentConfig, apply_state_dir
+from trainguard.agent.controller import (
+    ControllerConfig,
+    Proposal,
+    Setting,
+    Space,
+    WindowResult,
+    install,
+    make_strategy,
+)
+from trainguard.agent.controller.optuna_strategy import OptunaStrategy
+from trainguard.agent.daemon import Agent
+from trainguard.agent.jobs import JobSpec
+from trainguard.agent.wire import Telemetry
+from trainguard.trainer.config import config_from_cli
+from trainguard.trainer.data import build_corpus
 
 JOB = "ctl-real"
 STEPS = 160

@@ -13,13 +13,21 @@ from typing import Any
 
 from prometheus_client.core import CollectorRegistry
 
-from agent.controller import METRICS, ControllerConfig, Proposal, Setting, Space, WindowResult, install
-from agent.eventlog import EventLog
-from agent.metricspec import index
-from agent.plans import PlanStore
-from agent.ranktable import RankTable
-from agent.wire import Telemetry
-from trainer.agent_link import PlanWatcher
+from trainguard.agent.controller import (
+    METRICS,
+    ControllerConfig,
+    Proposal,
+    Setting,
+    Space,
+    WindowResult,
+    install,
+)
+from trainguard.agent.eventlog import EventLog
+from trainguard.agent.metricspec import index
+from trainguard.agent.plans import PlanStore
+from trainguard.agent.ranktable import RankTable
+from trainguard.agent.wire import Telemetry
+from trainguard.link import PlanWatcher
 
 JOB = "sim"
 

@@ -10,13 +10,13 @@ import math
 import numpy as np
 import pytest
 
-from agent.config import ConfigError
-from agent.controller import ControllerConfig, Setting, Space, WindowResult
-from agent.controller.bandit import BanditStrategy
-from agent.controller.goodput import GoodputStrategy, efficiency, fit_step_time, gain_ratio
-from agent.controller.noise import NoiseScale, noise_point
-from agent.controller.optuna_strategy import OptunaStrategy
-from agent.controller.strategy import loglog_slope
+from trainguard.agent.config import ConfigError
+from trainguard.agent.controller import ControllerConfig, Setting, Space, WindowResult
+from trainguard.agent.controller.bandit import BanditStrategy
+from trainguard.agent.controller.goodput import GoodputStrategy, efficiency, fit_step_time, gain_ratio
+from trainguard.agent.controller.noise import NoiseScale, noise_point
+from trainguard.agent.controller.optuna_strategy import OptunaStrategy
+from trainguard.agent.controller.strategy import loglog_slope
 
 BASE = 16
 SPACE = Space(base_batch=BASE, quantum=2, batch_low=2, batch_high=128, lr_low=0.125, lr_high=8.0)
@@ -149,7 +149,7 @@ def test_rl_avoids_diverged_setting() -> None:
         strat.observe(window(start, 0.5))
         strat.observe(window(Setting(2.0, BASE), float("nan"), diverged=True))
     mean, _ = strat.posterior()
-    from agent.controller.bandit import features
+    from trainguard.agent.controller.bandit import features
     assert features(1.0, 0.0) @ mean < features(0.0, 0.0) @ mean
 
 

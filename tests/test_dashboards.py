@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.collectors.gpu import FATAL_XIDS
-from agent.metric_reference import exported_names
+from trainguard.agent.collectors.gpu import FATAL_XIDS
+from trainguard.agent.metric_reference import exported_names
 
 REPO = Path(__file__).resolve().parents[1]
 PROM = REPO / "dashboards" / "prometheus"

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from agent.demo import run_demo
+from trainguard.demo import run_demo
 
 pytestmark = pytest.mark.slow
 

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 from prometheus_client.core import CollectorRegistry
 
-from agent.collectors.base import CollectorUnavailable, TrackedProcess
-from agent.collectors.ebpf import METRICS, EbpfCollector, bpfstats, render_all
-from agent.collectors.ebpf.programs import PageFaults, Program
+from trainguard.agent.collectors.base import CollectorUnavailable, TrackedProcess
+from trainguard.agent.collectors.ebpf import METRICS, EbpfCollector, bpfstats, render_all
+from trainguard.agent.collectors.ebpf.programs import PageFaults, Program
 
 pytestmark = [pytest.mark.ebpf, pytest.mark.xdist_group("ebpf")]
 

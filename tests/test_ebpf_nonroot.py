@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from agent.collectors.base import CollectorUnavailable
-from agent.collectors.ebpf import EbpfCollector
+from trainguard.agent.collectors.base import CollectorUnavailable
+from trainguard.agent.collectors.ebpf import EbpfCollector
 
 NOBODY = 65534
 

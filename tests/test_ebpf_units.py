@@ -11,15 +11,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.collectors.ebpf import btf
-from agent.collectors.ebpf.hist import NSLOTS, Log2Hist, log2_buckets, log2_quantile, slot_upper_s
-from agent.collectors.ebpf.metrics import KernelSnapshot
-from agent.collectors.ebpf.probes import headers_problem, privilege_problem
-from agent.collectors.ebpf.programs.events import decode_exit
-from agent.collectors.ebpf.programs.io import dev_major_minor
-from agent.collectors.ebpf.programs.sched import OffCpu, OffCpuSnapshot, RunqSnapshot
-from agent.collectors.ebpf.rankstats import rank_delta
-from agent.collectors.ebpf.tracefs import Tracefs, parse_format, render_struct
+from trainguard.agent.collectors.ebpf import btf
+from trainguard.agent.collectors.ebpf.hist import NSLOTS, Log2Hist, log2_buckets, log2_quantile, slot_upper_s
+from trainguard.agent.collectors.ebpf.metrics import KernelSnapshot
+from trainguard.agent.collectors.ebpf.probes import headers_problem, privilege_problem
+from trainguard.agent.collectors.ebpf.programs.events import decode_exit
+from trainguard.agent.collectors.ebpf.programs.io import dev_major_minor
+from trainguard.agent.collectors.ebpf.programs.sched import OffCpu, OffCpuSnapshot, RunqSnapshot
+from trainguard.agent.collectors.ebpf.rankstats import rank_delta
+from trainguard.agent.collectors.ebpf.tracefs import Tracefs, parse_format, render_struct
 
 SWITCH_FORMAT = """name: sched_switch
 ID: 330
@@ -233,12 +233,12 @@ def test_block_dev_t_split() -> None:
 def test_families_from_a_snapshot_label_and_convert_units() -> None:
     from prometheus_client.core import CollectorRegistry
 
-    from agent.collectors.base import TrackedProcess
-    from agent.collectors.ebpf.metrics import METRICS, families
-    from agent.collectors.ebpf.programs.events import CountSnapshot
-    from agent.collectors.ebpf.programs.io import BlockIoSnapshot
-    from agent.collectors.ebpf.programs.mem import FaultSnapshot, Reclaim, ReclaimSnapshot
-    from agent.collectors.ebpf.programs.net import TcpSnapshot
+    from trainguard.agent.collectors.base import TrackedProcess
+    from trainguard.agent.collectors.ebpf.metrics import METRICS, families
+    from trainguard.agent.collectors.ebpf.programs.events import CountSnapshot
+    from trainguard.agent.collectors.ebpf.programs.io import BlockIoSnapshot
+    from trainguard.agent.collectors.ebpf.programs.mem import FaultSnapshot, Reclaim, ReclaimSnapshot
+    from trainguard.agent.collectors.ebpf.programs.net import TcpSnapshot
 
     slots = [0] * NSLOTS
     slots[3] = 5  # [8, 16) µs

@@ -10,7 +10,7 @@ import sys
 import textwrap
 import time
 
-from agent.eventlog import LOG_NAME, EventLog, read_log_file
+from trainguard.agent.eventlog import LOG_NAME, EventLog, read_log_file
 
 
 def test_emit_read_and_cursor(tmp_path) -> None:
@@ -58,7 +58,7 @@ def test_sigkill_mid_run_leaves_readable_log(tmp_path) -> None:
         f"""
         import sys
         sys.path.insert(0, {os.getcwd()!r})
-        from agent.eventlog import EventLog
+        from trainguard.agent.eventlog import EventLog
         log = EventLog({str(tmp_path)!r}, "n1", max_bytes=64 * 1024, keep=3)
         i = 0
         while True:

@@ -17,9 +17,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.collectors.base import TrackedProcess
-from agent.collectors.host import HostCollector
-from agent.exporter import (
+from trainguard.agent.collectors.base import TrackedProcess
+from trainguard.agent.collectors.host import HostCollector
+from trainguard.agent.exporter import (
     METRICS,
     AgentExporter,
     TelemetryMetrics,
@@ -27,10 +27,10 @@ from agent.exporter import (
     serve_metrics,
     stop_metrics,
 )
-from agent.metricspec import MetricSpec
-from agent.ranktable import RankTable, RankTableConfig
-from agent.telemetry import TelemetryServer
-from agent.wire import Telemetry
+from trainguard.agent.metricspec import MetricSpec
+from trainguard.agent.ranktable import RankTable, RankTableConfig
+from trainguard.agent.telemetry import TelemetryServer
+from trainguard.agent.wire import Telemetry
 
 
 def make_msg(job: str = "job-1", rank: int = 0, step: int = 1, **kw: object) -> Telemetry:

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from trainer.faults import ENV_FAULTS, ENV_MARKER_DIR, FaultInjector, FaultSpec, burn_cpu, parse_fault
+from trainguard.trainer.faults import (
+    ENV_FAULTS,
+    ENV_MARKER_DIR,
+    FaultInjector,
+    FaultSpec,
+    burn_cpu,
+    parse_fault,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PY_SPY = Path(sys.executable).parent / "py-spy"
@@ -22,7 +29,7 @@ PY_SPY = Path(sys.executable).parent / "py-spy"
 LOOP = textwrap.dedent(
     """
     import sys
-    from trainer.faults import FaultInjector
+    from trainguard.trainer.faults import FaultInjector
     rank, marker = int(sys.argv[1]), (sys.argv[3] or None)
     inj = FaultInjector.from_specs(sys.argv[2].split(";"), rank, marker_dir=marker, environ={})
     for step in range(8):

@@ -12,8 +12,8 @@ from fakenvml import NVML_FI_DEV_PCIE_COUNT_TX_BYTES, FakeGpu, FakeNvml
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
-from agent.collectors.base import TrackedProcess
-from agent.collectors.gpu import METRICS, GpuCollector, GpuCollectorConfig, Nvml
+from trainguard.agent.collectors.base import TrackedProcess
+from trainguard.agent.collectors.gpu import METRICS, GpuCollector, GpuCollectorConfig, Nvml
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -315,7 +315,7 @@ def test_gpu_lost_mid_run_reports_once_and_keeps_the_others() -> None:
 
 
 def test_gpu_lost_before_start_is_reported_and_all_lost_is_unavailable() -> None:
-    from agent.collectors.base import CollectorUnavailable
+    from trainguard.agent.collectors.base import CollectorUnavailable
 
     g0, g1 = FakeGpu(index=0), FakeGpu(index=1)
     g0.lose()

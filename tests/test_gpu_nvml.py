@@ -13,9 +13,9 @@ import fakenvml
 import pytest
 from fakenvml import FakeGpu, FakeNvml
 
-from agent.collectors.base import CollectorUnavailable, noop_emit
-from agent.collectors.gpu import GpuCollector, GpuLost, Nvml, NvmlUnavailable
-from agent.collectors.gpu import nvml as wrapper
+from trainguard.agent.collectors.base import CollectorUnavailable, noop_emit
+from trainguard.agent.collectors.gpu import GpuCollector, GpuLost, Nvml, NvmlUnavailable
+from trainguard.agent.collectors.gpu import nvml as wrapper
 
 
 def _real_libnvml_present() -> bool:

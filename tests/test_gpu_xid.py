@@ -10,9 +10,9 @@ import pytest
 from fakenvml import FakeGpu, FakeNvml
 from prometheus_client import CollectorRegistry
 
-from agent.collectors.base import TrackedProcess
-from agent.collectors.gpu import GpuCollector, GpuCollectorConfig, Nvml, is_fatal_xid
-from agent.collectors.gpu.collector import RESERVED_EVENT_KEYS
+from trainguard.agent.collectors.base import TrackedProcess
+from trainguard.agent.collectors.gpu import GpuCollector, GpuCollectorConfig, Nvml, is_fatal_xid
+from trainguard.agent.collectors.gpu.collector import RESERVED_EVENT_KEYS
 
 
 class Events:

@@ -10,9 +10,9 @@ import psutil
 import pytest
 from prometheus_client.registry import CollectorRegistry
 
-from agent.collectors.base import CollectorUnavailable, TrackedProcess
-from agent.collectors.host import HostCollector
-from agent.exporter import AgentExporter
+from trainguard.agent.collectors.base import CollectorUnavailable, TrackedProcess
+from trainguard.agent.collectors.host import HostCollector
+from trainguard.agent.exporter import AgentExporter
 
 STAT = """cpu  1000 20 300 5000 40 0 6 8 0 0
 cpu0 500 10 150 2500 20 0 3 4 0 0

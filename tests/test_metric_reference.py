@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.metric_reference import (
+from trainguard.agent.metric_reference import (
     MODULES,
     REGENERATE,
     all_specs,
@@ -24,7 +24,7 @@ from agent.metric_reference import (
     sample_names,
     to_spec,
 )
-from agent.metricspec import MetricSpec
+from trainguard.agent.metricspec import MetricSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,14 +56,14 @@ def test_every_module_declaring_metrics_is_listed() -> None:
     for path in sorted((REPO / "agent").rglob("*.py")):
         if not re.search(r"^METRICS\b", path.read_text(), re.M):
             continue
-        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        module = ".".join(("trainguard", *path.relative_to(REPO).with_suffix("").parts))
         declared = importlib.import_module(module).METRICS
         assert any(declared is m for m in listed), f"{module}.METRICS is not in agent.metric_reference.MODULES"
 
 
 def test_a_name_declared_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="declared twice"):
-        collect(["agent.agent_metrics", "agent.agent_metrics"])
+        collect(["trainguard.agent.agent_metrics", "trainguard.agent.agent_metrics"])
 
 
 def test_tuples_are_normalised_and_checked() -> None:
@@ -88,9 +88,9 @@ def test_histograms_expose_three_series() -> None:
 
 
 def test_command_line_prints_the_reference() -> None:
-    out = subprocess.run([sys.executable, "-m", "agent.metric_reference"], cwd=REPO, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "trainguard.agent.metric_reference"], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout == render_markdown()
-    bad = subprocess.run([sys.executable, "-m", "agent.metric_reference", "extra"], cwd=REPO, capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "trainguard.agent.metric_reference", "extra"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "METRICS.md" in bad.stderr
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.heal.migration import (
+from trainguard.agent.heal.migration import (
     MigrationPolicy,
     ReplicaModel,
     balanced_sizes,

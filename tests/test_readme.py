@@ -7,7 +7,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from agent.config import AgentConfig, config_from_dict
+from trainguard.agent.config import AgentConfig, config_from_dict
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

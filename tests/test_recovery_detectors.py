@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from agent.recovery.detectors import HangDetector, LossDetector
+from trainguard.agent.recovery.detectors import HangDetector, LossDetector
 
 
 def test_hang_needs_factor_times_median_and_floor() -> None:

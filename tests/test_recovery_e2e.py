@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from agent.waiting import wait_for
-from trainer.testing import tiny_config
+from trainguard.agent.waiting import wait_for
+from trainguard.trainer.testing import tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ def corpus_cache(tmp_path_factory) -> str:  # noqa: ANN001
 
 
 def test_sigkill_resumes_from_memory_tier_bit_exact(agent_factory, corpus_cache) -> None:
-    from trainer.checkpoint import load_full_model_state
+    from trainguard.trainer.checkpoint import load_full_model_state
 
     agent = agent_factory(config="[checkpoint]\nmemory_every = 5\nmemory_keep = 4\n")
     client = agent.client()
@@ -106,8 +106,8 @@ def test_agent_restart_restores_from_disk_tier(agent_factory, corpus_cache, tmp_
         "a disk checkpoint",
     )
     assert first.stop() == 0
-    from agent.config import AgentConfig, apply_state_dir
-    from agent.recovery.service import memory_root_for
+    from trainguard.agent.config import AgentConfig, apply_state_dir
+    from trainguard.agent.recovery.service import memory_root_for
 
     memory_root = memory_root_for(apply_state_dir(AgentConfig(), str(first.state_dir)))
     shutil.rmtree(memory_root, ignore_errors=True)  # a reboot: RAM is gone, the disk is not

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.sdnotify import Notifier
+from trainguard.agent.sdnotify import Notifier
 
 UNIT = Path(__file__).resolve().parents[1] / "agent" / "systemd" / "trainguard-agent.service"
 

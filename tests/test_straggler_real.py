@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from agent.config import AgentConfig, apply_state_dir
-from agent.daemon import Agent
-from agent.detect import StragglerConfig, StragglerService, install
-from agent.jobs import JobSpec
+from trainguard.agent.config import AgentConfig, apply_state_dir
+from trainguard.agent.daemon import Agent
+from trainguard.agent.detect import StragglerConfig, StragglerService, install
+from trainguard.agent.jobs import JobSpec
 
 CACHE = os.environ.get("TRAINGUARD_CACHE") or os.path.expanduser("~/.cache/trainguard")
 
@@ -136,7 +136,7 @@ def test_slow_fault_detected_migrated_converges_and_recovers(harness_factory: Ca
     assert 0.0 < reg.get_sample_value("trainguard_rank_straggler_score", {"job": job, "rank": "1"}) <= 1.0
     status = {r["rank"]: r for j in h.agent.control.status()["jobs"] if j["job"] == job for r in j["ranks"]}
     assert status[1]["telemetry"]["straggler_state"] in ("healthy", "recovering", "straggler")
-    from agent.api.handler import ApiError
+    from trainguard.agent.api.handler import ApiError
     assert h.agent.control.update_detection_config({"mad_k": 3.5})["mad_k"] == 3.5
     assert h.agent.control.get_detection_config()["mad_k"] == 3.5 and h.service.config.mad_k == 3.5
     with pytest.raises(ApiError, match="detection.enter_score"):

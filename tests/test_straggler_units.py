@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
-from agent.detect.causes import Evidence, attribute
-from agent.detect.config import DetectionConfigError, StragglerConfig
-from agent.detect.evidence import ProcReader, RankEvidence
-from agent.detect.service import METRICS, install
-from agent.detect.straggler import RankInput, RankState, StepSample, StragglerDetector, mad, median
-from agent.eventlog import EventLog
-from agent.plans import PlanStore
-from agent.ranktable import RankTable
-from agent.wire import Telemetry
+from trainguard.agent.detect.causes import Evidence, attribute
+from trainguard.agent.detect.config import DetectionConfigError, StragglerConfig
+from trainguard.agent.detect.evidence import ProcReader, RankEvidence
+from trainguard.agent.detect.service import METRICS, install
+from trainguard.agent.detect.straggler import RankInput, RankState, StepSample, StragglerDetector, mad, median
+from trainguard.agent.eventlog import EventLog
+from trainguard.agent.plans import PlanStore
+from trainguard.agent.ranktable import RankTable
+from trainguard.agent.wire import Telemetry
 
 # --- config ---------------------------------------------------------------------------------
 

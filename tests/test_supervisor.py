@@ -6,16 +6,17 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from agent.eventlog import EventLog
-from agent.jobs import JobSpec, JobState
-from agent.launcher import LaunchContext, Launcher
-from agent.plans import PlanStore
-from agent.supervisor import Supervisor
+from trainguard.agent.eventlog import EventLog
+from trainguard.agent.jobs import JobSpec, JobState
+from trainguard.agent.launcher import LaunchContext, Launcher
+from trainguard.agent.plans import PlanStore
+from trainguard.agent.supervisor import Supervisor
 
-FAKE = [sys.executable, "-m", "tests.helpers.fake_rank"]
+FAKE = [sys.executable, str(Path(__file__).resolve().parent / "helpers" / "fake_rank.py")]
 
 
 def make_supervisor(tmp_path, mode: str) -> tuple[Supervisor, EventLog]:

@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.ranktable import RankTable, RankTableConfig
-from agent.telemetry import TelemetryServer, ensure_dgram_qlen, read_dgram_qlen
-from agent.wire import MAX_DATAGRAM_BYTES, SCHEMA_VERSION, Telemetry
+from trainguard.agent.ranktable import RankTable, RankTableConfig
+from trainguard.agent.telemetry import TelemetryServer, ensure_dgram_qlen, read_dgram_qlen
+from trainguard.agent.wire import MAX_DATAGRAM_BYTES, SCHEMA_VERSION, Telemetry
 
 
 def make_msg(job: str = "job-1", rank: int = 0, step: int = 1, **kw: Any) -> Telemetry:

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.config import ConfigError, ParallelConfig, TrainConfig, config_from_cli
-from trainer.data import Sampler, split_counts, val_index
-from trainer.model import stage_layers
+from trainguard.trainer.config import ConfigError, ParallelConfig, TrainConfig, config_from_cli
+from trainguard.trainer.data import Sampler, split_counts, val_index
+from trainguard.trainer.model import stage_layers
 
 
 def test_round_trip_through_json() -> None:
@@ -118,7 +118,7 @@ def test_helpers() -> None:
 
 
 def test_lr_schedule() -> None:
-    from trainer.train import lr_at
+    from trainguard.trainer.train import lr_at
     cfg = TrainConfig.from_dict({"steps": 100, "optim": {"lr": 1.0, "warmup": 10, "min_lr_ratio": 0.1}})
     assert lr_at(cfg, 0) == pytest.approx(0.1)
     assert lr_at(cfg, 9) == pytest.approx(1.0)

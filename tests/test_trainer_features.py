@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
-from agent.wire import Plan, Telemetry, write_plan_file
-from trainer.checkpoint import latest_checkpoint, load_full_model_state, step_dir
-from trainer.testing import reference_run, run_job, tiny_config
+from trainguard.agent.wire import Plan, Telemetry, write_plan_file
+from trainguard.trainer.checkpoint import latest_checkpoint, load_full_model_state, step_dir
+from trainguard.trainer.testing import reference_run, run_job, tiny_config
 
 torch.set_num_threads(1)  # this process forks ranks later: keep it free of OpenMP worker threads
 
@@ -205,17 +205,17 @@ def test_worker_entry_point_runs_one_rank_from_the_environment(cache_dir: str, t
     import subprocess
     import sys
 
-    from trainer.launch import free_port
+    from trainguard.trainer.launch import free_port
     cfg = tiny_config(cache_dir, steps=2)
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), TRAINGUARD_JOB_SPEC=cfg.to_json(), TRAINGUARD_JSON="1")
     env.pop("TRAINGUARD_SOCKET", None)
-    proc = subprocess.run([sys.executable, "-m", "trainer.worker"], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "trainguard.trainer.worker"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
     env["TRAINGUARD_JOB_SPEC"] = json.dumps({"parallel": {"tp": 3}})
-    bad = subprocess.run([sys.executable, "-m", "trainer.worker"], env=env, capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, "-m", "trainguard.trainer.worker"], env=env, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "parallel.tp" in bad.stderr

@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from trainer.checkpoint import latest_checkpoint
-from trainer.testing import reference_run, run_job, tiny_config
+from trainguard.trainer.checkpoint import latest_checkpoint
+from trainguard.trainer.testing import reference_run, run_job, tiny_config
 
 torch.set_num_threads(1)  # this process forks ranks later: keep it free of OpenMP worker threads
 

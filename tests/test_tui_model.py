@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from agent.api.client import ApiClient, ApiClientError
-from tui import model
-from tui.fake import T0, scene_checkpoints, scene_status
-from tui.screens.main import polite_refusal
-from tui.source import AgentSnapshot, ApiDataSource, clients_from_args
+from trainguard.agent.api.client import ApiClient, ApiClientError
+from trainguard.tui import model
+from trainguard.tui.fake import T0, scene_checkpoints, scene_status
+from trainguard.tui.screens.main import polite_refusal
+from trainguard.tui.source import AgentSnapshot, ApiDataSource, clients_from_args
 
 
 def snap(status: dict | None = None, **kw) -> AgentSnapshot:  # noqa: ANN003

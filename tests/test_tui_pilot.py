@@ -19,15 +19,15 @@ import pytest
 from textual.pilot import Pilot
 from textual.widgets import TabbedContent
 
-from agent.api.client import ApiClient, ApiClientError
-from tui.app import TrainguardApp, create_app, run_dashboard
-from tui.fake import FakeSource, screen_text
-from tui.screens.dialogs import ConfirmDialog, HelpScreen
-from tui.screens.main import PANELS
-from tui.source import ApiDataSource
-from tui.widgets.banner import ConnectionBanner, StatusLine
+from trainguard.agent.api.client import ApiClient, ApiClientError
+from trainguard.tui.app import TrainguardApp, create_app, run_dashboard
+from trainguard.tui.fake import FakeSource, screen_text
+from trainguard.tui.screens.dialogs import ConfirmDialog, HelpScreen
+from trainguard.tui.screens.main import PANELS
+from trainguard.tui.source import ApiDataSource
+from trainguard.tui.widgets.banner import ConnectionBanner, StatusLine
 
-FAKE = [sys.executable, "-m", "tests.helpers.fake_rank"]
+FAKE = [sys.executable, str(Path(__file__).resolve().parent / "helpers" / "fake_rank.py")]
 POLL_S = 0.5
 
 

@@ -13,9 +13,9 @@ import time
 import pytest
 from textual.pilot import Pilot
 
-from agent.api.client import ApiClientError
-from tui.app import TrainguardApp, create_app
-from tui.fake import T0, FakeSource
+from trainguard.agent.api.client import ApiClientError
+from trainguard.tui.app import TrainguardApp, create_app
+from trainguard.tui.fake import T0, FakeSource
 
 SIZES = [(80, 24), (160, 48)]
 POLLS = 30  # the controller plots need history: one point per poll

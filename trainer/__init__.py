@@ -4,7 +4,7 @@ Stable entry points:
 
 * ``trainer.config.TrainConfig`` (torch-free): ``from_dict``/``to_dict``/``from_json``; errors name
   the key. ``ParallelConfig.check_world(n)``; ``config_from_cli(...)`` for ``trainguard train``.
-* ``python -m trainer.worker``: one rank, configured by RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/
+* ``python -m trainguard.trainer.worker``: one rank, configured by RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/
   MASTER_PORT and ``$TRAINGUARD_JOB_SPEC`` (TrainConfig JSON or a path to it).
 * ``trainer.launch.run_standalone(cfg, nproc, json_out) -> int``: fork ``nproc`` local ranks.
 * ``trainer.checkpoint.save_checkpoint(trainer, dir)`` / ``load_checkpoint(trainer, dir)`` /
@@ -13,5 +13,5 @@ Stable entry points:
 Modules: config (settings), model (GPT and its pipeline stages), data (stdlib byte corpus,
 sampler), parallel (mesh, TP/FSDP2/DDP/pipelining), train (the loop), metrics (telemetry
 measurements), checkpoint (DCP), worker/launch (processes), testing (test and bench helpers);
-compression and faults are hooks the loop calls; agent_link is the agent contract.
+compression and faults are hooks the loop calls; the agent contract is trainguard.link and trainguard.agent.wire.
 """

@@ -1,37 +1,37 @@
-"""Checkpoints of a running trainer through ``torch.distributed.checkpoint`` (DCP).
+"""What a checkpoint of the embedded trainer holds, and its own checkpoint directories.
 
-Layout of one checkpoint directory (``<ckpt_dir>/step_00000040``):
+The state goes through the same code as any script's (``trainguard.checkpointing``):
 
-* DCP files: ``model`` (parameters by layout-independent name, ``layers.3.mlp.up.weight``) and
-  ``optim`` (flattened AdamW state, ``state.layers.3.mlp.up.weight.exp_avg``), written sharded by
-  every rank and loadable into another layout (a different dp degree: DCP reshards);
-* ``meta.json`` (rank 0): step, sampler position, the plan in force, the config it was saved with;
-* ``rng/rank<N>.pt``: each rank's torch RNG state (restored when the same rank exists on load).
+* ``model`` / ``optim``: every local pipeline stage's parameters (``layers.3.mlp.up.weight``) and
+  flattened AdamW state (``state.layers.3.mlp.up.weight.exp_avg``) by layout-independent name,
+  written sharded by every rank and loadable into another layout (a different dp degree: DCP
+  reshards);
+* ``sampler``: the data position (epoch, cursor);
+* ``meta.json`` (rank 0): the step, the plan in force; ``rng/rank<N>.pt``: each rank's RNG state.
 
-Writes go to ``<dir>.tmp`` and are renamed into place by rank 0 after every rank finished, so a
-directory without the ``.tmp`` suffix is always complete. Assumes all ranks see one filesystem.
+Checkpoints into the agent's memory tier go through ``run.checkpoint``. With ``ckpt_dir`` set the
+trainer also writes plain directories (``<ckpt_dir>/step_00000040``): written to ``<dir>.tmp`` and
+renamed into place by rank 0 after every rank finished, so a directory without the ``.tmp`` suffix
+is always complete. Assumes all ranks see one filesystem.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
-from agent.wire import Plan
+from trainguard.checkpointing import META, load, save_dir
 
 if TYPE_CHECKING:
-    from trainer.train import Trainer
+    from trainguard.trainer.train import Trainer
 
 _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
-META = "meta.json"
 
 
 def step_dir(ckpt_dir: str, step: int) -> str:
@@ -47,70 +47,86 @@ def latest_checkpoint(ckpt_dir: str) -> str | None:
     return str(done[-1]) if done else None
 
 
-def _state(trainer: Trainer) -> tuple[dict[str, Any], list[tuple[dict[str, Any], dict[str, Any]]]]:
-    """The DCP state over this rank's stages, and the per-stage dicts it was merged from.
+class _Stages:
+    """Parameters and optimizer state of every local pipeline stage, computed once per save or load.
 
     Stage names are disjoint (global layer indices), so the union is the whole model's state.
     ``get_state_dict`` returns tensors that share storage with the live model (FACTS pitfall 4):
-    DCP reads and writes them in place, which is what saving and loading need here.
+    DCP reads and writes them in place, which is what saving and loading need here; the loaded
+    dicts then go back through ``set_state_dict`` per stage once both halves arrived.
     """
-    parts = [get_state_dict(chunk, opt, options=_OPTS) for chunk, opt in zip(trainer.chunks, trainer.optimizers,
-                                                                              strict=True)]
-    model: dict[str, Any] = {}
-    optim: dict[str, Any] = {}
-    for msd, osd in parts:
-        model.update(msd)
-        optim.update(osd)
-    return {"model": model, "optim": optim}, parts
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self._parts: list[tuple[dict[str, Any], dict[str, Any]]] | None = None
+        self._loaded: dict[str, dict[str, Any]] = {}
+
+    def parts(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        if self._parts is None:
+            t = self.trainer
+            self._parts = [get_state_dict(chunk, opt, options=_OPTS)
+                           for chunk, opt in zip(t.chunks, t.optimizers, strict=True)]
+        return self._parts
+
+    def merged(self, half: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for part in self.parts():
+            out.update(part[half])
+        return out
+
+    def loaded(self, name: str, state_dict: dict[str, Any]) -> None:
+        self._loaded[name] = state_dict
+        if len(self._loaded) < 2:
+            return
+        t = self.trainer
+        model, optim = self._loaded["model"], self._loaded["optim"]
+        for chunk, opt, (msd, osd) in zip(t.chunks, t.optimizers, self.parts(), strict=True):
+            set_state_dict(chunk, opt, model_state_dict={k: model[k] for k in msd},
+                           optim_state_dict={k: optim[k] for k in osd}, options=_OPTS)
+
+
+class _Half(Stateful):
+    def __init__(self, stages: _Stages, name: str) -> None:
+        self.stages = stages
+        self.name = name
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.stages.merged(0 if self.name == "model" else 1)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.stages.loaded(self.name, state_dict)
+
+
+class _SamplerState(Stateful):
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.trainer.sampler.state())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.trainer.sampler.load_state(dict(state_dict))
+
+
+def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
+    stages = _Stages(trainer)
+    return {"model": _Half(stages, "model"), "optim": _Half(stages, "optim"), "sampler": _SamplerState(trainer)}
 
 
 def save_checkpoint(trainer: Trainer, path: str) -> str:
     """Save the trainer's full state to directory ``path`` (collective: every rank calls it)."""
-    rank = dist.get_rank()
-    tmp = f"{path}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    dist.barrier()
-    state, _ = _state(trainer)
-    dcp.save(state, checkpoint_id=tmp)
-    torch.save({"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if trainer.device.type == "cuda" else None},
-               os.path.join(tmp, "rng", f"rank{rank}.pt"))
-    dist.barrier()
-    if rank == 0:
-        meta = {"step": trainer.step, "sampler": trainer.sampler.state(), "plan": json.loads(trainer.plan.encode()),
-                "ckpt_id_seen": trainer._ckpt_id_seen, "world_size": dist.get_world_size(),
-                "config": trainer.cfg.to_dict()}
-        with open(os.path.join(tmp, META), "w") as fh:
-            json.dump(meta, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    dist.barrier()
+    run = trainer.run_handle
+    meta = run.checkpoint_meta() if run is not None else {}
+    save_dir(path, checkpoint_state(trainer), {"step": trainer.step, **meta})
     return path
 
 
 def load_checkpoint(trainer: Trainer, path: str) -> dict[str, Any]:
     """Load ``path`` into the trainer (collective). The saving layout may differ in dp degree."""
-    with open(os.path.join(path, META)) as fh:
-        meta: dict[str, Any] = json.load(fh)
-    state, parts = _state(trainer)
-    dcp.load(state, checkpoint_id=path)
-    for chunk, opt, (msd, osd) in zip(trainer.chunks, trainer.optimizers, parts, strict=True):
-        set_state_dict(chunk, opt, model_state_dict=msd, optim_state_dict=osd, options=_OPTS)
-    rng_file = os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")
-    if os.path.exists(rng_file):
-        rng = torch.load(rng_file, weights_only=True)  # never unpickle arbitrary objects
-        torch.set_rng_state(rng["torch"])
-        if rng.get("cuda") is not None and trainer.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"])
+    meta = load(path, checkpoint_state(trainer), rank=dist.get_rank())
     trainer.step = int(meta["step"])
-    trainer.sampler.load_state(meta["sampler"])
-    trainer.plan = Plan.from_dict(meta["plan"])
-    trainer._ckpt_id_seen = int(meta.get("ckpt_id_seen", 0))
+    if trainer.run_handle is not None:
+        trainer.run_handle.take_meta(meta)
     return meta
 
 

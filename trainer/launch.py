@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from trainer.config import TrainConfig
+from trainguard.trainer.config import TrainConfig
 
 
 def preimport() -> None:
@@ -27,10 +27,10 @@ def preimport() -> None:
     import torch.multiprocessing  # noqa: F401
     import torch.nn.parallel  # noqa: F401
 
-    import trainer.checkpoint  # noqa: F401
-    import trainer.compression  # noqa: F401
-    import trainer.faults  # noqa: F401
-    import trainer.train  # noqa: F401
+    import trainguard.trainer.checkpoint  # noqa: F401
+    import trainguard.trainer.compression  # noqa: F401
+    import trainguard.trainer.faults  # noqa: F401
+    import trainguard.trainer.train  # noqa: F401
 
 
 def free_port() -> int:
@@ -44,7 +44,7 @@ def _rank_main(local_rank: int, cfg: TrainConfig, nproc: int, port: int, json_ou
     os.environ.update(env)
     os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(nproc),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    from trainer.worker import run_rank
+    from trainguard.trainer.worker import run_rank
     rc = (entry or run_rank)(cfg, json_out)
     if rc:
         sys.exit(rc)
@@ -60,13 +60,13 @@ def run_standalone(cfg: TrainConfig, nproc: int, json_out: bool = False, *, env:
     ``entry`` replaces the per-rank function (tests). Returns 0 when every rank finished, 2 for a
     layout that does not fit ``nproc``, else the first failing rank's exit code (or 1).
     """
-    from trainer.config import ConfigError
+    from trainguard.trainer.config import ConfigError
     try:
         cfg.parallel.check_world(nproc)
     except ConfigError as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return 2
-    from trainer.data import build_corpus
+    from trainguard.trainer.data import build_corpus
     build_corpus(cfg.data.cache_dir, cfg.data.max_bytes)  # once, before the ranks race to build it
     preimport()
     import torch.multiprocessing as mp

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from trainer.config import TrainConfig
-from trainer.model import param_count
-from trainer.parallel import local_piece, replicas
+from trainguard.trainer.config import TrainConfig
+from trainguard.trainer.model import param_count
+from trainguard.trainer.parallel import local_piece, replicas
 
 # Dense bf16 peak FLOP/s by device-name fragment, for MFU. CPUs are left out: no honest peak.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.config import ModelConfig
+from trainguard.trainer.config import ModelConfig
 
 VOCAB = 256
 

@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.config import ParallelConfig, TrainConfig
-from trainer.model import GPT, build_stage
+from trainguard.trainer.config import ParallelConfig, TrainConfig
+from trainguard.trainer.model import GPT, build_stage
 
 TP_PLAN = {"attn.q": "col", "attn.k": "col", "attn.v": "col", "attn.o": "row", "mlp.up": "col", "mlp.down": "row"}
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.wire import Telemetry, decode_telemetry
-from trainer.config import TrainConfig
+from trainguard.agent.wire import Telemetry, decode_telemetry
+from trainguard.trainer.config import TrainConfig
 
 
 def tiny_config(cache_dir: str, **changes: Any) -> TrainConfig:
@@ -100,8 +100,8 @@ class JobResult:
 
 def _recording_entry(rows_path: str) -> Callable[[TrainConfig, bool], int]:
     def entry(cfg: TrainConfig, json_out: bool) -> int:
-        from trainer.parallel import RankEnv
-        from trainer.train import Trainer
+        from trainguard.trainer.parallel import RankEnv
+        from trainguard.trainer.train import Trainer
 
         def sink(row: dict[str, Any]) -> None:
             with open(rows_path, "a") as fh:
@@ -119,7 +119,7 @@ def _recording_entry(rows_path: str) -> Callable[[TrainConfig, bool], int]:
 def run_job(cfg: TrainConfig, nproc: int, workdir: str | os.PathLike[str], *, plan_path: str | None = None,
             on_telemetry: Callable[[Telemetry], None] | None = None, env: dict[str, str] | None = None) -> JobResult:
     """Run ``cfg`` on ``nproc`` forked ranks; rows from rank 0, telemetry from every rank."""
-    from trainer.launch import run_standalone
+    from trainguard.trainer.launch import run_standalone
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     rows_path = work / "rows.jsonl"
@@ -159,8 +159,8 @@ def reference_run(cfg: TrainConfig, steps: int | None = None) -> Reference:
     import torch
     import torch.nn.functional as F
 
-    from trainer.data import Corpus, Sampler, windows
-    from trainer.model import build_stage
+    from trainguard.trainer.data import Corpus, Sampler, windows
+    from trainguard.trainer.model import build_stage
 
     torch.set_num_threads(1)
     model = build_stage(cfg.model, cfg.seed)
@@ -198,7 +198,7 @@ def reference_run(cfg: TrainConfig, steps: int | None = None) -> Reference:
         opt.zero_grad()
         losses.append(float(loss.detach()))
         norms.append(norm)
-    from trainer.data import val_index
+    from trainguard.trainer.data import val_index
     vidx = val_index(len(corpus.val) // (cfg.model.context + 1), cfg.data.val_samples)
     vb = torch.from_numpy(windows(corpus.val, cfg.model.context, vidx))
     with torch.no_grad():

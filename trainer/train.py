@@ -7,15 +7,18 @@ losses times ``dp / global_tokens``. DDP and FSDP2 average gradients over the dp
 reduced gradient is the gradient of (sum over all tokens) / global_tokens, the same as one
 process computing the mean loss over the whole global batch, whatever the per-rank split.
 
-One small all-reduce per step carries the loss sum, the global gradient norm², each dp rank's local
-(pre-reduction) gradient norm², and the plan version rank 0 saw; when that version is new, rank 0
-broadcasts the plan and every rank applies it from the next step.
+One small all-reduce per step carries the loss sum, the global gradient norm² and each dp rank's
+local (pre-reduction) gradient norm².
+
+The loop talks to the agent only through the public API (``trainguard.Run``), like any user
+script: ``run.step`` reports each step's telemetry with its phases, ``run.plan`` is the agent's
+plan (the same version on every rank at the same step), ``run.checkpoint``/``run.restore`` save
+into and load from the memory tier the agent fans out to its other tiers.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -30,11 +33,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from agent.wire import Plan, Telemetry
-from trainer.agent_link import PlanWatcher, TelemetrySender
-from trainer.config import TrainConfig
-from trainer.data import Corpus, Sampler, split_counts, val_index, windows
-from trainer.metrics import (
+from trainguard.agent.wire import Plan
+from trainguard.run import Run, init
+from trainguard.trainer.config import TrainConfig
+from trainguard.trainer.data import Corpus, Sampler, split_counts, val_index, windows
+from trainguard.trainer.metrics import (
     LocalGradMeter,
     bubble_frac,
     comm_bytes_estimate,
@@ -42,8 +45,8 @@ from trainer.metrics import (
     mem_frag,
     peak_flops,
 )
-from trainer.model import flops_per_token
-from trainer.parallel import (
+from trainguard.trainer.model import flops_per_token
+from trainguard.trainer.parallel import (
     Layout,
     RankEnv,
     build_parallel_model,
@@ -85,21 +88,22 @@ class Trainer:
     """One rank of a training job. ``run()`` trains to ``cfg.steps`` (or a plan's stop) and returns 0.
 
     ``sink`` receives one dict per step on global rank 0 (step, loss, lr, step_s, tokens_per_s, ...).
-    ``telemetry`` / ``plans`` default to the agent link configured by the environment.
+    ``run`` defaults to ``trainguard.init()`` for this rank's data-parallel position.
     """
 
-    def __init__(self, cfg: TrainConfig, env: RankEnv, *, sink: StepSink | None = None,
-                 telemetry: TelemetrySender | None = None, plans: PlanWatcher | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, env: RankEnv, *, sink: StepSink | None = None, run: Run | None = None) -> None:
         self.cfg = cfg
         self.env = env
         self.sink = sink
-        self.telemetry = telemetry if telemetry is not None else TelemetrySender.from_env()
-        self.plans = plans if plans is not None else PlanWatcher.from_env()
+        self.run_handle = run
         self.step = 0
-        self.plan = Plan()
-        self._pending: Plan | None = None
-        self._ckpt_id_seen = 0
+        self._applied_version = -1
         self.history: list[StepResult] = []
+
+    @property
+    def plan(self) -> Plan:
+        """The agent's plan in force (what ``run.plan`` says, at the wire level)."""
+        return self.run_handle.raw_plan if self.run_handle is not None else Plan()
 
     # -- set-up ----------------------------------------------------------------------------------
 
@@ -133,20 +137,24 @@ class Trainer:
         self.compression = self._setup_compression()
         self.faults = self._setup_faults()
         self._peak = peak_flops(self.device)
-        from trainer.tiers import MemoryTierWriter, restore_path
-        self.tier_writer = MemoryTierWriter.from_env()
-        restore = restore_path()
-        if restore is not None:
-            # The agent picked (and verified) the newest checkpoint across its tiers for this attempt.
-            from trainer.checkpoint import load_checkpoint
-            load_checkpoint(self, restore)
-            self._log(f"restored step {self.step} from {restore}")
+        if self.run_handle is None:
+            self.run_handle = init(job=self.env.job, dp_rank=lay.dp_rank, dp_size=lay.dp)
+        # The agent picked (and verified) the newest checkpoint across its tiers for this attempt.
+        restored = self.run_handle.restore(self.checkpoint_state())
+        if restored:
+            self.step = restored
+            self._log(f"restored step {self.step} from {self.run_handle.env.restore_path or 'the memory tier'}")
         elif cfg.ckpt_dir and cfg.resume:
-            from trainer.checkpoint import latest_checkpoint, load_checkpoint
+            from trainguard.trainer.checkpoint import latest_checkpoint, load_checkpoint
             latest = latest_checkpoint(cfg.ckpt_dir)
             if latest is not None:
                 load_checkpoint(self, latest)
-        self._sync_plan_at_start()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint of this rank holds: every local stage's parameters and optimizer state by
+        layout-independent name (``model``, ``optim``), and the sampler's position."""
+        from trainguard.trainer.checkpoint import checkpoint_state
+        return checkpoint_state(self)
 
     def _make_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         o = self.cfg.optim
@@ -159,27 +167,21 @@ class Trainer:
     def _setup_compression(self) -> Any:
         if self.cfg.compression == "none":
             return None
-        from trainer.compression import register_compression
+        from trainguard.trainer.compression import register_compression
         ddp = self.chunks[0]
         assert isinstance(ddp, DDP)
         return register_compression(ddp, self.cfg.compression, self.layout.dp_group)
 
     def _setup_faults(self) -> Any:
-        from trainer.faults import FaultInjector
+        from trainguard.trainer.faults import FaultInjector
         injector = FaultInjector.from_specs(self.cfg.faults, self.env.rank)
         return injector if injector else None
 
     # -- plan ------------------------------------------------------------------------------------
 
-    def _sync_plan_at_start(self) -> None:
-        box: list[Any] = [self.plans.poll() if self.env.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        # A plan restored from a checkpoint stays unless the agent's is at least as new.
-        self._apply_plan(box[0] if box[0].version >= self.plan.version else self.plan)
-
     def _apply_plan(self, plan: Plan) -> None:
-        """Take a plan (same object on every rank, at the same step boundary)."""
-        self.plan = plan
+        """Take a plan (same version on every rank, at the same step boundary)."""
+        self._applied_version = plan.version
         sizes = plan.batch_sizes
         if sizes is None:
             self.batch_sizes = list(self.even_sizes)
@@ -266,96 +268,91 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         cfg, lay = self.cfg, self.layout
-        if self._pending is not None:
-            self._apply_plan(self._pending)
-            self._pending = None
+        run = self.run_handle
+        assert run is not None
         if self.faults is not None:
             self.faults.before_step(self.step)
-        t0 = time.perf_counter()
-        sizes = self.batch_sizes
-        global_n = sum(sizes)
-        idx = self.sampler.next_step(sizes)[lay.dp_rank]
-        batch = torch.from_numpy(windows(self.corpus.train, cfg.model.context, idx)).to(self.device)
-        x, y = batch[:, :-1], batch[:, 1:]
-        self._loss_scale = lay.dp / (global_n * cfg.model.context)
-        lr = self.current_lr()
-        t1 = time.perf_counter()
-        c1 = time.thread_time()
-        # A slow fault burns real CPU in proportion to this rank's own compute (faults.py), before
-        # the forward pass: inside the compute the gradient sync waits on, as a slow device would be,
-        # so moving samples off the rank really shortens the step. Sized from the previous step.
-        slow_s = self.faults.after_compute(self.step, self._plain_compute_s) if self.faults is not None else 0.0
+        with run.step(self.step) as s:
+            # The plan in force was agreed at the end of the previous step (same version everywhere).
+            if run.raw_plan.version != self._applied_version:
+                self._apply_plan(run.raw_plan)
+            t0 = time.perf_counter()
+            with s.phase("data"):
+                sizes = self.batch_sizes
+                global_n = sum(sizes)
+                idx = self.sampler.next_step(sizes)[lay.dp_rank]
+                batch = torch.from_numpy(windows(self.corpus.train, cfg.model.context, idx)).to(self.device)
+                x, y = batch[:, :-1], batch[:, 1:]
+                self._loss_scale = lay.dp / (global_n * cfg.model.context)
+                lr = self.current_lr()
+            n_local = sizes[lay.dp_rank]
+            s.samples, s.tokens = n_local, n_local * cfg.model.context
+            with s.phase("compute"):
+                t1, c1 = time.perf_counter(), time.thread_time()
+                # A slow fault burns real CPU in proportion to this rank's own compute (faults.py), before
+                # the forward pass: inside the compute the gradient sync waits on, as a slow device would
+                # be, so moving samples off the rank really shortens the step. Sized from the previous step.
+                slow_s = self.faults.after_compute(self.step, self._plain_compute_s) if self.faults is not None else 0.0
+                self.grad_meter.reset()
+                loss_sum = self._forward_backward(x, y)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                t2, c2 = time.perf_counter(), time.thread_time()
+            # On CPU the main thread does the compute (torch threads = 1 by default) and only sleeps
+            # while gloo works, so its CPU time is the compute and the rest of the wall time is waiting.
+            compute_s = (c2 - c1) if self.device.type == "cpu" else t2 - t1
+            self._plain_compute_s = max(compute_s - slow_s, 0.0)
+            if self.faults is not None and self.faults.loss_override(self.step):
+                loss_sum = float("nan")
 
-        self.grad_meter.reset()
-        loss_sum = self._forward_backward(x, y)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t2, c2 = time.perf_counter(), time.thread_time()
-        # On CPU the main thread does the compute (torch threads = 1 by default) and only sleeps
-        # while gloo works, so its CPU time is the compute and the rest of the wall time is waiting.
-        compute_s = (c2 - c1) if self.device.type == "cpu" else t2 - t1
-        self._plain_compute_s = max(compute_s - slow_s, 0.0)
-        if self.faults is not None and self.faults.loss_override(self.step):
-            loss_sum = float("nan")
+            # The one per-step collective of the loop itself: loss, norms, a NaN flag.
+            dp = lay.dp
+            vec = torch.zeros(4 + dp, dtype=torch.float64, device=self.device)  # NCCL needs device tensors
+            if self.has_last and lay.tp_rank == 0:
+                vec[0] = loss_sum
+            vec[1] = sq_norm_share([p.grad for p in self.params if p.grad is not None], {"dp": dp, "tp": lay.tp})
+            if math.isnan(loss_sum):
+                vec[3] = 1.0
+            vec[4 + lay.dp_rank] = self.grad_meter.share()
+            with s.phase("comm"):
+                dist.all_reduce(vec)
 
-        # The one per-step collective of the loop itself: loss, norms, and the plan version.
-        dp = lay.dp
-        vec = torch.zeros(4 + dp, dtype=torch.float64, device=self.device)  # NCCL needs device tensors
-        if self.has_last and lay.tp_rank == 0:
-            vec[0] = loss_sum
-        vec[1] = sq_norm_share([p.grad for p in self.params if p.grad is not None], {"dp": dp, "tp": lay.tp})
-        if self.env.rank == 0:
-            polled = self.plans.poll()
-            vec[2] = polled.version
-        if math.isnan(loss_sum):
-            vec[3] = 1.0
-        vec[4 + lay.dp_rank] = self.grad_meter.share()
-        t3 = time.perf_counter()
-        dist.all_reduce(vec)
-        t4 = time.perf_counter()
+            loss = float(vec[0]) / (global_n * cfg.model.context)
+            if vec[3] > 0:
+                loss = float("nan")
+            grad_norm = math.sqrt(max(float(vec[1]), 0.0)) if math.isfinite(float(vec[1])) else float("nan")
+            local_sq = float(vec[4 + lay.dp_rank])
+            # The local gradient above is of (sum of local token losses) * dp / global_tokens; report the
+            # norm² of the local *mean* loss gradient, what a gradient-noise-scale estimate expects.
+            local_sq = local_sq * (global_n / (dp * n_local)) ** 2 if n_local else 0.0
 
-        loss = float(vec[0]) / (global_n * cfg.model.context)
-        if vec[3] > 0:
-            loss = float("nan")
-        grad_norm = math.sqrt(max(float(vec[1]), 0.0)) if math.isfinite(float(vec[1])) else float("nan")
-        local_sq = float(vec[4 + lay.dp_rank])
-        n_local = sizes[lay.dp_rank]
-        # The local gradient above is of (sum of local token losses) * dp / global_tokens; report the
-        # norm² of the local *mean* loss gradient, what a gradient-noise-scale estimate expects.
-        local_sq = local_sq * (global_n / (dp * n_local)) ** 2 if n_local else 0.0
+            with s.phase("optim"):
+                for opt in self.optimizers:
+                    for group in opt.param_groups:
+                        group["lr"] = lr
+                if math.isfinite(grad_norm) and math.isfinite(loss):
+                    if cfg.optim.clip > 0 and grad_norm > cfg.optim.clip:
+                        coef = cfg.optim.clip / (grad_norm + 1e-6)
+                        for p in self.params:
+                            if p.grad is not None:
+                                p.grad.mul_(coef)
+                    for opt in self.optimizers:
+                        opt.step()
+                else:
+                    self._log(f"step {self.step}: non-finite loss or gradient norm, update skipped")
+                for opt in self.optimizers:
+                    opt.zero_grad(set_to_none=True)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
 
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                group["lr"] = lr
-        if math.isfinite(grad_norm) and math.isfinite(loss):
-            if cfg.optim.clip > 0 and grad_norm > cfg.optim.clip:
-                coef = cfg.optim.clip / (grad_norm + 1e-6)
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-            for opt in self.optimizers:
-                opt.step()
-        else:
-            self._log(f"step {self.step}: non-finite loss or gradient norm, update skipped")
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t5 = time.perf_counter()
-
-        plan_version = self.plan.version
-        if int(vec[2]) > self.plan.version:
-            box: list[Any] = [polled if self.env.rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            self._pending = box[0]
-        self.step += 1
-        step_s = time.perf_counter() - t0
-        comm_s = max(0.0, (t2 - t1) - compute_s) + (t4 - t3)
-        val_loss = None
-        if (cfg.val_every and self.step % cfg.val_every == 0) or self.step == cfg.steps:
-            val_loss = self.evaluate()
-        result = StepResult(self.step, loss, grad_norm, lr, global_n, step_s, val_loss)
-        self._report(result, t1 - t0, compute_s, comm_s, t5 - t4, n_local, local_sq, plan_version)
+            plan_version = run.raw_plan.version
+            self.step += 1
+            step_s = time.perf_counter() - t0
+            val_loss = None
+            if (cfg.val_every and self.step % cfg.val_every == 0) or self.step == cfg.steps:
+                val_loss = self.evaluate()
+            result = StepResult(self.step, loss, grad_norm, lr, global_n, step_s, val_loss)
+            self._report(s, result, n_local, local_sq, plan_version)
         return result
 
     # -- validation ------------------------------------------------------------------------------
@@ -392,26 +389,19 @@ class Trainer:
 
     # -- reporting -------------------------------------------------------------------------------
 
-    def _report(self, r: StepResult, data_s: float, fwd_bwd_s: float, comm_s: float, opt_s: float,
-                n_local: int, local_sq: float, plan_version: int) -> None:
-        cfg, lay = self.cfg, self.layout
+    def _report(self, s: Any, r: StepResult, n_local: int, local_sq: float, plan_version: int) -> None:
+        cfg = self.cfg
         now = time.time()
-        tokens = n_local * cfg.model.context
         flops = flops_per_token(cfg.model) * r.samples * cfg.model.context / self.env.world_size / max(r.step_s, 1e-9)
         comm_b = comm_bytes_estimate(cfg, n_local)
         ratio = None
         if self.compression is not None:
             comm_b = int(self.compression.last_step_bytes_sent)
             ratio = float(self.compression.ratio)
-        msg = Telemetry(
-            job=self.env.job, rank=self.env.rank, local_rank=self.env.local_rank, pid=os.getpid(), step=r.step,
-            wall_time=now, step_s=r.step_s, data_s=data_s, fwd_bwd_s=fwd_bwd_s, comm_s=comm_s, opt_s=opt_s,
-            samples=n_local, tokens=tokens, loss=r.loss, grad_norm=r.grad_norm, local_grad_sq=local_sq, lr=r.lr,
-            batch_size=n_local, mem_bytes=mem_bytes(self.device), plan_version=plan_version,
-            flops_per_s=flops, mfu=flops / self._peak if self._peak else None, comm_bytes=comm_b,
-            bubble_frac=bubble_frac(cfg), mem_frag=mem_frag(self.device), val_loss=r.val_loss,
-            dp_rank=lay.dp_rank, world_size=self.env.world_size, compress_ratio=ratio)
-        self.telemetry.send(msg)
+        s.report(loss=r.loss, lr=r.lr, grad_norm=r.grad_norm, local_grad_sq=local_sq, mem_bytes=mem_bytes(self.device),
+                 flops_per_s=flops, mfu=flops / self._peak if self._peak else None, comm_bytes=comm_b,
+                 bubble_frac=bubble_frac(cfg), mem_frag=mem_frag(self.device), val_loss=r.val_loss,
+                 compress_ratio=ratio)
         self.history.append(r)
         if self.sink is not None and self.env.rank == 0:
             row: dict[str, Any] = {
@@ -434,19 +424,20 @@ class Trainer:
 
     def run(self) -> int:
         """Train until cfg.steps or a plan asks to stop; checkpoints at the configured points."""
-        from trainer.checkpoint import save_checkpoint, step_dir
+        from trainguard.trainer.checkpoint import save_checkpoint, step_dir
         cfg = self.cfg
+        run = self.run_handle
+        assert run is not None
         while self.step < cfg.steps:
             result = self.train_step()
-            plan = self._pending or self.plan
-            asked = plan.checkpoint_id > self._ckpt_id_seen
+            plan = run.plan
+            asked = plan.checkpoint_now
             want_ckpt = bool(cfg.ckpt_dir) and (
                 (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or asked
                 or plan.stop or self.step == cfg.steps)
-            self._ckpt_id_seen = max(self._ckpt_id_seen, plan.checkpoint_id)
             # A diverged step is never checkpointed: it is what a rollback must go back before.
-            if self.tier_writer is not None and math.isfinite(result.loss) and self.tier_writer.due(self.step, asked):
-                self.tier_writer.save(self)
+            if math.isfinite(result.loss):
+                run.checkpoint(self.step - 1, self.checkpoint_state())
             if want_ckpt:
                 save_checkpoint(self, step_dir(cfg.ckpt_dir, self.step))
             if plan.stop:
@@ -455,7 +446,8 @@ class Trainer:
         return 0
 
     def close(self) -> None:
-        self.telemetry.close()
+        if self.run_handle is not None:
+            self.run_handle.close()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

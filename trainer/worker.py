@@ -1,4 +1,4 @@
-"""One training rank: ``python -m trainer.worker``.
+"""One training rank: ``python -m trainguard.trainer.worker``.
 
 This is how the agent launches ranks. Configured entirely by the environment:
 
@@ -18,8 +18,8 @@ import os
 import sys
 from typing import Any
 
-from agent.wire import ENV_JOB_SPEC
-from trainer.config import ConfigError, TrainConfig
+from trainguard.agent.wire import ENV_JOB_SPEC
+from trainguard.trainer.config import ConfigError, TrainConfig
 
 
 def config_from_env(environ: dict[str, str] | None = None) -> TrainConfig:
@@ -45,8 +45,8 @@ def print_human(row: dict[str, Any]) -> None:
 
 def run_rank(cfg: TrainConfig, json_out: bool) -> int:
     """Set up and run one rank in this process (the environment names the rank)."""
-    from trainer.parallel import RankEnv
-    from trainer.train import Trainer
+    from trainguard.trainer.parallel import RankEnv
+    from trainguard.trainer.train import Trainer
     trainer = Trainer(cfg, RankEnv.from_env(), sink=print_row if json_out else print_human)
     trainer.setup()
     try:

@@ -5,6 +5,7 @@ Restarting a rank the cold way costs 9-15 s here, almost all of it imports and f
 zygote stays single-threaded and runs no torch op, so forking it is safe.
 
 Protocol (JSON lines): the agent writes ``{"op": "spawn", "rank": r, "env": {...}, "module": m,
+(a module name, or ``path:/abs/script.py`` for a script)
 "args": [...], "log": path, "cwd": dir}`` and ``{"op": "exit"}`` on stdin; the zygote answers
 ``{"ev": "ready", "pid": p, "import_s": t}`` once, then ``{"ev": "spawned", "rank": r, "pid": p}``
 and ``{"ev": "exit", "pid": p, "code": c, "signal": s}`` on stdout.
@@ -34,7 +35,7 @@ PRELOAD = (
     "torch._dynamo",
     "numpy",
 )
-TRAINER_PRELOAD = ("trainer.worker",)
+TRAINER_PRELOAD = ("trainguard.trainer.worker",)
 
 
 def _say(out: Any, **msg: Any) -> None:
@@ -63,8 +64,17 @@ def _child(req: dict[str, Any]) -> None:
         os.environ.update(req["env"])
         if req.get("cwd"):
             os.chdir(req["cwd"])
-        module = req.get("module", "trainer.worker")
+        module = req.get("module", "trainguard.trainer.worker")
+        if module.startswith("path:"):
+            # ``python script.py``: the script's directory leads sys.path, as the interpreter does it.
+            script = module[len("path:"):]
+            sys.argv = [script, *req.get("args", [])]
+            sys.path[0] = os.path.dirname(os.path.abspath(script))
+            runpy.run_path(script, run_name="__main__")
+            return
         sys.argv = [module, *req.get("args", [])]
+        # ``python -m module``: the working directory leads sys.path, as the interpreter does it.
+        sys.path[0] = os.getcwd()
         preloaded = sys.modules.get(module)
         entry = getattr(preloaded, "main", None)
         if callable(entry):

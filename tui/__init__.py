@@ -4,7 +4,7 @@ Layout: ``app.py`` (factory ``create_app(source)`` and ``run_dashboard(args)``),
 ``DataSource`` protocol and ``ApiDataSource`` over the control API), ``model.py`` (pure view
 models), ``screens/`` (main screen, dialogs), ``widgets/`` (one panel per module),
 ``dashboard.tcss`` (the one stylesheet), ``fake.py`` (a fixed scene for tests and demos:
-``python -m tui.fake``).
+``python -m trainguard.tui.fake``).
 
 What the panels read from ``GET /v1/status`` besides today's keys, shown as "n/a" until present:
 

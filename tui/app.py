@@ -21,9 +21,9 @@ from collections.abc import Callable
 from textual.app import App
 from textual.screen import Screen
 
-from agent.api.client import ApiClientError
-from tui.screens.main import MainScreen
-from tui.source import ApiDataSource, DataSource, clients_from_args
+from trainguard.agent.api.client import ApiClientError
+from trainguard.tui.screens.main import MainScreen
+from trainguard.tui.source import ApiDataSource, DataSource, clients_from_args
 
 DEFAULT_POLL_S = 1.0
 

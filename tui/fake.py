@@ -3,7 +3,7 @@ a 2-rank job with a dead rank, two GPUs (one throttling, with an XID), kernel hi
 checkpoints in three tiers, and an event log. No clock, no pids of real processes.
 
 For snapshot tests and for trying the dashboard without an agent
-(``python -m tui.fake`` runs it).
+(``python -m trainguard.tui.fake`` runs it).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from agent.api.client import ApiClientError
-from tui.source import AgentSnapshot
+from trainguard.agent.api.client import ApiClientError
+from trainguard.tui.source import AgentSnapshot
 
 T0 = 1_800_000_000.0  # the scene's "now" (pass clock=lambda: T0 to create_app)
 
@@ -177,6 +177,6 @@ def screen_text(app: Any) -> str:
 if __name__ == "__main__":
     import time
 
-    from tui.app import create_app
+    from trainguard.tui.app import create_app
 
     create_app(FakeSource(), clock=lambda: T0, clock_text=lambda ts: time.strftime("%H:%M:%S", time.gmtime(ts))).run()

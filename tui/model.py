@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tui.source import AgentSnapshot
+from trainguard.tui.source import AgentSnapshot
 
 NA = "n/a"
 STRAGGLER_FLAG = 0.8  # scores below this are highlighted (1.0: as fast as the fastest rank)

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agent.api.client import ApiClient, ApiClientError
+from trainguard.agent.api.client import ApiClient, ApiClientError
 
 EVENTS_PER_POLL = 500
 TIMEOUT_S = 3.0  # per call: a dashboard that says "no answer" soon beats one that waits 10 s
@@ -135,7 +135,7 @@ def clients_from_args(state_dir: str | None, agents: str | Sequence[str] | None,
                       token_file: str | None) -> list[ApiClient]:
     """Clients for ``trainguard top``: the local agent (``--state-dir``), or each ``--agent HOST:PORT``
     (several as a comma-separated list), all with the same token file."""
-    from agent.paths import AgentPaths
+    from trainguard.agent.paths import AgentPaths
 
     if not agents:
         return [ApiClient.local(AgentPaths.for_state_dir(state_dir).control_socket, timeout=TIMEOUT_S)]

@@ -7,11 +7,11 @@
 * ``auth``: the token file and ``TokenStore``; ``client``: ``ApiClient``.
 """
 
-from agent.api.auth import Role, TokenFileError, TokenStore
-from agent.api.client import ApiClient, ApiClientError
-from agent.api.config import ApiConfig
-from agent.api.handler import ApiError, ApiHandler, Blob, BlobReader
-from agent.api.server import ApiServer, ApiServerError, ApiStats
+from trainguard.agent.api.auth import Role, TokenFileError, TokenStore
+from trainguard.agent.api.client import ApiClient, ApiClientError
+from trainguard.agent.api.config import ApiConfig
+from trainguard.agent.api.handler import ApiError, ApiHandler, Blob, BlobReader
+from trainguard.agent.api.server import ApiServer, ApiServerError, ApiStats
 
 __all__ = [
     "ApiClient",

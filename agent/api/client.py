@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol, overload
 from urllib.parse import quote, urlencode
 
-from agent.api.auth import TokenFileError, read_client_token
+from trainguard.agent.api.auth import TokenFileError, read_client_token
 
 DEFAULT_TIMEOUT_S = 10.0
 _CHUNK = 1 << 20
@@ -132,6 +132,10 @@ class ApiClient:
 
     def stop_job(self, job: str, **options: Any) -> dict[str, Any]:
         return self._json("POST", f"/v1/jobs/{_seg(job)}/stop", options)
+
+    def job_output(self, job: str, rank: int, offset: int = 0, limit: int = 64 << 10) -> dict[str, Any]:
+        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{_seg(job)}/output?rank={rank}&offset={offset}&limit={limit}")
+        return result
 
     def get_plan(self, job: str) -> dict[str, Any]:
         return self._json("GET", f"/v1/jobs/{_seg(job)}/plan")

@@ -86,6 +86,10 @@ class ApiHandler(Protocol):
     def stop_job(self, job: str, options: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/jobs/<job>/stop or DELETE /v1/jobs/<job>; ``options`` is the body or ``{}``."""
 
+    def job_output(self, job: str, rank: int, offset: int, limit: int) -> dict[str, Any]:
+        """GET /v1/jobs/<job>/output: what rank ``rank`` printed (stdout and stderr), from byte
+        ``offset``, at most ``limit`` bytes ending on a line: ``{"text", "offset", "next", "size"}``."""
+
     def get_plan(self, job: str) -> dict[str, Any]:
         """GET /v1/jobs/<job>/plan."""
 

@@ -18,12 +18,12 @@ from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
-from agent.api import routes
-from agent.api.auth import Role, bearer_token
-from agent.api.handler import ApiError, Blob
+from trainguard.agent.api import routes
+from trainguard.agent.api.auth import Role, bearer_token
+from trainguard.agent.api.handler import ApiError, Blob
 
 if TYPE_CHECKING:
-    from agent.api.server import _Listener
+    from trainguard.agent.api.server import _Listener
 
 log = logging.getLogger("trainguard.api")
 

@@ -13,6 +13,7 @@ POST     /v1/jobs                         admin   submit_job(spec)
 GET      /v1/jobs/<id>                    read    get_job(id)
 DELETE   /v1/jobs/<id>                    admin   stop_job(id, {})
 POST     /v1/jobs/<id>/stop               admin   stop_job(id, body)
+GET      /v1/jobs/<id>/output?rank&offset read    job_output(id, rank, offset, limit)
 GET      /v1/jobs/<id>/plan               read    get_plan(id)
 PUT      /v1/jobs/<id>/plan               admin   update_plan(id, body)
 POST     /v1/jobs/<id>/checkpoint         admin   checkpoint_now(id, body)
@@ -35,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from agent.api.auth import Role
-from agent.api.handler import ApiError, ApiHandler, BlobReader
+from trainguard.agent.api.auth import Role
+from trainguard.agent.api.handler import ApiError, ApiHandler, BlobReader
 
 MAX_EVENTS_LIMIT = 10_000
 DEFAULT_EVENTS_LIMIT = 100
@@ -110,6 +111,16 @@ def _events(h: ApiHandler, c: Call) -> Any:
     return h.events(since, limit, kind)
 
 
+MAX_OUTPUT_BYTES = 1 << 20
+
+
+def _output(h: ApiHandler, c: Call) -> Any:
+    rank = _int(c.query, "rank", 0, 0, 1 << 20)
+    offset = _int(c.query, "offset", 0, 0, 1 << 50)
+    limit = _int(c.query, "limit", 64 << 10, 1, MAX_OUTPUT_BYTES)
+    return h.job_output(_job(c), rank, offset, limit)
+
+
 def _health(h: ApiHandler, c: Call) -> Any:
     result = dict(h.health())
     result.setdefault("ok", True)
@@ -150,6 +161,7 @@ ROUTES: tuple[Route, ...] = (
     _r("GET", _JOB, READ, lambda h, c: h.get_job(_job(c))),
     _r("DELETE", _JOB, ADMIN, lambda h, c: h.stop_job(_job(c), c.body)),
     _r("POST", _JOB + r"/stop", ADMIN, lambda h, c: h.stop_job(_job(c), c.body)),
+    _r("GET", _JOB + r"/output", READ, _output),
     _r("GET", _JOB + r"/plan", READ, lambda h, c: h.get_plan(_job(c))),
     _r("PUT", _JOB + r"/plan", ADMIN, lambda h, c: h.update_plan(_job(c), c.body)),
     _r("POST", _JOB + r"/checkpoint", ADMIN, lambda h, c: h.checkpoint_now(_job(c), c.body)),

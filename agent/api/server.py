@@ -31,10 +31,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.api.auth import TokenStore
-from agent.api.config import ApiConfig, parse_hostport
-from agent.api.handler import ApiHandler
-from agent.api.request import RequestHandler
+from trainguard.agent.api.auth import TokenStore
+from trainguard.agent.api.config import ApiConfig, parse_hostport
+from trainguard.agent.api.handler import ApiHandler
+from trainguard.agent.api.request import RequestHandler
 
 log = logging.getLogger("trainguard.api")
 

@@ -6,9 +6,9 @@ The daemon holds one ``CheckpointManager``; the trainer only needs ``MemoryTier`
 and ``open_for_overwrite`` (its DCP writer's file opener, for buffer reuse).
 """
 
-from agent.checkpoint.catalog import Restored, candidates, newest_restorable, restore
-from agent.checkpoint.disk import DiskTier
-from agent.checkpoint.errors import (
+from trainguard.agent.checkpoint.catalog import Restored, candidates, newest_restorable, restore
+from trainguard.agent.checkpoint.disk import DiskTier
+from trainguard.agent.checkpoint.errors import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointNotFound,
@@ -16,8 +16,8 @@ from agent.checkpoint.errors import (
     ManifestError,
     UnsafePathError,
 )
-from agent.checkpoint.manager import CheckpointManager, CheckpointSettings
-from agent.checkpoint.manifest import (
+from trainguard.agent.checkpoint.manager import CheckpointManager, CheckpointSettings
+from trainguard.agent.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
     VerifyResult,
@@ -27,11 +27,11 @@ from agent.checkpoint.manifest import (
     verify,
     write_manifest,
 )
-from agent.checkpoint.memory import MemoryTier, bench_buffer_reuse, open_for_overwrite
-from agent.checkpoint.objectstore import ObjectStoreConfig, ObjectTier
-from agent.checkpoint.replicator import TierReplicator
-from agent.checkpoint.status import METRICS, CheckpointStatus
-from agent.checkpoint.tier import CheckpointInfo, Tier
+from trainguard.agent.checkpoint.memory import MemoryTier, bench_buffer_reuse, open_for_overwrite
+from trainguard.agent.checkpoint.objectstore import ObjectStoreConfig, ObjectTier
+from trainguard.agent.checkpoint.replicator import TierReplicator
+from trainguard.agent.checkpoint.status import METRICS, CheckpointStatus
+from trainguard.agent.checkpoint.tier import CheckpointInfo, Tier
 
 __all__ = [
     "METRICS",

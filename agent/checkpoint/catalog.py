@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.checkpoint.errors import CheckpointCorrupt, describe
-from agent.checkpoint.local import LocalDirTier, rmtree_quiet
-from agent.checkpoint.status import CheckpointStatus
-from agent.checkpoint.tier import CheckpointInfo, Tier, check_job, step_dirname
+from trainguard.agent.checkpoint.errors import CheckpointCorrupt, describe
+from trainguard.agent.checkpoint.local import LocalDirTier, rmtree_quiet
+from trainguard.agent.checkpoint.status import CheckpointStatus
+from trainguard.agent.checkpoint.tier import CheckpointInfo, Tier, check_job, step_dirname
 
 EmitFn = Callable[[str, dict[str, object]], None]
 

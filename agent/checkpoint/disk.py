@@ -11,8 +11,8 @@ import os
 import time
 from collections.abc import Callable
 
-from agent.checkpoint.local import LocalDirTier
-from agent.checkpoint.tier import RANK_DISK
+from trainguard.agent.checkpoint.local import LocalDirTier
+from trainguard.agent.checkpoint.tier import RANK_DISK
 
 
 class DiskTier(LocalDirTier):

@@ -21,14 +21,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from agent.checkpoint.errors import (
+from trainguard.agent.checkpoint.errors import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointNotFound,
     CheckpointWriteError,
     ManifestError,
 )
-from agent.checkpoint.manifest import (
+from trainguard.agent.checkpoint.manifest import (
     CHUNK_BYTES,
     DEFAULT_ALGORITHM,
     MANIFEST_NAME,
@@ -43,7 +43,7 @@ from agent.checkpoint.manifest import (
     verify_against,
     write_manifest,
 )
-from agent.checkpoint.tier import (
+from trainguard.agent.checkpoint.tier import (
     TMP_PREFIX,
     CheckpointInfo,
     Tier,

@@ -18,14 +18,14 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
-from agent.checkpoint.catalog import Restored, newest_restorable, restore
-from agent.checkpoint.disk import DiskTier
-from agent.checkpoint.errors import CheckpointError, CheckpointWriteError, describe
-from agent.checkpoint.memory import DEFAULT_MEMORY_ROOT, MemoryTier
-from agent.checkpoint.objectstore import ObjectStoreConfig, ObjectTier
-from agent.checkpoint.replicator import TierReplicator
-from agent.checkpoint.status import CheckpointStatus
-from agent.checkpoint.tier import CheckpointInfo, Tier
+from trainguard.agent.checkpoint.catalog import Restored, newest_restorable, restore
+from trainguard.agent.checkpoint.disk import DiskTier
+from trainguard.agent.checkpoint.errors import CheckpointError, CheckpointWriteError, describe
+from trainguard.agent.checkpoint.memory import DEFAULT_MEMORY_ROOT, MemoryTier
+from trainguard.agent.checkpoint.objectstore import ObjectStoreConfig, ObjectTier
+from trainguard.agent.checkpoint.replicator import TierReplicator
+from trainguard.agent.checkpoint.status import CheckpointStatus
+from trainguard.agent.checkpoint.tier import CheckpointInfo, Tier
 
 EmitFn = Callable[[str, dict[str, object]], None]
 

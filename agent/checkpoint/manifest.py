@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from agent.checkpoint.errors import CheckpointError, ManifestError, UnsafePathError
+from trainguard.agent.checkpoint.errors import CheckpointError, ManifestError, UnsafePathError
 
 MANIFEST_NAME = "trainguard-manifest.json"
 MANIFEST_FORMAT = "trainguard-checkpoint"

@@ -24,10 +24,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from agent.checkpoint.errors import CheckpointError, CheckpointWriteError
-from agent.checkpoint.local import LocalDirTier, rmtree_quiet
-from agent.checkpoint.manifest import MANIFEST_NAME
-from agent.checkpoint.tier import RANK_MEMORY, TMP_PREFIX, CheckpointInfo, check_job, check_step
+from trainguard.agent.checkpoint.errors import CheckpointError, CheckpointWriteError
+from trainguard.agent.checkpoint.local import LocalDirTier, rmtree_quiet
+from trainguard.agent.checkpoint.manifest import MANIFEST_NAME
+from trainguard.agent.checkpoint.tier import RANK_MEMORY, TMP_PREFIX, CheckpointInfo, check_job, check_step
 
 DEFAULT_MEMORY_ROOT = Path("/dev/shm/trainguard")
 REUSE_DIRNAME = ".reuse"

@@ -20,7 +20,7 @@ from typing import Any
 
 import fsspec
 
-from agent.checkpoint.errors import (
+from trainguard.agent.checkpoint.errors import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointNotFound,
@@ -28,8 +28,8 @@ from agent.checkpoint.errors import (
     ManifestError,
     UnsafePathError,
 )
-from agent.checkpoint.local import rmtree_quiet
-from agent.checkpoint.manifest import (
+from trainguard.agent.checkpoint.local import rmtree_quiet
+from trainguard.agent.checkpoint.manifest import (
     CHUNK_BYTES,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -42,7 +42,7 @@ from agent.checkpoint.manifest import (
     safe_relpath,
     write_manifest,
 )
-from agent.checkpoint.tier import (
+from trainguard.agent.checkpoint.tier import (
     RANK_OBJECT,
     TMP_PREFIX,
     CheckpointInfo,

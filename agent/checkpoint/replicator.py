@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from agent.checkpoint.errors import CheckpointCorrupt, CheckpointWriteError, describe
-from agent.checkpoint.local import LocalDirTier
-from agent.checkpoint.status import CheckpointStatus
-from agent.checkpoint.tier import CheckpointInfo, Tier, check_job
+from trainguard.agent.checkpoint.errors import CheckpointCorrupt, CheckpointWriteError, describe
+from trainguard.agent.checkpoint.local import LocalDirTier
+from trainguard.agent.checkpoint.status import CheckpointStatus
+from trainguard.agent.checkpoint.tier import CheckpointInfo, Tier, check_job
 
 EmitFn = Callable[[str, dict[str, object]], None]
 

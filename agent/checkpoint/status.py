@@ -16,7 +16,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from agent.checkpoint.tier import CheckpointInfo
+from trainguard.agent.checkpoint.tier import CheckpointInfo
 
 # (name, type, unit, labels, help)
 METRICS: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (

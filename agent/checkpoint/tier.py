@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.checkpoint.manifest import VerifyResult
+from trainguard.agent.checkpoint.manifest import VerifyResult
 
 # Speed ranks of the built-in tiers; the peer tier slots in between memory and disk.
 RANK_MEMORY = 0

@@ -40,10 +40,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from agent.api.handler import ApiError, Blob, BlobReader
-from agent.checkpoint.errors import CheckpointError, UnsafePathError
-from agent.checkpoint.local import LocalDirTier, rmtree_quiet
-from agent.checkpoint.manifest import (
+from trainguard.agent.api.handler import ApiError, Blob, BlobReader
+from trainguard.agent.checkpoint.errors import CheckpointError, UnsafePathError
+from trainguard.agent.checkpoint.local import LocalDirTier, rmtree_quiet
+from trainguard.agent.checkpoint.manifest import (
     DEFAULT_ALGORITHM,
     MANIFEST_NAME,
     Manifest,
@@ -51,7 +51,13 @@ from agent.checkpoint.manifest import (
     safe_relpath,
     verify_against,
 )
-from agent.checkpoint.tier import RANK_PEER, TMP_PREFIX, check_job, parse_step_dirname, step_dirname
+from trainguard.agent.checkpoint.tier import (
+    RANK_PEER,
+    TMP_PREFIX,
+    check_job,
+    parse_step_dirname,
+    step_dirname,
+)
 
 CKPT_NS = "ckpt"
 INCOMING = "_incoming"

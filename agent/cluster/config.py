@@ -6,7 +6,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from agent.cluster.etcd import parse_endpoint
+from trainguard.agent.cluster.etcd import parse_endpoint
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 

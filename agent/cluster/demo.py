@@ -2,7 +2,7 @@
 with its ranks, the job goes on on the other from its own checkpoint part and the peer copy of the
 lost node's part.
 
-    python -m agent.cluster.demo [--steps N] [--keep DIR]
+    python -m trainguard.agent.cluster.demo [--steps N] [--keep DIR]
 
 ``ClusterNode`` (one agent process with its own state dir, TCP API, token, shared-memory root and
 cluster config) is also what the tests use.
@@ -23,15 +23,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.api.client import ApiClient
-from agent.cluster.etcdserver import LocalEtcd
-from agent.waiting import wait_for
+from trainguard.agent.api.client import ApiClient
+from trainguard.agent.cluster.etcdserver import LocalEtcd
+from trainguard.agent.waiting import wait_for
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # the checkout (agent/ resolved through the link)
 
 
 class ClusterNode:
-    """One simulated node: ``trainguard agent`` (``python -m agent.cli agent``) with its own
+    """One simulated node: ``trainguard agent`` (``python -m trainguard.agent.cli agent``) with its own
     directories and an ``agent.toml`` whose ``[cluster]`` section points at the shared etcd."""
 
     def __init__(self, root: Path, name: str, endpoints: list[str], token: str, *, cluster: str, slots: int,
@@ -61,7 +61,7 @@ class ClusterNode:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "agent.cli", "agent", "--state-dir", str(root / "state"),
+                [sys.executable, "-m", "trainguard", "agent", "--state-dir", str(root / "state"),
                  "--config", str(root / "agent.toml"), "--metrics-addr", "127.0.0.1:0"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         addr_file = root / "state" / "run" / "api.addr"
@@ -130,7 +130,7 @@ def run_demo(steps: int, root: Path, out: Any = sys.stdout) -> int:
     """Two agents, one job spanning both (one rank each, dp=2); node a dies with its rank; the
     leader restarts the job on b with dp=1 from a checkpoint assembled out of b's own part and
     the copy of a's part that b holds in RAM."""
-    from trainer.config import config_from_cli  # torch-free
+    from trainguard.trainer.config import config_from_cli  # torch-free
 
     token = secrets.token_hex(16)
     etcd = LocalEtcd(root / "etcd", size=1).start()
@@ -185,7 +185,7 @@ def run_demo(steps: int, root: Path, out: Any = sys.stdout) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m agent.cluster.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainguard.agent.cluster.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--keep", help="keep logs and state under this directory")
     args = p.parse_args(argv)

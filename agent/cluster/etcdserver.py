@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.cluster.etcd import EtcdClient, EtcdUnavailable
+from trainguard.agent.cluster.etcd import EtcdClient, EtcdUnavailable
 
 ETCD_BINARY = "etcd"
 

@@ -21,7 +21,7 @@ completion, and stops ranks that the newest attempt no longer gives it. Writes u
 swap on the key's revision, so concurrent writers retry on the next change instead of clobbering.
 
 Checkpoints: each node's local rank 0 commits that node's DCP files to its own memory tier under
-``part_key(job, node)`` with the attempt's node list in the manifest (``trainer/tiers.py``); the
+``part_key(job, node)`` with the attempt's node list in the manifest (``trainguard/checkpointing.py``); the
 replicator copies the part to the ring peer's RAM like any memory checkpoint. To restore step S
 the leader looks up, for every part of S, which live nodes hold it (the writer's own memory tier
 over the blob API, or a peer's held copy); each node then downloads the missing parts, checks
@@ -43,30 +43,27 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.checkpoint.errors import CheckpointError
-from agent.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
-from agent.checkpoint.tier import Tier, step_dirname
-from agent.cluster.blobstore import CKPT_NS, INDEX, BlobStore
-from agent.cluster.jobs import JobRecordDoc, JobTable
-from agent.cluster.peertier import ClientFactory, PeerRef, fetch_remote_copy
-from agent.cluster.placement import Placement, PlacementError, place
+from trainguard.agent.checkpoint.errors import CheckpointError
+from trainguard.agent.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
+from trainguard.agent.checkpoint.tier import Tier, step_dirname
+from trainguard.agent.cluster.blobstore import CKPT_NS, INDEX, BlobStore
+from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable
+from trainguard.agent.cluster.peertier import ClientFactory, PeerRef, fetch_remote_copy
+from trainguard.agent.cluster.placement import Placement, PlacementError, place
+from trainguard.agent.wire import Telemetry, WireError, decode_telemetry, part_key
 
 if TYPE_CHECKING:
-    from agent.cluster.membership import EmitFn, NodeInfo
-    from agent.plans import PlanStore
-    from agent.supervisor import Supervisor
-    from agent.wire import Telemetry
+    from trainguard.agent.cluster.membership import EmitFn, NodeInfo
+    from trainguard.agent.plans import PlanStore
+    from trainguard.agent.supervisor import Supervisor
 
 log = logging.getLogger("trainguard.cluster.gang")
-PART_MARK = ".part-"
 TIER_HOLDER = "tier:"
 """Prefix of a holder that is a tier every node reaches (the object store), not a node."""
 
 
 def decode_forwarded(job: str, messages: list[Any]) -> tuple[list[Telemetry], int]:
     """The messages another node forwarded for ``job``: (valid ones, how many were dropped)."""
-    from agent.wire import WireError, decode_telemetry
-
     good, dropped = [], 0
     for raw in messages:
         try:
@@ -79,11 +76,6 @@ def decode_forwarded(job: str, messages: list[Any]) -> tuple[list[Telemetry], in
             continue
         good.append(msg)
     return good, dropped
-
-
-def part_key(job: str, node: str) -> str:
-    """The checkpoint-tier key of ``node``'s part of ``job``."""
-    return f"{job}{PART_MARK}{node}"
 
 
 @dataclass
@@ -393,7 +385,7 @@ class GangCoordinator:
 
     def _member(self, rec: JobRecordDoc, rev: int) -> None:
         assert self.supervisor is not None
-        from agent.jobs import JobState
+        from trainguard.agent.jobs import JobState
 
         job = rec.job
         g = Gang.from_dict(rec.gang)
@@ -439,7 +431,7 @@ class GangCoordinator:
             return
         if not g.master_port:
             if g.master_node == self.node:
-                from agent.launcher import free_port
+                from trainguard.agent.launcher import free_port
 
                 g.master_port = free_port(g.master_addr)
                 self._write_gang(rec, rev, g)
@@ -449,8 +441,8 @@ class GangCoordinator:
 
     def _start_block(self, rec: JobRecordDoc, g: Gang, mine: tuple[int, int, int]) -> None:
         assert self.supervisor is not None
-        from agent.jobs import JobSpec
-        from agent.launcher import RankBlock
+        from trainguard.agent.jobs import JobSpec
+        from trainguard.agent.launcher import RankBlock
 
         job = rec.job
         group, offset, nproc = mine

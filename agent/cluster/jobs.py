@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from agent.cluster.etcd import EtcdClient
+from trainguard.agent.cluster.etcd import EtcdClient
 
 log = logging.getLogger("trainguard.cluster.jobs")
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from etcd3gw import exceptions as etcd_exc
 
-from agent.cluster.etcd import EtcdClient, EtcdUnavailable, LeaseExpired, LeaseKeeper, PrefixWatch
+from trainguard.agent.cluster.etcd import EtcdClient, EtcdUnavailable, LeaseExpired, LeaseKeeper, PrefixWatch
 
 log = logging.getLogger("trainguard.cluster")
 

@@ -30,16 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from agent.api.client import ApiClient, ApiClientError
-from agent.checkpoint.errors import (
+from trainguard.agent.api.client import ApiClient, ApiClientError
+from trainguard.agent.checkpoint.errors import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointNotFound,
     CheckpointWriteError,
     ManifestError,
 )
-from agent.checkpoint.local import rmtree_quiet
-from agent.checkpoint.manifest import (
+from trainguard.agent.checkpoint.local import rmtree_quiet
+from trainguard.agent.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
     VerifyResult,
@@ -47,9 +47,16 @@ from agent.checkpoint.manifest import (
     read_manifest,
     write_manifest,
 )
-from agent.checkpoint.tier import RANK_PEER, TMP_PREFIX, CheckpointInfo, Tier, check_job, step_dirname
-from agent.cluster.blobstore import CKPT_NS, INCOMING, INDEX, VERIFY, BlobStore, HeldTier
-from agent.cluster.etcd import parse_endpoint
+from trainguard.agent.checkpoint.tier import (
+    RANK_PEER,
+    TMP_PREFIX,
+    CheckpointInfo,
+    Tier,
+    check_job,
+    step_dirname,
+)
+from trainguard.agent.cluster.blobstore import CKPT_NS, INCOMING, INDEX, VERIFY, BlobStore, HeldTier
+from trainguard.agent.cluster.etcd import parse_endpoint
 
 log = logging.getLogger("trainguard.cluster.peer")
 _CHUNK = 1 << 20

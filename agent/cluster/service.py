@@ -26,19 +26,19 @@ from typing import TYPE_CHECKING, Any
 from etcd3gw import exceptions as etcd_exc
 from prometheus_client.metrics_core import Metric
 
-from agent.checkpoint.tier import Tier
-from agent.cluster.blobstore import BlobStore
-from agent.cluster.config import ClusterConfig
-from agent.cluster.etcd import EtcdClient, EtcdUnavailable, LeaseExpired
-from agent.cluster.gang import GangCoordinator
-from agent.cluster.jobs import JobRecordDoc, JobTable, plan_moves
-from agent.cluster.membership import EmitFn, Membership, NodeInfo
-from agent.cluster.peertier import PeerRef, PeerTier, ring_peer, token_client_factory
-from agent.metricspec import MetricSpec
+from trainguard.agent.checkpoint.tier import Tier
+from trainguard.agent.cluster.blobstore import BlobStore
+from trainguard.agent.cluster.config import ClusterConfig
+from trainguard.agent.cluster.etcd import EtcdClient, EtcdUnavailable, LeaseExpired
+from trainguard.agent.cluster.gang import GangCoordinator
+from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable, plan_moves
+from trainguard.agent.cluster.membership import EmitFn, Membership, NodeInfo
+from trainguard.agent.cluster.peertier import PeerRef, PeerTier, ring_peer, token_client_factory
+from trainguard.agent.metricspec import MetricSpec
 
 if TYPE_CHECKING:
-    from agent.plans import PlanStore
-    from agent.supervisor import Supervisor
+    from trainguard.agent.plans import PlanStore
+    from trainguard.agent.supervisor import Supervisor
 
 log = logging.getLogger("trainguard.cluster")
 _ETCD_ERRORS = (EtcdUnavailable, etcd_exc.Etcd3Exception, LeaseExpired)
@@ -341,7 +341,7 @@ class ClusterService:
 
     def _adopt(self, records: dict[str, tuple[JobRecordDoc, int]]) -> None:
         assert self.supervisor is not None
-        from agent.jobs import JobSpec, JobSpecError
+        from trainguard.agent.jobs import JobSpec, JobSpecError
 
         for job, (rec, _) in records.items():
             if rec.node != self.node or rec.state != "running" or self._epochs.get(job, -1) >= rec.epoch:

@@ -17,8 +17,8 @@ from types import MappingProxyType
 
 from prometheus_client.metrics_core import Metric
 
-from agent.collectors.base import CollectorUnavailable, TrackedProcess
-from agent.metricspec import MetricSpec, index
+from trainguard.agent.collectors.base import CollectorUnavailable, TrackedProcess
+from trainguard.agent.metricspec import MetricSpec, index
 
 _PROC = ("job", "rank")
 HOST_METRICS: tuple[MetricSpec, ...] = (

@@ -5,9 +5,9 @@ started agent. Strategies: optuna (optuna_strategy.py), rl (bandit.py), goodput 
 the safety rules and the window mechanics live in controller.py.
 """
 
-from agent.controller.config import ControllerConfig
-from agent.controller.controller import METRICS, Controller, install, make_strategy, split_batch
-from agent.controller.strategy import Proposal, Setting, Space, Strategy, WindowResult
+from trainguard.agent.controller.config import ControllerConfig
+from trainguard.agent.controller.controller import METRICS, Controller, install, make_strategy, split_batch
+from trainguard.agent.controller.strategy import Proposal, Setting, Space, Strategy, WindowResult
 
 __all__ = ["METRICS", "Controller", "ControllerConfig", "Proposal", "Setting", "Space", "Strategy",
            "WindowResult", "install", "make_strategy", "split_batch"]

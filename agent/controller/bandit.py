@@ -19,8 +19,8 @@ import math
 
 import numpy as np
 
-from agent.controller.config import ControllerConfig
-from agent.controller.strategy import Proposal, Setting, Space, WindowResult
+from trainguard.agent.controller.config import ControllerConfig
+from trainguard.agent.controller.strategy import Proposal, Setting, Space, WindowResult
 
 MOVES: tuple[tuple[float, float], ...] = tuple((lr, b) for lr in (0.5, 1.0, 2.0) for b in (0.5, 1.0, 2.0))
 

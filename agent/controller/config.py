@@ -62,7 +62,7 @@ class ControllerConfig:
     def validate(self, key: str = "controller") -> None:
         """Raise ConfigError naming ``key.field`` for the first bad value (AgentConfig calls this)."""
         # Imported here: agent.config imports this module for its [controller] section.
-        from agent.config import ConfigError
+        from trainguard.agent.config import ConfigError
 
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"{key}.strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")

@@ -35,9 +35,9 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
-from agent.controller.config import ControllerConfig
-from agent.controller.noise import NoiseScale
-from agent.controller.strategy import (
+from trainguard.agent.controller.config import ControllerConfig
+from trainguard.agent.controller.noise import NoiseScale
+from trainguard.agent.controller.strategy import (
     KeepStrategy,
     Proposal,
     Setting,
@@ -46,9 +46,9 @@ from agent.controller.strategy import (
     WindowResult,
     loglog_slope,
 )
-from agent.metricspec import MetricSpec
-from agent.ranktable import RankView
-from agent.wire import Telemetry, WireError
+from trainguard.agent.metricspec import MetricSpec
+from trainguard.agent.ranktable import RankView
+from trainguard.agent.wire import Telemetry, WireError
 
 log = logging.getLogger("trainguard.controller")
 
@@ -70,15 +70,15 @@ StrategyFactory = Callable[[ControllerConfig, Space, str], Strategy]
 
 def make_strategy(config: ControllerConfig, space: Space, job: str) -> Strategy:
     if config.strategy == "optuna":
-        from agent.controller.optuna_strategy import OptunaStrategy
+        from trainguard.agent.controller.optuna_strategy import OptunaStrategy
 
         return OptunaStrategy(config, space, job)
     if config.strategy == "rl":
-        from agent.controller.bandit import BanditStrategy
+        from trainguard.agent.controller.bandit import BanditStrategy
 
         return BanditStrategy(config, space)
     if config.strategy == "goodput":
-        from agent.controller.goodput import GoodputStrategy
+        from trainguard.agent.controller.goodput import GoodputStrategy
 
         return GoodputStrategy(config, space)
     return KeepStrategy()

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 
-from agent.controller.config import ControllerConfig
-from agent.controller.strategy import Proposal, Setting, Space, WindowResult
+from trainguard.agent.controller.config import ControllerConfig
+from trainguard.agent.controller.strategy import Proposal, Setting, Space, WindowResult
 
 
 def efficiency(batch: float, base: float, noise: float) -> float:

@@ -21,8 +21,8 @@ from typing import Any
 
 import optuna
 
-from agent.controller.config import ControllerConfig
-from agent.controller.strategy import Proposal, Setting, Space, WindowResult
+from trainguard.agent.controller.config import ControllerConfig
+from trainguard.agent.controller.strategy import Proposal, Setting, Space, WindowResult
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def open_storage(url: str) -> Any:
 
 def make_sampler(name: str, seed: int) -> optuna.samplers.BaseSampler:
     if name == "gp":
-        from agent.controller.gp import NumpyGPSampler
+        from trainguard.agent.controller.gp import NumpyGPSampler
 
         return NumpyGPSampler(seed=seed, n_startup_trials=4)
     # Few trials fit in a run: start modelling after 4 random ones instead of TPE's default 10.

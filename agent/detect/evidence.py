@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.detect.causes import Evidence
+from trainguard.agent.detect.causes import Evidence
 
 _V1_CPU_DIRS = ("cpu", "cpu,cpuacct", "cpuacct,cpu")
 

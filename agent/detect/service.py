@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
 
-from agent.detect.causes import Attribution, Evidence, attribute
-from agent.detect.config import StragglerConfig
-from agent.detect.evidence import ProcReader, RankEvidence
-from agent.detect.straggler import (
+from trainguard.agent.detect.causes import Attribution, Evidence, attribute
+from trainguard.agent.detect.config import StragglerConfig
+from trainguard.agent.detect.evidence import ProcReader, RankEvidence
+from trainguard.agent.detect.straggler import (
     RankFigures,
     RankInput,
     RankState,
@@ -38,11 +38,11 @@ from agent.detect.straggler import (
     StragglerDetector,
     Transition,
 )
-from agent.heal.migration import Decision, MigrationPolicy, ReplicaModel, even_sizes
-from agent.metricspec import MetricSpec
+from trainguard.agent.heal.migration import Decision, MigrationPolicy, ReplicaModel, even_sizes
+from trainguard.agent.metricspec import MetricSpec
 
 if TYPE_CHECKING:
-    from agent.daemon import Agent
+    from trainguard.agent.daemon import Agent
 
 log = logging.getLogger("trainguard.straggler")
 

@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from agent.detect.config import StragglerConfig
+from trainguard.agent.detect.config import StragglerConfig
 
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution -> its standard deviation
 

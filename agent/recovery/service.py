@@ -3,7 +3,11 @@ what every (re)start of a job restores from.
 
 * Rank exit: the supervisor restarts all ranks (instantly, from the warm launcher); here we pick
   the newest verified checkpoint across tiers (fastest tier first) and hand it to the ranks.
-* Hang: Python stacks of every rank (py-spy) go into the event, then the job restarts.
+* Hang: Python stacks of every rank (py-spy) go into the event, then the job restarts. The
+  embedded trainer is hung when no rank advanced its step for long enough (or never reached its
+  first step). A user's command is judged only on what it gives: with step telemetry
+  (``trainguard.init()``), a step stall while its ranks use no CPU; with ``--hang-timeout``, ranks
+  that used no CPU for that long (``agent.recovery.activity``). A silent script is never hung.
 * Loss NaN/spike: roll back to the newest checkpoint before the divergence and cut the LR.
 * Exclusion (a rank that stays slow): restart without one dp replica; DCP reshards on load.
 """
@@ -20,16 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
 
-from agent.checkpoint import CheckpointManager, CheckpointSettings, ObjectStoreConfig, Restored
-from agent.config import AgentConfig
-from agent.jobs import JobSpec, JobState
-from agent.metricspec import MetricSpec
-from agent.recovery.detectors import Finding, HangDetector, LossDetector
-from agent.recovery.stacks import dump_stacks
+from trainguard.agent.checkpoint import CheckpointManager, CheckpointSettings, ObjectStoreConfig, Restored
+from trainguard.agent.config import AgentConfig
+from trainguard.agent.jobs import JobSpec, JobState
+from trainguard.agent.metricspec import MetricSpec
+from trainguard.agent.recovery.activity import ActivityProbe, descends_from
+from trainguard.agent.recovery.detectors import Finding, HangDetector, LossDetector
+from trainguard.agent.recovery.stacks import dump_stacks
 
 if TYPE_CHECKING:
-    from agent.daemon import Agent
-    from agent.supervisor import JobRecord
+    from trainguard.agent.daemon import Agent
+    from trainguard.agent.supervisor import JobRecord
 
 log = logging.getLogger("trainguard.recovery")
 
@@ -84,6 +89,7 @@ class RecoveryService:
         self.checkpoints = checkpoints
         self.hangs = HangDetector(self.cfg.hang_factor, self.cfg.hang_floor_s, self.cfg.startup_timeout_s)
         self.losses = LossDetector(self.cfg.loss_spike_factor)
+        self.activity = ActivityProbe()
         self._attempt_seen: dict[str, int] = {}
         self._restored: dict[str, Restored] = {}
         self._busy: set[str] = set()
@@ -155,11 +161,16 @@ class RecoveryService:
                 self._attempt_seen[job] = record.attempt
                 self.hangs.reset(job, now)
             ranks = snapshot.jobs.get(job, {})
-            attempt_ranks = [v for v in ranks.values() if v.pid in {r.pid for r in record.ranks}]
+            pids = {r.pid for r in record.ranks}
+            attempt_ranks = [v for v in ranks.values()
+                             if v.pid in pids or (record.spec.is_command and descends_from(v.pid, pids))]
             max_step = max((v.step for v in attempt_ranks), default=-1)
             self._note_recovered(job, record, attempt_ranks, now)
             medians = [v.median_step_s for v in attempt_ranks if v.median_step_s]
-            finding = self.hangs.check(job, max_step, max(medians) if medians else None, now)
+            if record.spec.is_command:
+                finding = self._command_hang(record, max_step, max(medians) if medians else None, now)
+            else:
+                finding = self.hangs.check(job, max_step, max(medians) if medians else None, now)
             if finding is None and attempt_ranks:
                 lead = min(attempt_ranks, key=lambda v: v.rank)
                 # Every step since the last tick (a fast job runs many per tick; a NaN among them counts).
@@ -167,6 +178,26 @@ class RecoveryService:
                 finding = self.losses.observe(job, [(t.step, t.loss) for t in window if t.pid == lead.pid])
             if finding is not None:
                 self._handle(record, finding)
+
+    def _command_hang(self, record: JobRecord, max_step: int, median_step_s: float | None,
+                      now: float) -> Finding | None:
+        """A user's command: hung only on the evidence it gives (see the module docstring)."""
+        job, spec = record.job, record.spec
+        idle = self.activity.observe(job, [r.pid for r in record.ranks if r.alive], now)
+        if spec.hang_timeout_s > 0 and idle >= spec.hang_timeout_s:
+            self.activity.forget(job)
+            return Finding("hang", job, f"no rank used the CPU for {idle:.1f}s (--hang-timeout "
+                           f"{spec.hang_timeout_s:g}s)", max(max_step, 0),
+                           {"idle_s": round(idle, 3), "hang_timeout_s": spec.hang_timeout_s, "signal": "cpu_activity"})
+        if max_step < 0:
+            return None  # no step reported yet in this attempt: silence is not a hang
+        stalled = self.hangs.check(job, max_step, median_step_s, now)
+        if stalled is not None and idle < float(stalled.evidence.get("limit_s", 0.0)):
+            # The steps stopped but the ranks compute (a long evaluation, a final save): not hung.
+            self.hangs.forget(job)
+            self.hangs.check(job, max_step, median_step_s, now)
+            return None
+        return stalled
 
     def _note_recovered(self, job: str, record: JobRecord, ranks: list[Any], now: float) -> None:
         started = self._failure_at.get(job)
@@ -202,6 +233,7 @@ class RecoveryService:
             restored.release()
         self.hangs.forget(job)
         self.losses.forget(job)
+        self.activity.forget(job)
 
     def _count(self, job: str, action: str, cause: str) -> None:
         key = (job, action, cause)

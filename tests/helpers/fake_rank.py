@@ -11,8 +11,8 @@ import signal
 import sys
 import time
 
-from agent.wire import Telemetry
-from trainer.agent_link import PlanWatcher, TelemetrySender
+from trainguard.agent.wire import Telemetry
+from trainguard.link import PlanWatcher, TelemetrySender
 
 
 def main() -> int:

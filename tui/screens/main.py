@@ -19,16 +19,16 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Static, TabbedContent, TabPane
 
-from agent.api.client import ApiClientError
-from tui import model
-from tui.screens.dialogs import ConfirmDialog, HelpScreen
-from tui.source import AgentSnapshot, DataSource
-from tui.widgets.banner import ConnectionBanner, StatusLine
-from tui.widgets.controller import ControllerPanel
-from tui.widgets.events import EventsTable
-from tui.widgets.overview import OverviewPanel
-from tui.widgets.ranks import RanksTable
-from tui.widgets.tables import CheckpointPanel, GpuPanel, KernelPanel
+from trainguard.agent.api.client import ApiClientError
+from trainguard.tui import model
+from trainguard.tui.screens.dialogs import ConfirmDialog, HelpScreen
+from trainguard.tui.source import AgentSnapshot, DataSource
+from trainguard.tui.widgets.banner import ConnectionBanner, StatusLine
+from trainguard.tui.widgets.controller import ControllerPanel
+from trainguard.tui.widgets.events import EventsTable
+from trainguard.tui.widgets.overview import OverviewPanel
+from trainguard.tui.widgets.ranks import RanksTable
+from trainguard.tui.widgets.tables import CheckpointPanel, GpuPanel, KernelPanel
 
 PANELS = (
     ("overview", "overview"), ("ranks", "ranks"), ("gpus", "GPUs"), ("kernel", "kernel"),

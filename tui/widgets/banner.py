@@ -8,7 +8,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widgets import Static
 
-from tui.source import AgentSnapshot
+from trainguard.tui.source import AgentSnapshot
 
 
 class ConnectionBanner(Static):

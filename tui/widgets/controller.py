@@ -10,7 +10,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
-from tui.model import ControllerHistory, Series, fmt_float
+from trainguard.tui.model import ControllerHistory, Series, fmt_float
 
 PLOTS = (("lr", "learning rate"), ("batch", "global batch"), ("loss", "loss (mean over ranks)"))
 

@@ -10,7 +10,7 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import DataTable
 
-from tui.model import EVENT_HEADERS, event_cause, event_text, event_where, matches
+from trainguard.tui.model import EVENT_HEADERS, event_cause, event_text, event_where, matches
 
 KEEP = 2000
 SEVERITY_STYLE = {"warning": "yellow", "error": "bold red", "critical": "bold red"}

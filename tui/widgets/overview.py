@@ -11,8 +11,8 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from tui.model import RankRow, collector_summary, fmt_age, job_lines
-from tui.source import AgentSnapshot
+from trainguard.tui.model import RankRow, collector_summary, fmt_age, job_lines
+from trainguard.tui.source import AgentSnapshot
 
 ATTENTION_MAX = 6
 

@@ -10,7 +10,7 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.widgets import DataTable
 
-from tui.model import COLUMN_KEYS, RANK_COLUMNS, RankRow, select_rows
+from trainguard.tui.model import COLUMN_KEYS, RANK_COLUMNS, RankRow, select_rows
 
 
 class RanksTable(DataTable[Text]):

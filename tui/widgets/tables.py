@@ -9,7 +9,7 @@ from rich.text import Text
 from textual.containers import Vertical
 from textual.widgets import DataTable, Static
 
-from tui.model import HistLine, fmt_latency
+from trainguard.tui.model import HistLine, fmt_latency
 
 
 class TablePanel(Vertical):

@@ -19,10 +19,16 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from agent.collectors.base import CollectorUnavailable, EmitFn, TrackedProcess
-from agent.collectors.gpu.nvml import GpuLost, Nvml, NvmlUnavailable, is_na
-from agent.collectors.gpu.reading import THROTTLE_REASONS, DeviceState, GpuReading, open_device, read_gpu
-from agent.collectors.gpu.xid import FATAL_XIDS, GpuEvent, XidWatcher
+from trainguard.agent.collectors.base import CollectorUnavailable, EmitFn, TrackedProcess
+from trainguard.agent.collectors.gpu.nvml import GpuLost, Nvml, NvmlUnavailable, is_na
+from trainguard.agent.collectors.gpu.reading import (
+    THROTTLE_REASONS,
+    DeviceState,
+    GpuReading,
+    open_device,
+    read_gpu,
+)
+from trainguard.agent.collectors.gpu.xid import FATAL_XIDS, GpuEvent, XidWatcher
 
 log = logging.getLogger(__name__)
 

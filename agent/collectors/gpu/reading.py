@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.collectors.gpu import nvml as N
-from agent.collectors.gpu.nvml import NA, Nvml, as_str, is_na
+from trainguard.agent.collectors.gpu import nvml as N
+from trainguard.agent.collectors.gpu.nvml import NA, Nvml, as_str, is_na
 
 # Clock event ("throttle") reasons, bit -> label. Stable NVML ABI (nvmlClocksEventReason*).
 THROTTLE_REASONS: tuple[tuple[int, str], ...] = (

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.collectors.gpu import nvml as N
-from agent.collectors.gpu.nvml import GpuLost, Nvml, NvmlError
+from trainguard.agent.collectors.gpu import nvml as N
+from trainguard.agent.collectors.gpu.nvml import GpuLost, Nvml, NvmlError
 
 log = logging.getLogger(__name__)
 

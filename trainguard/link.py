@@ -10,7 +10,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from agent.wire import ENV_PLAN, ENV_SOCKET, Plan, Telemetry, read_plan_file
+from trainguard.agent.wire import ENV_PLAN, ENV_SOCKET, Plan, Telemetry, read_plan_file
 
 
 @dataclass

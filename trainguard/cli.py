@@ -10,7 +10,8 @@ import sys
 import time
 from typing import Any
 
-from agent.config import ConfigError
+from trainguard.agent.api.client import ApiClientError
+from trainguard.agent.config import ConfigError
 
 EXIT_USAGE = 2
 
@@ -49,6 +50,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nodes", type=int, default=1,
                    help="spread the ranks over this many nodes of the cluster (the leader places them; implies --detach)")
 
+    r = sub.add_parser("run", help="run any training command as a job (torchrun's environment, restarts)",
+                       description="Run CMD on N local ranks with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, "
+                       "MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT, ...) as a job of the node agent: a rank "
+                       "that dies restarts the whole job; output is prefixed per rank; the exit code is the job's.")
+    r.add_argument("--nproc", type=int, default=1, help="ranks on this node (default 1)")
+    r.add_argument("--nodes", type=int, default=1, help="spread over this many nodes of the cluster (implies --detach)")
+    r.add_argument("--job", help="job id (default: generated)")
+    r.add_argument("--max-restarts", type=int, default=None,
+                   help="restarts without progress before the job fails (default: the agent's recovery.max_restarts; 3 standalone)")
+    r.add_argument("--hang-timeout", type=float, default=0.0, metavar="S",
+                   help="declare the job hung when none of its ranks used the CPU for S seconds (default: never)")
+    r.add_argument("--detach", action="store_true", help="submit and print the job id")
+    r.add_argument("--standalone", action="store_true", help="no agent: run and restart the ranks from this process")
+    r.add_argument("--state-dir", help="the agent whose files are under DIR")
+    r.add_argument("--agent", metavar="HOST:PORT", help="a remote agent over TCP")
+    r.add_argument("--token-file", help="bearer token file for --agent")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
+
     for name, help_text in (("status", "agent, jobs and ranks"), ("events", "the event log"), ("checkpoints", "checkpoints per tier")):
         p = sub.add_parser(name, help=help_text)
         _add_target(p)
@@ -75,7 +94,7 @@ def _fail(message: str, code: int = 1) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from agent.config import DEFAULT_CONFIG_PATH, apply_state_dir, load_config
+    from trainguard.agent.config import DEFAULT_CONFIG_PATH, apply_state_dir, load_config
 
     if args.check_config:
         try:
@@ -87,7 +106,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         return 0
     if args.print_bpf:
         try:
-            from agent.collectors.ebpf import render_all
+            from trainguard.agent.collectors.ebpf import render_all
         except ImportError as exc:
             return _fail(f"eBPF programs unavailable: {exc}")
         print(render_all())
@@ -98,7 +117,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         if args.state_dir:
             apply_state_dir(cfg, args.state_dir)
         if args.metrics_addr is not None:
-            from agent.config import _host_port
+            from trainguard.agent.config import _host_port
 
             _host_port("--metrics-addr", args.metrics_addr, allow_empty=True)
             cfg.metrics.addr = args.metrics_addr
@@ -107,7 +126,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     import logging
 
-    from agent.daemon import Agent
+    from trainguard.agent.daemon import Agent
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -117,8 +136,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def make_client(args: argparse.Namespace) -> Any:
-    from agent.api.client import ApiClient
-    from agent.paths import AgentPaths
+    from trainguard.agent.api.client import ApiClient
+    from trainguard.agent.paths import AgentPaths
 
     if getattr(args, "agent", None):
         host, _, port = args.agent.rpartition(":")
@@ -206,7 +225,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 def _trainer_config(args: argparse.Namespace) -> dict[str, Any]:
-    from trainer.config import config_from_cli
+    from trainguard.trainer.config import config_from_cli
 
     return config_from_cli(
         nproc=args.nproc, dp=args.dp, tp=args.tp, pp=args.pp, steps=args.steps, faults=args.fault, overrides=args.set
@@ -220,12 +239,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"trainguard: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if args.standalone:
-        from trainer.config import TrainConfig
-        from trainer.launch import run_standalone
+        from trainguard.trainer.config import TrainConfig
+        from trainguard.trainer.launch import run_standalone
 
         rc: int = run_standalone(TrainConfig.from_dict(trainer_cfg), args.nproc, json_out=args.json)
         return rc
-    from agent.follow import follow_job
+    from trainguard.agent.follow import follow_job
 
     client = make_client(args)
     spec = {"nproc": args.nproc, "trainer": trainer_cfg, "faults": list(args.fault)}
@@ -244,9 +263,47 @@ def cmd_train(args: argparse.Namespace) -> int:
     return follow_job(client, job, json_out=args.json)
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from trainguard.runcmd import follow, job_spec
+
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("trainguard: run needs a command: trainguard run [OPTIONS] -- CMD [ARGS...]", file=sys.stderr)
+        return EXIT_USAGE
+    if args.nproc < 1 or args.nodes < 1:
+        print("trainguard: --nproc and --nodes must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    if args.standalone:
+        from trainguard.standalone import run_standalone
+
+        if args.hang_timeout:
+            print("trainguard: --hang-timeout needs the agent (it watches the ranks); ignored with --standalone",
+                  file=sys.stderr)
+        restarts = 3 if args.max_restarts is None else args.max_restarts
+        return run_standalone(command, args.nproc, max_restarts=restarts, job=args.job)
+    spec = job_spec(command, nproc=args.nproc, nodes=args.nodes, job=args.job, max_restarts=args.max_restarts,
+                    hang_timeout_s=args.hang_timeout)
+    client = make_client(args)
+    try:
+        client.health()
+    except ApiClientError as exc:  # no agent: say how to get one, not a traceback
+        return _fail(f"{exc}; or run without one: trainguard run --standalone ...")
+    job = client.submit_job(spec)
+    if args.nodes > 1:
+        print(f"{job}: recorded in the cluster; the leader places it on {args.nodes} nodes "
+              "(`trainguard status` on any agent shows where it runs)")
+        return 0
+    if args.detach:
+        print(job)
+        return 0
+    return follow(client, job)
+
+
 def cmd_top(args: argparse.Namespace) -> int:
     try:
-        from tui.app import run_dashboard
+        from trainguard.tui.app import run_dashboard
     except ImportError as exc:
         return _fail(f"dashboard unavailable: {exc}")
     rc: int = run_dashboard(args)
@@ -254,7 +311,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from agent.demo import run_demo
+    from trainguard.demo import run_demo
 
     return run_demo(tui=args.tui, quick=args.quick)
 
@@ -264,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {
         "agent": cmd_agent,
         "train": cmd_train,
+        "run": cmd_run,
         "status": cmd_status,
         "events": cmd_events,
         "checkpoints": cmd_checkpoints,
@@ -275,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - one line for the user, never a traceback
-        from agent.api.client import ApiClientError
+        from trainguard.agent.api.client import ApiClientError
 
         if isinstance(exc, ApiClientError | ValueError):
             return _fail(str(exc))

@@ -54,14 +54,14 @@ def _start_agent(state: Path) -> subprocess.Popen[bytes]:
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log = open(state / "agent.log", "wb")
     return subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "agent", "--state-dir", str(state), "--config", str(state / "agent.toml"),
+        [sys.executable, "-m", "trainguard", "agent", "--state-dir", str(state), "--config", str(state / "agent.toml"),
          "--metrics-addr", "127.0.0.1:0"],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
     )
 
 
 def _job_spec(quick: bool) -> dict[str, Any]:
-    from trainer.config import config_from_cli
+    from trainguard.trainer.config import config_from_cli
 
     steps = 160 if quick else 300
     faults = ["slow:rank=2,factor=2.5,step=30", f"kill:rank=1,step={steps // 2}"]
@@ -102,7 +102,7 @@ def _summary(client: Any, job: str, started: float, out: Any, kernel: dict[str, 
     # Per-rank series exist while the ranks are tracked: use the last view taken during the run.
     runq = (kernel or status.get("kernel", {})).get("runqueue", {})
     if runq:
-        from agent.collectors.ebpf.hist import log2_quantile
+        from trainguard.agent.collectors.ebpf.hist import log2_quantile
 
         print("  kernel (eBPF) run-queue latency, cumulative:", file=out)
         for name, h in sorted(runq.items()):
@@ -132,7 +132,7 @@ def _summary(client: Any, job: str, started: float, out: Any, kernel: dict[str, 
 
 
 def run_demo(tui: bool = False, quick: bool = False, out: Any = None, keep: bool = False) -> int:
-    from agent.api.client import ApiClient
+    from trainguard.agent.api.client import ApiClient
 
     out = out or sys.stdout
     state = Path(tempfile.mkdtemp(prefix="trainguard-demo-"))
@@ -156,7 +156,7 @@ def run_demo(tui: bool = False, quick: bool = False, out: Any = None, keep: bool
         if tui:
             import argparse
 
-            from tui.app import run_dashboard
+            from trainguard.tui.app import run_dashboard
 
             run_dashboard(argparse.Namespace(state_dir=str(state), agent=None, token_file=None, json=False))
         seen = 0

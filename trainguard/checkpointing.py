@@ -1,0 +1,285 @@
+"""Checkpoints of any training state through ``torch.distributed.checkpoint`` (DCP), into the
+agent's memory tier, and restore from what the agent picked.
+
+``state`` is a mapping of names to what a script wants back after a restart: ``nn.Module``s
+(saved by parameter name, so a different data-parallel degree reshards on load), optimizers
+(flattened by parameter name, with the modules of the same state), anything with
+``state_dict``/``load_state_dict`` (LR schedulers, grad scalers, samplers) and plain values.
+Restoring loads into the same objects in place and writes plain values back into the mapping.
+
+Saving: the memory tier hands out a staging directory (in the files of a pruned checkpoint, so
+the tmpfs pages are already there: FACTS.md measured fresh pages ~7x slower), every rank writes
+its DCP shard there, each rank its RNG state, and the committer (rank 0, or each node's local rank
+0 when the job spans nodes) writes ``meta.json`` and commits with a checksummed manifest. The
+agent copies it to the disk, object and peer tiers in the background. A save that fails on any
+rank (a full tmpfs, an I/O error) fails on every rank together (DCP gathers the errors); it is
+dropped, reported once on stderr, and training goes on.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from trainguard.agent.checkpoint.errors import CheckpointError
+from trainguard.agent.checkpoint.memory import MemoryTier, open_for_overwrite
+from trainguard.agent.checkpoint.tier import step_dirname
+from trainguard.agent.wire import part_key
+from trainguard.environment import RunEnvironment
+
+META = "meta.json"
+_OPTIM_OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class ReuseFileSystem(FileSystem):
+    """DCP file system that overwrites the memory tier's recycled files instead of new ones."""
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open_for_overwrite(path) as stream:
+            yield stream  # type: ignore[misc]
+
+
+class _ModuleState(Stateful):
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.module)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.module, state_dict)
+
+
+class _OptimizerState(Stateful):
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optim = optim
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optim, options=_OPTIM_OPTS)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optim, state_dict, options=_OPTIM_OPTS)
+
+
+def _dcp_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The mapping DCP saves and loads: modules and optimizers by parameter name, the rest as is."""
+    modules = [v for v in state.values() if isinstance(v, nn.Module)]
+    owner: nn.Module | None = modules[0] if len(modules) == 1 else (nn.ModuleList(modules) if modules else None)
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            out[key] = _ModuleState(value)
+        elif isinstance(value, torch.optim.Optimizer):
+            if owner is None:
+                raise TypeError(f"state[{key!r}]: an optimizer needs its model in the same state")
+            out[key] = _OptimizerState(owner, value)
+        else:
+            out[key] = value
+    return out
+
+
+@dataclass
+class SaveStats:
+    saves: int = 0
+    failures: int = 0
+    last_step: int = -1
+    last_stall_s: float = 0.0
+    last_error: str = ""
+
+
+class TierWriter:
+    """Saves of one rank into the agent's memory tier (see the module docstring)."""
+
+    def __init__(self, env: RunEnvironment) -> None:
+        self.env = env
+        self.stats = SaveStats()
+        self._tier: MemoryTier | None = None
+
+    @property
+    def tier_job(self) -> str:
+        return part_key(self.env.job, self.env.part) if self.env.part else self.env.job
+
+    def _committer(self) -> bool:
+        return (self.env.local_rank if self.env.part else self.env.rank) == 0
+
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def _staging_path(self, label: int) -> tuple[str | None, str | None]:
+        """(staging directory or None, error or None), agreed by every rank."""
+        staged: str | None = None
+        error: str | None = None
+        if self._committer():
+            try:
+                if self._tier is None:
+                    self._tier = MemoryTier(self.env.memory_root)
+                path = self._tier.stage(self.tier_job, label)
+                os.makedirs(path / "rng", exist_ok=True)
+                staged = str(path)
+            except (OSError, CheckpointError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        if not self._distributed():
+            return staged, error
+        rank = dist.get_rank()
+        if self.env.part:
+            paths: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(paths, (staged, error))
+            return tuple(paths[rank - self.env.local_rank])  # type: ignore[return-value]
+        box: list[Any] = [(staged, error)]
+        dist.broadcast_object_list(box, src=0)
+        return tuple(box[0])  # type: ignore[return-value]
+
+    def save(self, label: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> str | None:
+        """Collective save of ``state`` as checkpoint ``label`` (steps done); the staging path, or
+        None when the save failed (already reported)."""
+        t0 = time.perf_counter()
+        path, error = self._staging_path(label)
+        rank = dist.get_rank() if self._distributed() else 0
+        world = dist.get_world_size() if self._distributed() else 1
+        if path is None:
+            return self._failed(label, error or "no staging directory")
+        try:
+            writer = dcp.FileSystemWriter(path, single_file_per_rank=True)
+            writer.fs = ReuseFileSystem()
+            dcp.save(_dcp_state(state), storage_writer=writer)
+            torch.save({"torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None},
+                       os.path.join(path, "rng", f"rank{rank}.pt"))
+            ok = self._all_ok(True)
+        except Exception as exc:  # noqa: BLE001 - a checkpoint that cannot be written must not stop training
+            error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            self._all_ok(False)
+            ok = False
+        if not ok:
+            self._abort(label, path)
+            return self._failed(label, error or "another rank could not write its shard")
+        try:
+            if rank == 0:
+                body = {"step": label, "world_size": world, **meta}
+                with open(os.path.join(path, META), "w") as fh:
+                    json.dump(body, fh)
+            if self._committer():
+                extra: dict[str, Any] = {"world_size": world}
+                if self.env.part:
+                    extra |= {"job": self.env.job, "part": self.env.part, "parts": list(self.env.parts)}
+                assert self._tier is not None
+                self._tier.commit(self.tier_job, label, extra, staged=path, prune=False)
+            committed = self._all_ok(True)
+        except (OSError, CheckpointError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            committed = self._all_ok(False)
+        if not committed:
+            self._abort(label, path)
+            return self._failed(label, error or "the commit failed on another rank")
+        self.stats.saves += 1
+        self.stats.last_step = label
+        self.stats.last_stall_s = time.perf_counter() - t0
+        return os.path.join(os.path.dirname(path), step_dirname(label))
+
+    def _all_ok(self, ok: bool) -> bool:
+        if not self._distributed():
+            return ok
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+        dist.all_reduce(flag)
+        return int(flag.item()) == 0
+
+    def _abort(self, label: int, path: str) -> None:
+        if self._committer() and self._tier is not None:
+            self._tier.abort(self.tier_job, label)
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _failed(self, label: int, error: str) -> str | None:
+        self.stats.failures += 1
+        self.stats.last_error = error
+        if self.env.rank == 0:
+            print(f"trainguard: checkpoint of step {label} skipped: {error}", file=sys.stderr, flush=True)
+        return None
+
+
+def save_dir(path: str, state: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
+    """Save ``state`` into the plain directory ``path`` (collective): written to ``<path>.tmp``, then
+    renamed into place by rank 0 once every rank finished, so a directory without the suffix is
+    complete. ``meta`` (with ``step``) goes into ``meta.json``. Assumes one shared filesystem."""
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    tmp = f"{path}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    if distributed:
+        dist.barrier()
+    dcp.save(_dcp_state(state), checkpoint_id=tmp)
+    torch.save({"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None},
+               os.path.join(tmp, "rng", f"rank{rank}.pt"))
+    if distributed:
+        dist.barrier()
+    if rank == 0:
+        body = {"world_size": dist.get_world_size() if distributed else 1, **meta}
+        with open(os.path.join(tmp, META), "w") as fh:
+            json.dump(body, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    if distributed:
+        dist.barrier()
+    return path
+
+
+def load(path: str, state: MutableMapping[str, Any] | Mapping[str, Any], *, rank: int) -> dict[str, Any]:
+    """Load checkpoint directory ``path`` into ``state`` (collective when distributed); returns
+    its ``meta.json`` (``step``: steps done, where training resumes)."""
+    with open(os.path.join(path, META)) as fh:
+        meta: dict[str, Any] = json.load(fh)
+    target = _dcp_state(state)
+    dcp.load(target, checkpoint_id=path)
+    if isinstance(state, MutableMapping):
+        for key, value in target.items():
+            if not isinstance(value, Stateful) and not isinstance(state[key], Stateful):
+                state[key] = value
+    rng_file = os.path.join(path, "rng", f"rank{rank}.pt")
+    if os.path.exists(rng_file):
+        rng = torch.load(rng_file, weights_only=True)  # never unpickle arbitrary objects
+        torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return meta
+
+
+def newest_memory_checkpoint(root: str, job: str) -> str | None:
+    """The newest verified memory-tier checkpoint of ``job`` (for jobs the agent did not start)."""
+    tier = MemoryTier(root)
+    for info in sorted(tier.list(job), key=lambda i: i.step, reverse=True):
+        if tier.verify(job, info.step).ok:
+            return str(tier.step_path(job, info.step))
+    return None

@@ -1,0 +1,127 @@
+"""What a training process learns from its environment about its job and its node agent.
+
+Three ways a rank can be started, one reader for all of them:
+
+* by a trainguard agent (``trainguard run``, ``trainguard train``): ``TRAINGUARD_JOB``,
+  ``TRAINGUARD_SOCKET``, ``TRAINGUARD_PLAN`` and the checkpoint variables are set by its launcher;
+* by torchrun (or any launcher that sets ``RANK``/``WORLD_SIZE``) on a node that runs an agent: the
+  agent is found through the discovery file it writes in its run directory
+  (``/run/trainguard/agent.json``, or ``$TRAINGUARD_STATE_DIR/run/agent.json``), and the job is
+  named after torchrun's run id;
+* by anything else, or with no agent: every field is a harmless default and the run is a no-op.
+
+Torch-free (the agent imports the ``trainguard`` package).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from trainguard.agent.wire import ENV_JOB, ENV_PLAN, ENV_SOCKET, valid_job_id
+
+ENV_STATE_DIR = "TRAINGUARD_STATE_DIR"
+ENV_ATTEMPT = "TRAINGUARD_ATTEMPT"
+ENV_MEMORY_ROOT = "TRAINGUARD_CKPT_MEMORY_ROOT"
+ENV_MEMORY_EVERY = "TRAINGUARD_CKPT_MEMORY_EVERY"
+ENV_RESTORE = "TRAINGUARD_RESTORE"
+ENV_PART = "TRAINGUARD_CKPT_PART"
+ENV_PARTS = "TRAINGUARD_CKPT_PARTS"
+DISCOVERY_NAME = "agent.json"
+DEFAULT_RUN_DIR = "/run/trainguard"
+
+
+def discovery_path(environ: Mapping[str, str]) -> str:
+    """Where the node agent says where its sockets and tiers are."""
+    state_dir = environ.get(ENV_STATE_DIR, "")
+    run_dir = os.path.join(state_dir, "run") if state_dir else DEFAULT_RUN_DIR
+    return os.path.join(run_dir, DISCOVERY_NAME)
+
+
+def read_discovery(path: str) -> dict[str, object]:
+    """The agent's discovery file, or {} when there is none (or it is unreadable)."""
+    try:
+        with open(path, "rb") as fh:
+            body = json.loads(fh.read(65536))
+    except (OSError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _int(environ: Mapping[str, str], key: str, default: int) -> int:
+    try:
+        return int(environ.get(key, "") or default)
+    except ValueError:
+        return default
+
+
+def _torchrun_job(environ: Mapping[str, str]) -> str:
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        name = f"torchrun-{run_id}"
+    else:
+        # torchrun's default run id is "none": ranks of one job share their rendezvous port.
+        name = f"torchrun-{environ.get('MASTER_PORT', '0')}"
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)[:64]
+    return name if valid_job_id(name) else "torchrun"
+
+
+@dataclass(frozen=True)
+class RunEnvironment:
+    job: str
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    attempt: int
+    """Restarts so far (TORCHELASTIC_RESTART_COUNT), 0 on the first start."""
+    socket: str
+    """Telemetry socket ("" when no agent is known)."""
+    plan_path: str
+    memory_root: str
+    """Memory checkpoint tier root ("" when there is none)."""
+    memory_every: int
+    restore_path: str
+    """The checkpoint the agent picked for this attempt ("" when none)."""
+    part: str
+    """This node's name when the job spans nodes (its checkpoint part), else ""."""
+    parts: tuple[str, ...]
+    launched_by_agent: bool
+    """True when a trainguard agent started this process (it restarts and restores the job)."""
+
+    @property
+    def has_agent(self) -> bool:
+        return bool(self.socket)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None, *, job: str | None = None) -> RunEnvironment:
+        env = os.environ if environ is None else environ
+        rank = _int(env, "RANK", 0)
+        world = max(1, _int(env, "WORLD_SIZE", 1))
+        local_rank = _int(env, "LOCAL_RANK", rank)
+        local_world = max(1, _int(env, "LOCAL_WORLD_SIZE", world))
+        attempt = _int(env, "TORCHELASTIC_RESTART_COUNT", max(0, _int(env, ENV_ATTEMPT, 1) - 1))
+        launched = bool(env.get(ENV_JOB)) and bool(env.get(ENV_SOCKET))
+        if launched:
+            name = job or env[ENV_JOB]
+            return cls(
+                job=name, rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,
+                attempt=attempt, socket=env.get(ENV_SOCKET, ""), plan_path=env.get(ENV_PLAN, ""),
+                memory_root=env.get(ENV_MEMORY_ROOT, ""), memory_every=max(1, _int(env, ENV_MEMORY_EVERY, 100)),
+                restore_path=env.get(ENV_RESTORE, ""), part=env.get(ENV_PART, ""),
+                parts=tuple(p for p in env.get(ENV_PARTS, "").split(",") if p), launched_by_agent=True)
+        name = job or env.get(ENV_JOB) or (_torchrun_job(env) if "RANK" in env else "standalone")
+        found = read_discovery(discovery_path(env))
+        socket = str(found.get("telemetry_socket", "")) if found else ""
+        if socket and not os.path.exists(socket):
+            socket = ""  # a discovery file left by an agent that is gone
+        plans_dir = str(found.get("plans_dir", "")) if socket else ""
+        memory_root = str(found.get("memory_root", "")) if socket else ""
+        every = found.get("memory_every", 100) if socket else 100
+        return cls(
+            job=name, rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,
+            attempt=attempt, socket=socket, plan_path=os.path.join(plans_dir, f"{name}.json") if plans_dir else "",
+            memory_root=memory_root, memory_every=every if isinstance(every, int) and every > 0 else 100,
+            restore_path="", part="", parts=(), launched_by_agent=False)

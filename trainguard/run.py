@@ -1,0 +1,414 @@
+"""The public API a training script uses: ``trainguard.init()`` and the ``Run`` it returns.
+
+A ``Run`` reports one telemetry datagram per step to the node agent (fire-and-forget), applies
+the agent's plan (LR, this rank's batch size, checkpoint-now, stop) at the same step on every
+rank, saves checkpoints into the agent's memory tier when they are due, and restores the one the
+agent picked after a restart. With no agent every call is a cheap no-op that never raises into
+training: ``restore`` returns 0, ``checkpoint`` does nothing, ``plan`` stays the default.
+
+This module imports no torch (the agent imports the package); the parts that need it live in
+``trainguard.checkpointing`` and ``trainguard.plansync`` and are imported when first used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from trainguard.agent.wire import Plan, Telemetry
+from trainguard.environment import RunEnvironment
+from trainguard.link import PlanWatcher, TelemetrySender
+
+PHASES = ("data", "compute", "comm", "optim")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The agent's plan as one rank sees it (every rank sees the same version at the same step)."""
+
+    version: int = 0
+    lr_scale: float = 1.0
+    lr: float | None = None
+    """An absolute LR that replaces the script's own (None: scale the script's by ``lr_scale``)."""
+    batch_size: int | None = None
+    """This rank's samples per step (None: the script's own)."""
+    batch_sizes: tuple[int, ...] | None = None
+    """Samples per step of every data-parallel rank (None: the script's even split)."""
+    loss_weight: float = 1.0
+    """Multiply the mean loss by this before ``backward()``: keeps the averaged gradient exact
+    when ranks have uneven batches (dp x this rank's batch / global batch)."""
+    checkpoint_now: bool = False
+    stop: bool = False
+    reason: str = ""
+
+    def lr_for(self, base_lr: float) -> float:
+        """The LR to use given the script's own schedule value ``base_lr``."""
+        return float(self.lr) if self.lr is not None else base_lr * self.lr_scale
+
+
+def _cuda_in_use() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_initialized())
+
+
+class Step:
+    """One training step of one rank: ``with run.step(i, samples=n) as s:``.
+
+    Phases (``with s.phase("compute"):``) split the step's time. What straggler detection compares
+    is the rank's own compute, not its waiting on peers: on the CPU the compute and optim phases
+    count their thread's CPU time (a collective wait sleeps), the rest of their wall time counts as
+    communication; an explicit ``comm`` phase is communication. Without phases, the whole step is
+    measured that way.
+    """
+
+    def __init__(self, run: Run, step: int, samples: int, tokens: int) -> None:
+        self.run = run
+        self.step = step
+        self.samples = max(0, int(samples))
+        self.tokens = max(0, int(tokens))
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self.reported: dict[str, Any] = {}
+        self._t0 = 0.0
+        self._c0 = 0.0
+
+    @property
+    def loss_weight(self) -> float:
+        return self.run.plan.loss_weight
+
+    @property
+    def plan(self) -> RunPlan:
+        return self.run.plan
+
+    def __enter__(self) -> Step:
+        self.run._before_step(self)
+        self._t0 = time.perf_counter()
+        self._c0 = time.thread_time()
+        return self
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - t0
+            self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - c0
+
+    def report(self, loss: float | None = None, lr: float | None = None, grad_norm: float | None = None,
+               **extra: Any) -> None:
+        """Values of this step for the agent (loss, LR, gradient norm; optional wire fields such as
+        ``val_loss``, ``mfu``, ``local_grad_sq``, ``comm_bytes``)."""
+        if loss is not None:
+            self.reported["loss"] = loss
+        if lr is not None:
+            self.reported["lr"] = lr
+        if grad_norm is not None:
+            self.reported["grad_norm"] = grad_norm
+        self.reported.update(extra)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is not None:
+            return  # a failing step is not reported, and no collective is entered after it
+        step_s = time.perf_counter() - self._t0
+        self.run._after_step(self, step_s, time.thread_time() - self._c0)
+
+    # -- what the step measured ------------------------------------------------------------------
+
+    def timings(self, step_s: float, step_cpu_s: float) -> dict[str, float]:
+        """data_s, fwd_bwd_s, comm_s, opt_s as the wire carries them."""
+        by_cpu = not _cuda_in_use()
+        wall, cpu = self.wall, self.cpu
+        if not wall:
+            whole = min(step_cpu_s, step_s) if by_cpu else step_s
+            return {"data_s": 0.0, "fwd_bwd_s": whole, "comm_s": max(0.0, step_s - whole), "opt_s": 0.0}
+
+        def busy(name: str) -> float:
+            w = wall.get(name, 0.0)
+            return min(cpu.get(name, 0.0), w) if by_cpu else w
+
+        compute, optim = busy("compute"), busy("optim")
+        waited = (wall.get("compute", 0.0) - compute) + (wall.get("optim", 0.0) - optim)
+        return {"data_s": wall.get("data", 0.0), "fwd_bwd_s": compute, "comm_s": wall.get("comm", 0.0) + waited,
+                "opt_s": optim}
+
+
+def _finite(value: Any, default: float) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return default
+    return number
+
+
+class Run:
+    """One rank's handle on trainguard (see the module docstring). Build it with ``init()``."""
+
+    def __init__(self, env: RunEnvironment, *, dp_rank: int | None = None, dp_size: int | None = None,
+                 batch_size: int | None = None, telemetry: TelemetrySender | None = None,
+                 plans: PlanWatcher | None = None) -> None:
+        self.env = env
+        self.dp_rank = env.rank if dp_rank is None else dp_rank
+        self.dp_size = env.world_size if dp_size is None else dp_size
+        self.default_batch_size = batch_size
+        self.telemetry = telemetry if telemetry is not None else TelemetrySender(env.socket or None)
+        self.plans = plans if plans is not None else PlanWatcher(env.plan_path or None)
+        self._plan = Plan()
+        self._ckpt_id_seen = 0
+        self._view = self._make_view(self._plan)
+        self._sync: Any = None  # trainguard.plansync.PlanSync once torch.distributed is up
+        self._writer: Any = None  # trainguard.checkpointing.TierWriter on first use
+        self._started = False
+        self.last_step = -1
+        self.checkpoint_failures = 0
+        self.last_checkpoint: str | None = None
+
+    # -- identity ----------------------------------------------------------------------------------
+
+    @property
+    def job(self) -> str:
+        return self.env.job
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def restart_count(self) -> int:
+        return self.env.attempt
+
+    @property
+    def has_agent(self) -> bool:
+        return self.env.has_agent
+
+    # -- the plan ----------------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> RunPlan:
+        return self._view
+
+    @property
+    def raw_plan(self) -> Plan:
+        """The wire-level plan in force (for adapters that need every field)."""
+        return self._plan
+
+    def _make_view(self, plan: Plan) -> RunPlan:
+        sizes = plan.batch_sizes
+        mine = self.default_batch_size
+        weight = 1.0
+        if sizes is not None and len(sizes) == self.dp_size and 0 <= self.dp_rank < len(sizes) and sum(sizes) > 0:
+            mine = sizes[self.dp_rank]
+            weight = self.dp_size * mine / sum(sizes)
+        elif sizes is not None:
+            sizes = None  # a split for another world size (the job shrank): the script's own
+        return RunPlan(version=plan.version, lr_scale=plan.lr_scale, lr=plan.lr, batch_size=mine,
+                       batch_sizes=tuple(sizes) if sizes is not None else None, loss_weight=weight,
+                       checkpoint_now=plan.checkpoint_id > self._ckpt_id_seen, stop=plan.stop, reason=plan.reason)
+
+    def _apply(self, plan: Plan) -> None:
+        self._plan = plan
+        self._view = self._make_view(plan)
+
+    def _plan_sync(self) -> Any:
+        """The cross-rank plan synchroniser, once torch.distributed is initialised (else None)."""
+        if self._sync is not None or self.env.world_size <= 1:
+            return self._sync
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return None
+        # Imported here, not at the top: it imports torch, which the agent never loads.
+        from trainguard.plansync import PlanSync
+
+        self._sync = PlanSync(self.plans, is_leader=self.env.rank == 0)
+        return self._sync
+
+    def _start(self) -> None:
+        """First step: every rank starts from rank 0's view of the agent's plan (or the one the
+        checkpoint carried, when the agent's is not newer)."""
+        self._started = True
+        sync = self._plan_sync()
+        polled = sync.initial() if sync is not None else self.plans.poll()
+        if polled is not None and polled.version >= self._plan.version:
+            self._apply(polled)
+
+    def _before_step(self, step: Step) -> None:
+        if not self._started:
+            try:
+                self._start()
+            except Exception as exc:  # noqa: BLE001 - the agent's plan is an extra, never a failure
+                self._warn(f"plan sync unavailable: {exc}")
+
+    def _after_step(self, step: Step, step_s: float, step_cpu_s: float) -> None:
+        self.last_step = step.step
+        if self.telemetry.path:
+            self._send(step, step_s, step_cpu_s)
+        try:
+            sync = self._plan_sync()
+            newer = sync.after_step() if sync is not None else self.plans.poll()
+        except Exception as exc:  # noqa: BLE001
+            self._warn(f"plan sync failed, plans are no longer applied: {exc}")
+            self._sync = _Disabled()
+            return
+        if newer is not None and newer.version > self._plan.version:
+            self._apply(newer)
+
+    def _send(self, step: Step, step_s: float, step_cpu_s: float) -> None:
+        r = step.reported
+        times = step.timings(step_s, step_cpu_s)
+        optional = {k: r[k] for k in ("flops_per_s", "mfu", "comm_bytes", "bubble_frac", "mem_frag", "val_loss",
+                                      "compress_ratio") if r.get(k) is not None}
+        lr = _finite(r.get("lr"), 0.0)
+        try:
+            msg = Telemetry(
+                job=self.env.job, rank=self.env.rank, local_rank=self.env.local_rank, pid=os.getpid(),
+                step=max(0, step.step + 1), wall_time=time.time(), step_s=step_s, data_s=times["data_s"],
+                fwd_bwd_s=times["fwd_bwd_s"], comm_s=times["comm_s"], opt_s=times["opt_s"], samples=step.samples,
+                tokens=step.tokens, loss=_finite(r.get("loss"), math.nan), grad_norm=_finite(r.get("grad_norm"), math.nan),
+                local_grad_sq=_finite(r.get("local_grad_sq"), math.nan), lr=lr if math.isfinite(lr) and 0 <= lr <= 1e3 else 0.0,
+                batch_size=step.samples, mem_bytes=int(r.get("mem_bytes") or _rss_bytes()),
+                plan_version=self._plan.version, dp_rank=self.dp_rank, world_size=self.env.world_size,
+                **optional)
+        except (TypeError, ValueError):
+            self.telemetry.stats.dropped += 1
+            return
+        self.telemetry.send(msg)
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def step(self, step: int, samples: int = 0, tokens: int = 0) -> Step:
+        """Context manager around one training step (``step`` counts from 0; the agent sees steps
+        done, ``step + 1``, the same count a checkpoint taken after this step carries)."""
+        return Step(self, step, samples, tokens)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def _tier_writer(self) -> Any:
+        if self._writer is None and self.env.memory_root:
+            # Imported here: torch and DCP are needed only by a run that checkpoints.
+            from trainguard.checkpointing import TierWriter
+
+            self._writer = TierWriter(self.env)
+        return self._writer
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether ``checkpoint(step, ...)`` would save (same answer on every rank)."""
+        if not self.env.memory_root:
+            return False
+        return (step + 1) % self.env.memory_every == 0 or self._view.checkpoint_now
+
+    def checkpoint(self, step: int, state: Mapping[str, Any]) -> bool:
+        """After step ``step`` (counting from 0) is done: save ``state`` into the memory tier when
+        it is due (every ``memory_every`` steps, or when the plan asks). Collective: every rank calls
+        it. Objects with ``state_dict``/``load_state_dict`` (models, optimizers, schedulers) and plain
+        values are saved; a failed save is skipped and reported, never raised. Returns True when saved."""
+        if not self.checkpoint_due(step):
+            return False
+        writer = self._tier_writer()
+        self._ckpt_id_seen = max(self._ckpt_id_seen, self._plan.checkpoint_id)
+        self._view = self._make_view(self._plan)
+        path = writer.save(step + 1, state, self.checkpoint_meta())
+        if path is None:
+            self.checkpoint_failures += 1
+            return False
+        self.last_checkpoint = path
+        return True
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """What a checkpoint carries besides the state: the plan in force (so a restarted job keeps
+        its batch split and LR), and which checkpoint requests it already answered."""
+        return {"plan": json_plan(self._plan), "ckpt_id_seen": self._ckpt_id_seen}
+
+    def take_meta(self, meta: Mapping[str, Any]) -> None:
+        """Adopt what ``checkpoint_meta`` saved, from a checkpoint just loaded."""
+        plan = meta.get("plan")
+        if isinstance(plan, dict):
+            try:
+                self._plan = Plan.from_dict(plan)
+            except (TypeError, ValueError):
+                pass
+        try:
+            self._ckpt_id_seen = int(meta.get("ckpt_id_seen", self._ckpt_id_seen) or 0)
+        except (TypeError, ValueError):
+            pass
+        self._view = self._make_view(self._plan)
+
+    def restore(self, state: Mapping[str, Any]) -> int:
+        """Load the checkpoint the agent picked for this attempt into ``state`` (in place; DCP
+        reshards when the data-parallel degree changed) and return the step to resume at (0 with
+        nothing to restore). Collective when there is something to restore."""
+        from_env = self.env.restore_path
+        path = from_env if from_env and os.path.isdir(from_env) else None
+        if path is None and self.env.memory_root and not self.env.launched_by_agent:
+            # A job the agent did not start (torchrun's own restarts): the newest memory checkpoint.
+            from trainguard.checkpointing import newest_memory_checkpoint
+
+            path = newest_memory_checkpoint(self.env.memory_root, self.env.job)
+        if path is None:
+            return 0
+        from trainguard.checkpointing import load
+
+        meta = load(path, state, rank=self.env.rank)
+        self.take_meta(meta)
+        return int(meta.get("step", 0))
+
+    # -- end ---------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.telemetry.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    _warned: set[str] = set()
+
+    def _warn(self, text: str) -> None:
+        if text not in self._warned and self.env.rank == 0:
+            self._warned.add(text)
+            print(f"trainguard: {text}", file=sys.stderr, flush=True)
+
+
+class _Disabled:
+    """Stands in for a plan synchroniser that failed: no further collectives, no new plans."""
+
+    def after_step(self) -> None:
+        return None
+
+    def initial(self) -> None:
+        return None
+
+
+def json_plan(plan: Plan) -> dict[str, Any]:
+    body: dict[str, Any] = json.loads(plan.encode())
+    return body
+
+
+def _rss_bytes() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def init(*, job: str | None = None, dp_rank: int | None = None, dp_size: int | None = None,
+         batch_size: int | None = None, environ: Mapping[str, str] | None = None) -> Run:
+    """This rank's ``Run``. Reads the environment its launcher set (``trainguard run``, torchrun or
+    nothing). ``dp_rank``/``dp_size``: this rank's data-parallel position when not every rank is
+    a data-parallel replica (tensor or pipeline parallelism); default RANK/WORLD_SIZE.
+    ``batch_size``: this rank's own samples per step, what ``run.plan.batch_size`` says until the
+    agent moves samples between ranks. Never raises for a missing agent."""
+    env = RunEnvironment.from_environ(environ, job=job)
+    return Run(env, dp_rank=dp_rank, dp_size=dp_size, batch_size=batch_size)

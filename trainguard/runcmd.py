@@ -1,0 +1,114 @@
+"""``trainguard run -- CMD ...`` with a node agent: submit any command as a job, stream what its
+ranks print (each line prefixed with its rank, as torchrun's ``--tee`` logs are), say what the
+agent did (restarts, hangs), and exit with the job's exit code.
+
+The job runs the command unchanged in the caller's working directory and environment, with
+torchrun's variables set per rank (``agent.launcher.torchrun_env``). The agent restarts the whole
+job when a rank dies, up to ``--max-restarts`` restarts without progress, and keeps every rank's
+output in ``<state>/jobs/<job>/rank<N>.log``. Ctrl-C stops the job.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from typing import Any, TextIO
+
+FINISHED = {"succeeded", "failed", "stopped"}
+# What the agent says about a job that a user running it wants to see as it happens.
+NOTABLE = {"job_restart", "rank_exit", "hang_detected", "crash_loop", "job_resumed", "straggler_detected",
+           "shard_migration", "restore_selected", "job_failed", "rank_excluded", "checkpoint_write_failed"}
+# The environment a job should not take from the shell that submitted it.
+_NOT_INHERITED = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID",
+                  "LISTEN_FDS", "LISTEN_PID", "TRAINGUARD_JOB", "TRAINGUARD_SOCKET", "TRAINGUARD_PLAN",
+                  "TRAINGUARD_RESTORE", "TRAINGUARD_ATTEMPT"}
+
+
+def resolve_command(command: list[str], path: str | None = None) -> list[str]:
+    """The command with its program found on the caller's PATH (the agent's PATH differs)."""
+    if not command:
+        raise ValueError("no command given: trainguard run [OPTIONS] -- CMD [ARGS...]")
+    program = command[0]
+    if os.sep in program:
+        return [os.path.abspath(program), *command[1:]]
+    found = shutil.which(program, path=path)
+    if found is None:
+        raise ValueError(f"{program}: command not found")
+    return [found, *command[1:]]
+
+
+def job_spec(command: list[str], *, nproc: int, nodes: int = 1, job: str | None = None,
+             max_restarts: int | None = None, hang_timeout_s: float = 0.0, cwd: str | None = None,
+             environ: dict[str, str] | None = None) -> dict[str, Any]:
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in _NOT_INHERITED}
+    spec: dict[str, Any] = {
+        "nproc": nproc, "command": resolve_command(command, env.get("PATH")), "env": env,
+        "cwd": os.path.abspath(cwd or os.getcwd()), "hang_timeout_s": float(hang_timeout_s),
+    }
+    if nodes != 1:
+        spec["nodes"] = nodes
+    if job:
+        spec["job"] = job
+    if max_restarts is not None:
+        spec["max_restarts"] = max_restarts
+    return spec
+
+
+def prefixed(rank: int, text: str) -> str:
+    return "".join(f"[rank{rank}]:{line}\n" for line in text.splitlines())
+
+
+class OutputFollower:
+    """Streams new output of every rank of one job through the control API."""
+
+    def __init__(self, client: Any, job: str, out: TextIO) -> None:
+        self.client = client
+        self.job = job
+        self.out = out
+        self.offsets: dict[int, int] = {}
+
+    def poll(self, ranks: list[int]) -> None:
+        for rank in ranks:
+            while True:
+                got = self.client.job_output(self.job, rank, self.offsets.get(rank, 0))
+                if got["next"] == self.offsets.get(rank, 0) and not got["text"]:
+                    break
+                self.offsets[rank] = got["next"]
+                if got["text"]:
+                    self.out.write(prefixed(rank, got["text"]))
+                if got["next"] >= got["size"]:
+                    break
+        self.out.flush()
+
+
+def follow(client: Any, job: str, *, out: TextIO = sys.stdout, err: TextIO = sys.stderr, poll_s: float = 0.2) -> int:
+    """Stream the job's output and notable events until it ends; return its exit code."""
+    follower = OutputFollower(client, job, out)
+    seen = client.events(since=0, limit=1)["next"]
+    info: dict[str, Any] = {}
+    try:
+        while True:
+            info = client.job(job)
+            follower.poll(sorted({r["rank"] for r in info.get("ranks", [])}) or list(range(info.get("nproc", 1))))
+            batch = client.events(since=seen, limit=500)
+            for e in batch["events"]:
+                if e.get("job") == job and e["kind"] in NOTABLE and not (e["kind"] == "rank_exit" and e["severity"] == "info"):
+                    err.write(f"trainguard: {e['kind']}: {e['message']}\n")
+            err.flush()
+            seen = batch["next"]
+            if info.get("state") in FINISHED:
+                follower.poll(sorted({r["rank"] for r in info.get("ranks", [])}))
+                break
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        err.write(f"trainguard: stopping job {job}\n")
+        client.stop_job(job, reason="interrupted by the user (Ctrl-C)")
+        return 130
+    code = info.get("exit_code")
+    state = info.get("state")
+    reason = f" ({info['reason']})" if info.get("reason") else ""
+    err.write(f"trainguard: job {job} {state} after {info.get('restarts', 0)} restart(s), exit code {code}{reason}\n")
+    return int(code) if isinstance(code, int) else 1
