@@ -22,9 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 DIM = 32
 
 
-def make_model() -> nn.Module:
+def make_model(width: int = 64) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(DIM, 64), nn.Tanh(), nn.Linear(64, 1))
+    return nn.Sequential(nn.Linear(DIM, width), nn.Tanh(), nn.Linear(width, 1))
 
 
 def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +41,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=16, help="samples per rank per step")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--width", type=int, default=64, help="hidden units (more: more compute per step)")
     p.add_argument("--ckpt-dir", default="")
     p.add_argument("--ckpt-every", type=int, default=20)
     p.add_argument("--out", default="", help="rank 0 saves the final parameters here")
@@ -50,7 +51,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
-    model = DDP(make_model())
+    model = DDP(make_model(args.width))
     optim = torch.optim.SGD(model.parameters(), lr=args.lr)
 
     start = 0
@@ -82,6 +83,9 @@ def main() -> int:
 
     if rank == 0 and args.out:
         torch.save(model.module.state_dict(), args.out)
+    # DDP's reducer holds the process group; dropped after the group, its destructor joins gloo's
+    # threads while holding the GIL, which one of them may need: a rare hang at exit (torch).
+    del model, optim
     dist.destroy_process_group()
     return 0
 

@@ -450,6 +450,10 @@ class Trainer:
             self.run_handle.close()
         if dist.is_initialized():
             dist.barrier()
+            # DDP's reducer holds the process group; dropped after the group, its destructor joins
+            # gloo's threads while holding the GIL, which one of them may need (a rare hang at exit).
+            self.chunks, self.optimizers, self.params = [], [], []
+            self._schedule = self.compression = None
             dist.destroy_process_group()
 
 

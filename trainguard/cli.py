@@ -264,7 +264,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from trainguard.runcmd import follow, job_spec
+    from trainguard.runcmd import follow, job_spec, resolve_command
 
     command = list(args.cmd)
     if command and command[0] == "--":
@@ -282,7 +282,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print("trainguard: --hang-timeout needs the agent (it watches the ranks); ignored with --standalone",
                   file=sys.stderr)
         restarts = 3 if args.max_restarts is None else args.max_restarts
-        return run_standalone(command, args.nproc, max_restarts=restarts, job=args.job)
+        return run_standalone(resolve_command(command), args.nproc, max_restarts=restarts, job=args.job)
     spec = job_spec(command, nproc=args.nproc, nodes=args.nodes, job=args.job, max_restarts=args.max_restarts,
                     hang_timeout_s=args.hang_timeout)
     client = make_client(args)

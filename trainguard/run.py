@@ -233,7 +233,7 @@ class Run:
         # Imported here, not at the top: it imports torch, which the agent never loads.
         from trainguard.plansync import PlanSync
 
-        self._sync = PlanSync(self.plans, is_leader=self.env.rank == 0)
+        self._sync = PlanSync(self.plans, is_leader=self.env.rank == 0, attempt=self.env.attempt)
         return self._sync
 
     def _start(self) -> None:

@@ -1,0 +1,175 @@
+"""``trainguard run`` end to end: a real agent, the command line as a user types it, real DDP
+scripts (gloo), faults sent from outside by the test (SIGKILL, SIGSTOP of a rank)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PLAIN = str(REPO / "examples" / "ddp_plain.py")
+API = str(REPO / "examples" / "ddp_api.py")
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """\
+[agent]
+interval_s = 0.25
+[collectors]
+gpu = false
+[recovery]
+startup_timeout_s = 1.0
+hang_floor_s = 1.0
+hang_factor = 2.0
+[checkpoint]
+memory_every = 20
+"""
+
+
+def run_cli(agent: Any, cwd: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "trainguard", "run", "--state-dir", str(agent.state_dir), *args],
+                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def wait_for(pred: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def rank_pid(agent: Any, job: str, rank: int) -> int | None:
+    try:
+        info = agent.client().job(job)
+    except Exception:  # noqa: BLE001 - not submitted yet
+        return None
+    alive = [r["pid"] for r in info["ranks"] if r["rank"] == rank and r["alive"]]
+    return alive[0] if alive else None
+
+
+def events(agent: Any, job: str, kind: str) -> list[dict[str, Any]]:
+    return [e for e in agent.client().events(since=0, limit=10000, kind=kind)["events"] if e.get("job") == job]
+
+
+def test_plain_ddp_script_killed_rank_restarts_whole_job(agent_factory: Any, tmp_path: Path) -> None:
+    """The tutorial-style script (no trainguard import): SIGKILL of rank 1 from outside restarts
+    every rank, the script resumes from its own torch.save checkpoint, the command exits 0, and
+    each output line says which rank printed it."""
+    agent = agent_factory(config=CONFIG)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    cli = run_cli(agent, tmp_path, "--nproc", "2", "--job", "plain", "--", sys.executable, PLAIN,
+                  "--steps", "1200", "--width", "1024", "--batch", "64", "--ckpt-dir", str(ckpt), "--ckpt-every", "50")
+    wait_for(lambda: (ckpt / "ckpt.pt").exists(), 90, "the script's first checkpoint")
+    pid = wait_for(lambda: rank_pid(agent, "plain", 1), 30, "rank 1")
+    os.kill(pid, signal.SIGKILL)
+    out, err = cli.communicate(timeout=180)
+    assert cli.returncode == 0, err
+    assert "[rank0]:resumed from step" in out, out[-2000:]
+    assert "[rank1]:" not in out or all(line.startswith(("[rank0]:", "[rank1]:")) for line in out.splitlines() if line)
+    exits = [e for e in events(agent, "plain", "rank_exit") if e["fields"].get("signal") == 9]
+    assert exits and exits[0]["rank"] == 1
+    assert events(agent, "plain", "job_restart")
+    env_dump = agent.client().job("plain")
+    assert env_dump["state"] == "succeeded" and env_dump["restarts"] == 1 and env_dump["exit_code"] == 0
+
+
+def test_failing_rank_exit_code_is_the_jobs_after_the_crash_loop_guard(agent_factory: Any, tmp_path: Path) -> None:
+    agent = agent_factory(config=CONFIG)
+    cli = run_cli(agent, tmp_path, "--nproc", "2", "--job", "exits", "--max-restarts", "1", "--", sys.executable, PLAIN,
+                  "--steps", "50", "--exit-code", "3")
+    out, err = cli.communicate(timeout=180)
+    assert cli.returncode == 3, (out[-1000:], err)
+    assert events(agent, "exits", "crash_loop")
+    assert "exit code 3" in err
+
+
+def test_a_silent_script_is_never_called_hung(agent_factory: Any, tmp_path: Path) -> None:
+    """No telemetry, no CPU use, far past the (shortened) startup and hang limits: not a hang."""
+    agent = agent_factory(config=CONFIG)
+    script = "import time, os; time.sleep(5); print('done', os.environ['RANK'], os.environ['TORCHELASTIC_RESTART_COUNT'])"
+    cli = run_cli(agent, tmp_path, "--nproc", "2", "--job", "silent", "--", sys.executable, "-c", script)
+    out, err = cli.communicate(timeout=60)
+    assert cli.returncode == 0, err
+    assert "[rank0]:done 0 0" in out and "[rank1]:done 1 0" in out
+    assert not events(agent, "silent", "hang_detected")
+    assert agent.client().job("silent")["restarts"] == 0
+
+
+def test_hang_timeout_finds_a_stopped_rank_by_cpu_activity(agent_factory: Any, tmp_path: Path) -> None:
+    """SIGSTOP of one rank: its peer waits in the all-reduce, nobody uses the CPU; with
+    --hang-timeout the agent declares the hang, restarts, and the job finishes."""
+    agent = agent_factory(config=CONFIG)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    cli = run_cli(agent, tmp_path, "--nproc", "2", "--job", "stopped", "--hang-timeout", "2", "--", sys.executable,
+                  PLAIN, "--steps", "1200", "--width", "1024", "--batch", "64", "--ckpt-dir", str(ckpt))
+    wait_for(lambda: (ckpt / "ckpt.pt").exists(), 90, "the script's first checkpoint")
+    pid = wait_for(lambda: rank_pid(agent, "stopped", 1), 30, "rank 1")
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    hang = wait_for(lambda: events(agent, "stopped", "hang_detected"), 30, "the hang verdict")
+    assert time.monotonic() - stopped_at >= 2.0
+    assert hang[0]["fields"]["signal"] == "cpu_activity" and hang[0]["cause"] == "hang"
+    out, err = cli.communicate(timeout=180)
+    assert cli.returncode == 0, err
+    assert events(agent, "stopped", "job_restart")
+
+
+def test_api_script_resumes_from_the_memory_tier_bit_equal(agent_factory: Any, tmp_path: Path) -> None:
+    """The same script with the API: kill a rank, the job resumes at the newest memory checkpoint
+    the agent hands it, and ends with the parameters of an unfaulted run, bit for bit."""
+    import torch
+
+    agent = agent_factory(config=CONFIG)
+    clean, faulted = tmp_path / "clean.pt", tmp_path / "faulted.pt"
+    args = ["--steps", "400", "--width", "256", "--step-sleep", "0.01"]
+    ref = run_cli(agent, tmp_path, "--nproc", "2", "--job", "ref", "--", sys.executable, API, *args, "--out", str(clean))
+    ref_out, ref_err = ref.communicate(timeout=180)
+    assert ref.returncode == 0, ref_err
+    cli = run_cli(agent, tmp_path, "--nproc", "2", "--job", "api", "--", sys.executable, API, *args, "--out", str(faulted))
+    wait_for(lambda: any(c.get("step", 0) >= 60 for c in agent.client().checkpoints("api")), 90, "memory checkpoints")
+    pid = wait_for(lambda: rank_pid(agent, "api", 0), 30, "rank 0")
+    os.kill(pid, signal.SIGKILL)
+    out, err = cli.communicate(timeout=180)
+    assert cli.returncode == 0, err
+    restored = events(agent, "api", "restore_selected")
+    assert restored and restored[0]["fields"]["tier"] == "memory" and restored[0]["fields"]["step"] >= 60
+    assert f"[rank0]:resumed at step {restored[0]['fields']['step']}" in out
+    assert events(agent, "api", "job_resumed")
+    a, b = torch.load(clean, weights_only=True), torch.load(faulted, weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_standalone_restarts_without_an_agent(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc", "2", "--max-restarts", "1", "--",
+           sys.executable, PLAIN, "--steps", "50", "--exit-code", "3"]
+    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 3
+    assert "restarting all 2 ranks (restart 1 of 1)" in res.stderr and "no restarts left" in res.stderr
+    ok = subprocess.run(cmd[:7] + ["--", sys.executable, PLAIN, "--steps", "30"], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert ok.returncode == 0, ok.stderr
+    assert "[rank0]:step 20 loss" in ok.stdout
+
+
+def test_run_without_an_agent_says_how_to_get_one(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "trainguard", "run", "--state-dir", str(tmp_path / "none"), "--",
+                          "true"], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 1
+    assert "trainguard agent" in res.stderr and "--standalone" in res.stderr and "Traceback" not in res.stderr
+    bad = subprocess.run([sys.executable, "-m", "trainguard", "run", "--standalone", "--", "no-such-program-x"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
