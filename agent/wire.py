@@ -52,7 +52,6 @@ _TELEMETRY_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]
     "opt_s": (_NUM, 0, 86400),
     "samples": ((int,), 0, 1 << 40),
     "tokens": ((int,), 0, 1 << 50),
-    "loss": (_NUM, None, None),  # NaN/inf allowed: the agent must see a diverging loss
     "grad_norm": (_NUM, None, None),
     "local_grad_sq": (_NUM, None, None),
     "lr": (_NUM, 0, 1e3),
@@ -61,6 +60,9 @@ _TELEMETRY_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]
     "plan_version": ((int,), 0, 1 << 53),
 }
 _OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]] = {
+    # NaN/inf allowed: the agent must see a diverging loss. Absent: the script reports none (a
+    # user's script need not), which is not a divergence.
+    "loss": (_NUM, None, None),
     "flops_per_s": (_NUM, 0, None),
     "mfu": (_NUM, 0, 1.5),
     "comm_bytes": ((int,), 0, 1 << 60),
@@ -108,6 +110,8 @@ class Telemetry:
     dp_rank: int | None = None
     world_size: int | None = None
     compress_ratio: float | None = None
+    has_loss: bool = True
+    """False when the sender reported no loss (``loss`` is then NaN and means nothing)."""
 
     @property
     def compute_s(self) -> float:
@@ -115,6 +119,8 @@ class Telemetry:
 
     def encode(self) -> bytes:
         body = {k: v for k, v in asdict(self).items() if v is not None}
+        if not body.pop("has_loss"):
+            body.pop("loss", None)
         body["v"] = SCHEMA_VERSION
         # allow_nan: a NaN loss is information, not an encoding error.
         return json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
@@ -179,6 +185,8 @@ def decode_telemetry(data: bytes) -> Telemetry:
         if value is not None:
             _check_number(name, value, spec)
             values[name] = value
+    if "loss" not in values:
+        values["loss"], values["has_loss"] = math.nan, False
     unknown = set(body) - set(values) - {"v"}
     if unknown:
         raise WireError("schema", f"unknown field {sorted(unknown)[0]}")

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -115,6 +116,14 @@ class SaveStats:
     last_error: str = ""
 
 
+def _describe(exc: BaseException) -> str:
+    """One line for a failed save: the first rank's root cause, not DCP's whole traceback."""
+    if isinstance(exc, CheckpointException):
+        for failure in exc.failures.values():
+            return f"{type(failure).__name__}: {str(failure)[:300]}"
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
 class TierWriter:
     """Saves of one rank into the agent's memory tier (see the module docstring)."""
 
@@ -174,8 +183,9 @@ class TierWriter:
                         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None},
                        os.path.join(path, "rng", f"rank{rank}.pt"))
             ok = self._all_ok(True)
-        except Exception as exc:  # noqa: BLE001 - a checkpoint that cannot be written must not stop training
-            error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a checkpoint that cannot be written must not stop training
+            # DCP gathers every rank's failure into a CheckpointException, which is a BaseException.
+            error = _describe(exc)
             self._all_ok(False)
             ok = False
         if not ok:

@@ -113,15 +113,17 @@ class RunEnvironment:
                 restore_path=env.get(ENV_RESTORE, ""), part=env.get(ENV_PART, ""),
                 parts=tuple(p for p in env.get(ENV_PARTS, "").split(",") if p), launched_by_agent=True)
         name = job or env.get(ENV_JOB) or (_torchrun_job(env) if "RANK" in env else "standalone")
+        # What the environment names explicitly wins; the agent's discovery file fills the rest.
         found = read_discovery(discovery_path(env))
-        socket = str(found.get("telemetry_socket", "")) if found else ""
-        if socket and not os.path.exists(socket):
+        socket = env.get(ENV_SOCKET) or str(found.get("telemetry_socket", "") or "")
+        if socket and not env.get(ENV_SOCKET) and not os.path.exists(socket):
             socket = ""  # a discovery file left by an agent that is gone
         plans_dir = str(found.get("plans_dir", "")) if socket else ""
-        memory_root = str(found.get("memory_root", "")) if socket else ""
-        every = found.get("memory_every", 100) if socket else 100
+        plan_path = env.get(ENV_PLAN) or (os.path.join(plans_dir, f"{name}.json") if plans_dir else "")
+        memory_root = env.get(ENV_MEMORY_ROOT) or (str(found.get("memory_root", "")) if socket else "")
+        every = _int(env, ENV_MEMORY_EVERY, 0) or found.get("memory_every", 100)
         return cls(
             job=name, rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,
-            attempt=attempt, socket=socket, plan_path=os.path.join(plans_dir, f"{name}.json") if plans_dir else "",
-            memory_root=memory_root, memory_every=every if isinstance(every, int) and every > 0 else 100,
-            restore_path="", part="", parts=(), launched_by_agent=False)
+            attempt=attempt, socket=socket, plan_path=plan_path, memory_root=memory_root,
+            memory_every=every if isinstance(every, int) and every > 0 else 100,
+            restore_path=env.get(ENV_RESTORE, ""), part="", parts=(), launched_by_agent=False)

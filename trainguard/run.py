@@ -281,7 +281,7 @@ class Run:
                 local_grad_sq=_finite(r.get("local_grad_sq"), math.nan), lr=lr if math.isfinite(lr) and 0 <= lr <= 1e3 else 0.0,
                 batch_size=step.samples, mem_bytes=int(r.get("mem_bytes") or _rss_bytes()),
                 plan_version=self._plan.version, dp_rank=self.dp_rank, world_size=self.env.world_size,
-                **optional)
+                has_loss=r.get("loss") is not None, **optional)
         except (TypeError, ValueError):
             self.telemetry.stats.dropped += 1
             return

@@ -175,7 +175,7 @@ class RecoveryService:
                 lead = min(attempt_ranks, key=lambda v: v.rank)
                 # Every step since the last tick (a fast job runs many per tick; a NaN among them counts).
                 window = agent.table.window(job, lead.rank, agent.cfg.telemetry.ring)
-                finding = self.losses.observe(job, [(t.step, t.loss) for t in window if t.pid == lead.pid])
+                finding = self.losses.observe(job, [(t.step, t.loss) for t in window if t.pid == lead.pid and t.has_loss])
             if finding is not None:
                 self._handle(record, finding)
 

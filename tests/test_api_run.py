@@ -1,0 +1,257 @@
+"""The public Python API (``trainguard.init`` / ``Run``): a no-op without an agent, real telemetry
+over a real socket, one plan version at the same step on every rank of a real gloo job, exact
+gradients with uneven batches, checkpoints of any state into a real memory tier and restore into
+another world size."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainguard
+from trainguard.agent.checkpoint.memory import MemoryTier
+from trainguard.agent.wire import Plan, write_plan_file
+from trainguard.trainer.testing import TelemetryCapture
+
+
+def test_no_agent_is_a_working_no_op(tmp_path: Path) -> None:
+    run = trainguard.init(environ={"HOME": str(tmp_path)})
+    assert not run.has_agent and run.rank == 0 and run.world_size == 1
+    model = nn.Linear(2, 1)
+    state = {"model": model}
+    assert run.restore(state) == 0
+    for step in range(3):
+        with run.step(step, samples=4) as s:
+            with s.phase("compute"):
+                model(torch.zeros(4, 2)).sum().backward()
+            s.report(loss=float("nan"), lr=float("inf"), grad_norm=None)  # junk never raises
+        assert run.checkpoint(step, state) is False
+    assert run.plan == trainguard.RunPlan() and run.plan.lr_for(0.1) == 0.1
+    run.close()
+
+
+def test_a_failing_step_is_not_reported(tmp_path: Path) -> None:
+    sock = str(tmp_path / "t.sock")
+    cap = TelemetryCapture(sock)
+    try:
+        run = trainguard.init(environ={"TRAINGUARD_SOCKET": sock, "TRAINGUARD_JOB": "j"})
+        with pytest.raises(ZeroDivisionError), run.step(0, samples=1):
+            1 / 0  # noqa: B018
+        with run.step(1, samples=2) as s:
+            with s.phase("compute"):
+                t0 = time.thread_time()
+                while time.thread_time() - t0 < 0.03:
+                    pass
+            with s.phase("comm"):
+                time.sleep(0.05)
+            with s.phase("optim"):
+                time.sleep(0.02)  # waiting inside the optimizer is not compute either
+        deadline = time.monotonic() + 3
+        while not cap.messages and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        cap.close()
+    [msg] = cap.messages
+    assert msg.step == 2 and msg.samples == 2 and msg.job == "j" and msg.pid == os.getpid()
+    assert not msg.has_loss and math.isnan(msg.loss)
+    assert 0.025 <= msg.fwd_bwd_s <= 0.06 and msg.opt_s < 0.01
+    assert msg.comm_s >= 0.065 and msg.step_s >= 0.1
+
+
+def test_loss_weight_and_batch_size_follow_the_plan(tmp_path: Path) -> None:
+    plan_path = str(tmp_path / "plan.json")
+    write_plan_file(plan_path, Plan(version=3, batch_sizes=[12, 4], lr_scale=0.5, checkpoint_id=1))
+    env = {"TRAINGUARD_PLAN": plan_path, "RANK": "1", "WORLD_SIZE": "2"}
+    run = trainguard.init(batch_size=8, environ=env)
+    assert run.plan.batch_size == 8 and run.plan.loss_weight == 1.0
+    run._start()  # no process group: rank reads the plan itself
+    p = run.plan
+    assert p.version == 3 and p.batch_size == 4 and p.batch_sizes == (12, 4)
+    assert p.loss_weight == pytest.approx(2 * 4 / 16) and p.lr_for(0.2) == pytest.approx(0.1)
+    assert p.checkpoint_now  # no checkpoint answered that request yet
+    write_plan_file(plan_path, Plan(version=4, batch_sizes=[1, 2, 3]))  # a split for another world size
+    run._after_step(run.step(0), 0.0, 0.0)
+    assert run.plan.version == 4 and run.plan.batch_size == 8 and run.plan.batch_sizes is None
+
+
+# --- real gloo jobs, forked ------------------------------------------------------------------
+
+
+def _spawn(fn: Any, nproc: int, *args: Any) -> None:
+    port = _free_port()
+    mp.start_processes(fn, args=(nproc, port, *args), nprocs=nproc, start_method="fork", join=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _init(rank: int, nproc: int, port: int, extra: dict[str, str]) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **extra})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=nproc)
+
+
+def _plan_ranks(rank: int, nproc: int, port: int, plan_path: str, out_dir: str) -> None:
+    _init(rank, nproc, port, {"TRAINGUARD_PLAN": plan_path, "TRAINGUARD_JOB": "p"})
+    run = trainguard.init()
+    seen = []
+    t = torch.zeros(1)
+    for step in range(40):
+        with run.step(step):
+            if rank == 0 and step == 7:
+                write_plan_file(plan_path, Plan(version=9, lr_scale=0.25, reason="test"))
+            if rank == 1:
+                time.sleep(0.003)  # the ranks drift apart within a step, as real ones do
+            dist.all_reduce(t)
+        seen.append(run.plan.version)
+    Path(out_dir, f"rank{rank}").write_text(",".join(map(str, seen)))
+    dist.destroy_process_group()
+
+
+def test_every_rank_applies_a_plan_at_the_same_step(tmp_path: Path) -> None:
+    plan_path = str(tmp_path / "plan.json")
+    write_plan_file(plan_path, Plan(version=1))
+    _spawn(_plan_ranks, 2, plan_path, str(tmp_path))
+    seen = [(tmp_path / f"rank{r}").read_text() for r in (0, 1)]
+    assert seen[0] == seen[1], seen
+    versions = [int(v) for v in seen[0].split(",")]
+    assert versions[0] == 1 and versions[-1] == 9
+    first = versions.index(9)
+    assert 8 <= first <= 10  # written during step 7: in force from step 9 at the latest
+
+
+def _uneven(rank: int, nproc: int, port: int, plan_path: str, out: str) -> None:
+    _init(rank, nproc, port, {"TRAINGUARD_PLAN": plan_path, "TRAINGUARD_JOB": "u"})
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = trainguard.init(batch_size=4)
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+    with run.step(0) as s:
+        sizes = run.plan.batch_sizes
+        assert sizes == (12, 4)
+        lo = sum(sizes[:rank])
+        x, y = xs[lo:lo + sizes[rank]], ys[lo:lo + sizes[rank]]
+        loss = nn.functional.mse_loss(model(x), y) * s.loss_weight
+        loss.backward()
+        opt.step()
+    if rank == 0:
+        torch.save(model.module.state_dict(), out)
+    dist.destroy_process_group()
+
+
+def test_uneven_batches_keep_the_gradient_exact(tmp_path: Path) -> None:
+    plan_path = str(tmp_path / "plan.json")
+    write_plan_file(plan_path, Plan(version=2, batch_sizes=[12, 4]))
+    out = str(tmp_path / "after.pt")
+    _spawn(_uneven, 2, plan_path, out)
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 1)
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+    nn.functional.mse_loss(ref(xs), ys).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    got = torch.load(out, weights_only=True)
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, atol=1e-6), (k, got[k], v)
+
+
+class Counter:
+    """Any object with state_dict/load_state_dict is saved and restored."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.n = int(sd["n"])
+
+
+def _make_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return {"model": model, "optim": opt, "sched": sched, "counter": Counter(), "note": "start"}
+
+
+def _save_ranks(rank: int, nproc: int, port: int, root: str, out: str) -> None:
+    _init(rank, nproc, port, {"TRAINGUARD_SOCKET": "/nonexistent", "TRAINGUARD_JOB": "ck",
+                              "TRAINGUARD_CKPT_MEMORY_ROOT": root, "TRAINGUARD_CKPT_MEMORY_EVERY": "5"})
+    state = _make_state()
+    model = DDP(state["model"])
+    run = trainguard.init()
+    saved = []
+    for step in range(10):
+        with run.step(step, samples=2):
+            x = torch.full((2, 4), float(rank + step))
+            model(x).sum().backward()
+            state["optim"].step()
+            state["optim"].zero_grad()
+            state["sched"].step()
+            state["counter"].n += 1
+        state["note"] = f"after {step}"
+        saved.append(run.checkpoint(step, state))
+    assert saved == [False] * 4 + [True] + [False] * 4 + [True], saved
+    if rank == 0:
+        torch.save({"model": state["model"].state_dict(), "lr": state["optim"].param_groups[0]["lr"]}, out)
+    del model
+    dist.destroy_process_group()
+
+
+def test_checkpoint_any_state_and_restore_into_another_world_size(tmp_path: Path) -> None:
+    root = str(tmp_path / "shm")
+    out = str(tmp_path / "final.pt")
+    _spawn(_save_ranks, 2, root, out)
+    tier = MemoryTier(root)
+    steps = [i.step for i in tier.list("ck")]
+    assert steps == [5, 10] and all(tier.verify("ck", s).ok for s in steps)
+    # One process (world size 1) restores what two ranks wrote: DCP reshards, the run says step 10.
+    state = _make_state()
+    run = trainguard.init(environ={"TRAINGUARD_SOCKET": "/nonexistent", "TRAINGUARD_JOB": "ck",
+                                   "TRAINGUARD_RESTORE": str(tier.step_path("ck", 10))})
+    assert run.restore(state) == 10
+    want = torch.load(out, weights_only=True)
+    for k, v in state["model"].state_dict().items():
+        assert torch.equal(v, want["model"][k]), k
+    assert state["counter"].n == 10 and state["note"] == "after 9"
+    assert state["sched"].last_epoch == 10 and state["optim"].param_groups[0]["lr"] == pytest.approx(want["lr"])
+    assert state["optim"].state_dict()["state"], "optimizer moments restored"
+
+
+def test_a_full_memory_tier_skips_the_save_and_training_goes_on(tiny_tmpfs: Path) -> None:
+    """The tier's tmpfs is full: the checkpoint is skipped and reported, nothing half-written stays,
+    and the next save works again once there is room."""
+    filler = tiny_tmpfs / "filler"
+    filler.write_bytes(b"x" * ((1 << 20) - 4096))
+    env = {"TRAINGUARD_SOCKET": "/nonexistent", "TRAINGUARD_JOB": "full",
+           "TRAINGUARD_CKPT_MEMORY_ROOT": str(tiny_tmpfs / "tier"), "TRAINGUARD_CKPT_MEMORY_EVERY": "1"}
+    run = trainguard.init(environ=env)
+    state = {"model": nn.Linear(256, 256)}
+    with run.step(0):
+        pass
+    assert run.checkpoint(0, state) is False and run.checkpoint_failures == 1
+    leftovers = [p for p in (tiny_tmpfs / "tier").rglob("*") if p.is_file()] if (tiny_tmpfs / "tier").exists() else []
+    assert not leftovers, leftovers
+    filler.unlink()
+    assert run.checkpoint(1, state) is True
+    assert [i.step for i in MemoryTier(str(tiny_tmpfs / "tier")).list("full")] == [2]
