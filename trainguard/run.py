@@ -80,6 +80,7 @@ class Step:
         self.reported: dict[str, Any] = {}
         self._t0 = 0.0
         self._c0 = 0.0
+        self._phase: tuple[str, float, float] | None = None
 
     @property
     def loss_weight(self) -> float:
@@ -104,6 +105,16 @@ class Step:
             self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - t0
             self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - c0
 
+    def switch(self, name: str | None) -> None:
+        """End the running phase (if any) and start ``name`` (None: no phase). For code that sees
+        a step only through hooks (framework callbacks), where a ``with`` block cannot span."""
+        now, cpu = time.perf_counter(), time.thread_time()
+        if self._phase is not None:
+            running, t0, c0 = self._phase
+            self.wall[running] = self.wall.get(running, 0.0) + now - t0
+            self.cpu[running] = self.cpu.get(running, 0.0) + cpu - c0
+        self._phase = (name, now, cpu) if name is not None else None
+
     def report(self, loss: float | None = None, lr: float | None = None, grad_norm: float | None = None,
                **extra: Any) -> None:
         """Values of this step for the agent (loss, LR, gradient norm; optional wire fields such as
@@ -120,6 +131,7 @@ class Step:
                  tb: TracebackType | None) -> None:
         if exc_type is not None:
             return  # a failing step is not reported, and no collective is entered after it
+        self.switch(None)
         step_s = time.perf_counter() - self._t0
         self.run._after_step(self, step_s, time.thread_time() - self._c0)
 
