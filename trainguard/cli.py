@@ -162,6 +162,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  collector {name:<5} {'up' if c['up'] else 'down'}{'' if c['up'] else '  (' + str(c['reason']) + ')'}")
     for job in st["jobs"]:
         print(f"job {job['job']}  {job['state']}  attempt {job.get('attempt', '-')}  restarts {job.get('restarts', 0)}  step {job.get('progress_step', '-')}")
+        if job.get("note"):
+            print(f"  note: {job['note']}")
         for r in job.get("ranks", []):
             tel = r.get("telemetry") or {}
             state = "alive" if r.get("alive", True) else f"exit {r.get('exit_code')}"
