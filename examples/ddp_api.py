@@ -12,6 +12,7 @@ no-op then.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -38,6 +39,22 @@ def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x @ w)
 
 
+class Progress:
+    """For benchmarks that kill ranks from outside: each rank's pid, rank 0's steps done."""
+
+    def __init__(self, directory: str, rank: int) -> None:
+        self.fd = -1
+        if directory:
+            with open(os.path.join(directory, f"rank{rank}.pid"), "w") as fh:
+                fh.write(str(os.getpid()))
+            if rank == 0:
+                self.fd = os.open(os.path.join(directory, "step"), os.O_WRONLY | os.O_CREAT, 0o644)
+
+    def done(self, step: int) -> None:
+        if self.fd >= 0:
+            os.pwrite(self.fd, f"{step + 1:>12}".encode(), 0)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=100)
@@ -46,6 +63,7 @@ def main() -> int:
     p.add_argument("--width", type=int, default=64, help="hidden units (more: more compute per step)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (tests)")
     p.add_argument("--out", default="", help="rank 0 saves the final parameters here")
+    p.add_argument("--progress", default="", help="a directory: rank pids and rank 0's step count (benchmarks)")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -57,6 +75,7 @@ def main() -> int:
     run = trainguard.init(batch_size=args.batch)
     state = {"model": model, "optim": optim}
     start = run.restore(state)  # the step to resume at (0 on a first start)
+    progress = Progress(args.progress, rank)
     if rank == 0 and start:
         print(f"resumed at step {start}", flush=True)
 
@@ -79,6 +98,7 @@ def main() -> int:
         if rank == 0 and step % 20 == 0:
             print(f"step {step} loss {loss.item():.5f} batch {n}", flush=True)
         run.checkpoint(step, state)  # into the memory tier when due; the agent fans it out
+        progress.done(step)
         if run.plan.stop:
             break
 

@@ -36,6 +36,22 @@ def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x @ w)
 
 
+class Progress:
+    """For benchmarks that kill ranks from outside: each rank's pid, rank 0's steps done."""
+
+    def __init__(self, directory: str, rank: int) -> None:
+        self.fd = -1
+        if directory:
+            with open(os.path.join(directory, f"rank{rank}.pid"), "w") as fh:
+                fh.write(str(os.getpid()))
+            if rank == 0:
+                self.fd = os.open(os.path.join(directory, "step"), os.O_WRONLY | os.O_CREAT, 0o644)
+
+    def done(self, step: int) -> None:
+        if self.fd >= 0:
+            os.pwrite(self.fd, f"{step + 1:>12}".encode(), 0)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=100)
@@ -45,6 +61,7 @@ def main() -> int:
     p.add_argument("--ckpt-dir", default="")
     p.add_argument("--ckpt-every", type=int, default=20)
     p.add_argument("--out", default="", help="rank 0 saves the final parameters here")
+    p.add_argument("--progress", default="", help="a directory: rank pids and rank 0's step count (benchmarks)")
     p.add_argument("--exit-code", type=int, default=0, help="rank 1 exits with this code at step 2 (tests)")
     args = p.parse_args()
 
@@ -64,6 +81,7 @@ def main() -> int:
         if rank == 0:
             print(f"resumed from step {start}", flush=True)
 
+    progress = Progress(args.progress, rank)
     for step in range(start, args.steps):
         if args.exit_code and rank == 1 and step == 2:
             raise SystemExit(args.exit_code)
@@ -80,6 +98,7 @@ def main() -> int:
             os.replace(tmp, path)
         if path:
             dist.barrier()  # nobody runs ahead of a checkpoint being written
+        progress.done(step)
 
     if rank == 0 and args.out:
         torch.save(model.module.state_dict(), args.out)

@@ -1,0 +1,225 @@
+"""Your own script under trainguard vs under torchrun: lost time per failure and API overhead.
+
+One small DDP job (``examples/``: a 2-layer MLP regression, gloo, 2 ranks), the same steps, the same
+checkpoint interval K, the same kills sent from outside (SIGKILL of rank 1 at seeded random steps):
+
+(a) torchrun --max-restarts, the tutorial script ``ddp_plain.py`` saving its own ``torch.save``
+    checkpoint to disk every K steps and resuming from it (the store workaround of FACTS pitfall 1,
+    monitor interval 0.1 s);
+(b) ``trainguard run`` with the agent, the same script with the Python API (``ddp_api.py``): memory
+    tier every K steps, the agent's warm restart.
+
+Lost time per failure = from the kill until training is back at the step it was killed at
+(detection + restart + restore + recomputing the steps since the last checkpoint), read from the
+script's own step counter; measured, never modelled. Overhead: steps/s of ``ddp_api.py`` (telemetry,
+plan sync, memory checkpoints every K) over ``ddp_plain.py`` without checkpoints, both under
+``trainguard run`` with no faults, alternating runs.
+
+    python bench/integration.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PLAIN = str(REPO / "examples" / "ddp_plain.py")
+API = str(REPO / "examples" / "ddp_api.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Failure:
+    kill_step: int
+    kill_ts: float
+    restored_step: int = -1
+    back_ts: float = float("nan")
+
+    @property
+    def lost_s(self) -> float:
+        return self.back_ts - self.kill_ts
+
+
+@dataclass
+class Arm:
+    name: str
+    failures: list[Failure] = field(default_factory=list)
+    wall_s: float = 0.0
+    rc: int | None = None
+    marks: list[tuple[float, int]] = field(default_factory=list)
+    """(time, steps done) whenever rank 0's count changed."""
+
+    def steps_per_s(self, after: int) -> float:
+        """Training rate after step ``after`` (start-up excluded), to the last step seen."""
+        later = [(t, s) for t, s in self.marks if s >= after]
+        if len(later) < 2 or later[-1][0] <= later[0][0]:
+            return float("nan")
+        return (later[-1][1] - later[0][1]) / (later[-1][0] - later[0][0])
+
+    @property
+    def lost_per_failure(self) -> float:
+        done = [f.lost_s for f in self.failures if f.back_ts == f.back_ts]
+        return statistics.mean(done) if done else float("nan")
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+        return int(text) if text else None
+    except (OSError, ValueError):
+        return None
+
+
+def drive(name: str, cmd: list[str], env: dict[str, str], progress: Path, kills: list[int], cwd: Path,
+          timeout_s: float) -> Arm:
+    """Run ``cmd``; SIGKILL rank 1 when rank 0 has done each step in ``kills``; time the way back."""
+    arm = Arm(name)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    pending = list(kills)
+    current: Failure | None = None
+    killed_pid = -1
+    try:
+        while proc.poll() is None and time.monotonic() - t0 < timeout_s:
+            step = _read_int(progress / "step")
+            pid = _read_int(progress / "rank1.pid")
+            now = time.monotonic()
+            if step is not None and (not arm.marks or arm.marks[-1][1] != step):
+                arm.marks.append((now, step))
+            if current is not None and pid is not None and pid != killed_pid and step is not None:
+                if current.restored_step < 0 and step < current.kill_step:
+                    current.restored_step = step
+                if step >= current.kill_step and current.restored_step >= 0:
+                    current.back_ts = now
+                    arm.failures.append(current)
+                    current = None
+            if current is None and pending and step is not None and step >= pending[0] and pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    time.sleep(0.005)
+                    continue
+                current = Failure(step, now)
+                killed_pid = pid
+                pending.pop(0)
+            time.sleep(0.005)
+        proc.wait(max(1.0, timeout_s - (time.monotonic() - t0)))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if current is not None:
+        arm.failures.append(current)
+    arm.rc = proc.returncode
+    arm.wall_s = time.monotonic() - t0
+    return arm
+
+
+class Agent:
+    def __init__(self, state: Path, memory_every: int) -> None:
+        state.mkdir(parents=True, exist_ok=True)
+        (state / "agent.toml").write_text(f"[agent]\ninterval_s = 0.5\n[collectors]\ngpu = false\n"
+                                          f"[checkpoint]\nmemory_every = {memory_every}\n")
+        self.state = state
+        self.proc = subprocess.Popen([sys.executable, "-m", "trainguard", "agent", "--state-dir", str(state),
+                                      "--config", str(state / "agent.toml"), "--metrics-addr", ""],
+                                     stdout=open(state / "agent.log", "wb"), stderr=subprocess.STDOUT, cwd=REPO,
+                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+        deadline = time.monotonic() + 60
+        while not (state / "run" / "agent.json").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((state / "agent.log").read_text())
+            time.sleep(0.05)
+
+    def run_cmd(self, job: str, *script: str) -> list[str]:
+        return [sys.executable, "-m", "trainguard", "run", "--state-dir", str(self.state), "--nproc", "2",
+                "--job", job, "--max-restarts", "10", "--", sys.executable, *script]
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def fresh(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="600 steps, 2 kills, 1 overhead pair (< 2 min)")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    steps, n_kills, every, pairs = (600, 2, 50, 1) if args.quick else (3000, 4, 100, 3)
+    rng = random.Random(args.seed)
+    # Kills spread over the run, each at a random step in its own stretch (never the same as K's grid).
+    span = (steps - 2 * every) // n_kills
+    kills = sorted(every + i * span + rng.randrange(every // 2, span - every // 2) for i in range(n_kills))
+    work = Path(tempfile.mkdtemp(prefix="tg-integration-"))
+    model = ["--steps", str(steps), "--width", "1024", "--batch", "64"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    print(f"integration benchmark: 2 ranks, {steps} steps, checkpoint every {every} steps, kills of rank 1 "
+          f"after steps {kills}")
+    agent = Agent(work / "agent", every)
+    try:
+        ckpt = fresh(work / "torchrun-ckpt")
+        torchrun = drive("torchrun", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                                      f"--max-restarts={n_kills + 2}", "--rdzv-backend=c10d",
+                                      f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1", PLAIN,
+                                      *model, "--ckpt-dir", str(ckpt), "--ckpt-every", str(every),
+                                      "--progress", str(fresh(work / "p-torchrun"))],
+                         {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, work / "p-torchrun", kills, work, 900)
+        ours = drive("trainguard", agent.run_cmd("faulted", API, *model, "--progress", str(fresh(work / "p-tg"))),
+                     env, work / "p-tg", kills, work, 900)
+        plain_tp, api_tp = [], []
+        for i in range(pairs):
+            for name, script, sink in (("plain", PLAIN, plain_tp), ("api", API, api_tp)):
+                d = fresh(work / f"p-{name}-{i}")
+                arm = drive(name, agent.run_cmd(f"{name}-{i}", script, *model, "--progress", str(d)), env, d, [], work, 900)
+                sink.append(arm.steps_per_s(steps // 10))
+    finally:
+        agent.close()
+    print()
+    print(f"{'arm':<11} {'rc':>3} {'kills':>5} {'restored':>22} {'lost_s/failure':>15} {'wall_s':>7}")
+    for arm in (torchrun, ours):
+        restored = ",".join(str(f.restored_step) for f in arm.failures)
+        print(f"{arm.name:<11} {arm.rc!s:>3} {len(arm.failures):>5} {restored:>22} {arm.lost_per_failure:>15.2f} "
+              f"{arm.wall_s:>7.1f}")
+        for f in arm.failures:
+            print(f"    killed after step {f.kill_step:>5}: restored at {f.restored_step:>5}, back at the kill step "
+                  f"{f.lost_s:6.2f}s later")
+    lost_ratio = torchrun.lost_per_failure / ours.lost_per_failure
+    overhead = statistics.median(api_tp) / statistics.median(plain_tp)
+    print(f"\nthroughput without faults (steps/s after the first 10% of steps): plain script {statistics.median(plain_tp):.1f}, "
+          f"with the API {statistics.median(api_tp):.1f}  ({pairs} alternating pair(s))")
+    print(f"lost time per failure: torchrun / trainguard = {lost_ratio:.2f}x; API throughput / plain = {overhead:.3f}")
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"RESULT lost_time_ratio={lost_ratio:.2f} overhead_ratio={overhead:.3f} "
+          f"torchrun_lost_s={torchrun.lost_per_failure:.2f} trainguard_lost_s={ours.lost_per_failure:.2f}")
+    return 0 if torchrun.rc == 0 and ours.rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

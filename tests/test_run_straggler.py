@@ -1,0 +1,88 @@
+"""A user's script with the Python API, slowed by a node-level cause (CPU hogs sharing its rank's
+core): the agent finds the straggler from the script's own step telemetry, names the cause, and
+moves samples away through the plan, which the script applies (``run.plan.batch_size``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_run_command import events, wait_for
+from tests.test_straggler_real import CpuCgroup, _pin
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+CONFIG = """\
+[agent]
+interval_s = 0.25
+[collectors]
+gpu = false
+[detection]
+window = 12
+warmup_steps = 8
+enter_windows = 2
+leave_windows = 2
+eval_every_steps = 3
+settle_steps = 5
+delay_window_s = 3.0
+"""
+
+
+def _ranks(agent: Any, job: str) -> dict[int, dict[str, Any]]:
+    info = [j for j in agent.client().status()["jobs"] if j["job"] == job]
+    return {r["rank"]: r for r in info[0]["ranks"]} if info else {}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="moving processes into CPU cgroups needs root")
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs: one for the healthy rank, one shared")
+def test_api_script_straggler_found_with_its_cause_and_migrated(agent_factory: Any, tmp_path: Path) -> None:
+    try:
+        CpuCgroup().remove()
+    except FileNotFoundError:
+        pytest.skip("needs a CPU cgroup controller to isolate the ranks from other load "
+                    "(test_straggler_real covers attribution from given evidence)")
+    agent = agent_factory(config=CONFIG)
+    job = "slowapi"
+    res = subprocess.run([sys.executable, "-m", "trainguard", "run", "--state-dir", str(agent.state_dir), "--nproc", "2",
+                          "--job", job, "--detach", "--", sys.executable, str(REPO / "examples" / "ddp_api.py"),
+                          "--steps", "100000", "--width", "1024", "--batch", "48"],
+                         cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    groups: list[CpuCgroup] = []
+    hogs: list[subprocess.Popen[bytes]] = []
+    try:
+        ranks = wait_for(lambda: (r := _ranks(agent, job)) and all((v.get("telemetry") or {}).get("step", 0) >= 5
+                                                                   for v in r.values()) and r, 90, "both ranks stepping")
+        for rank in (0, 1):
+            g = CpuCgroup()
+            groups.append(g)
+            g.weight(10)
+            g.add(ranks[rank]["pid"])
+            _pin(ranks[rank]["pid"], rank)
+        hogs = [subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {1})\nwhile True:\n    pass\n"])
+                for _ in range(2)]
+        for p in hogs:
+            groups[1].add(p.pid)
+        found = wait_for(lambda: events(agent, job, "straggler_detected"), 90, "the straggler")
+        assert found[0]["rank"] == 1, found[0]
+        assert found[0]["cause"] == "cpu_contention", found[0]["fields"]
+        moved = wait_for(lambda: events(agent, job, "shard_migration"), 60, "a shard migration")
+        sizes = moved[0]["fields"]["batch_sizes"]
+        assert sizes[1] < sizes[0] and sum(sizes) == 96, sizes
+        # The script applies the plan: rank 1 now reports fewer samples per step than rank 0.
+        wait_for(lambda: (r := _ranks(agent, job)) and r[1]["telemetry"]["batch_size"] < r[0]["telemetry"]["batch_size"],
+                 60, "the smaller batch in rank 1's telemetry")
+    finally:
+        for p in hogs:
+            p.kill()
+            p.wait()
+        agent.client().stop_job(job)
+        for g in groups:
+            g.remove()
