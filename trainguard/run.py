@@ -168,11 +168,12 @@ class Run:
 
     def __init__(self, env: RunEnvironment, *, dp_rank: int | None = None, dp_size: int | None = None,
                  batch_size: int | None = None, telemetry: TelemetrySender | None = None,
-                 plans: PlanWatcher | None = None) -> None:
+                 plans: PlanWatcher | None = None, plan_every: int = 4) -> None:
         self.env = env
         self.dp_rank = env.rank if dp_rank is None else dp_rank
         self.dp_size = env.world_size if dp_size is None else dp_size
         self.default_batch_size = batch_size
+        self.plan_every = plan_every
         self.telemetry = telemetry if telemetry is not None else TelemetrySender(env.socket or None)
         self.plans = plans if plans is not None else PlanWatcher(env.plan_path or None)
         self._plan = Plan()
@@ -245,7 +246,7 @@ class Run:
         # Imported here, not at the top: it imports torch, which the agent never loads.
         from trainguard.plansync import PlanSync
 
-        self._sync = PlanSync(self.plans, is_leader=self.env.rank == 0, attempt=self.env.attempt)
+        self._sync = PlanSync(self.plans, is_leader=self.env.rank == 0, attempt=self.env.attempt, every=self.plan_every)
         return self._sync
 
     def _start(self) -> None:
