@@ -72,7 +72,10 @@ _OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]]
     "dp_rank": ((int,), 0, 1 << 20),
     "world_size": ((int,), 1, 1 << 20),
     "compress_ratio": (_NUM, 0, None),
+    "ckpt_failed": ((int,), 0, 1 << 53),
 }
+# Free-text fields: name -> longest accepted length.
+_TEXT_FIELDS = {"ckpt_error": 300}
 _NONFINITE_OK = {"loss", "grad_norm", "local_grad_sq", "val_loss"}
 
 
@@ -110,6 +113,10 @@ class Telemetry:
     dp_rank: int | None = None
     world_size: int | None = None
     compress_ratio: float | None = None
+    ckpt_failed: int | None = None
+    """A checkpoint (of that many steps done) this rank could not write since its last message."""
+    ckpt_error: str | None = None
+    """Why (one line: the error of the first rank that failed)."""
     has_loss: bool = True
     """False when the sender reported no loss (``loss`` is then NaN and means nothing)."""
 
@@ -190,6 +197,13 @@ def decode_telemetry(data: bytes) -> Telemetry:
             values[name] = value
     if "loss" not in values:
         values["loss"], values["has_loss"] = math.nan, False
+    for name, limit in _TEXT_FIELDS.items():
+        text = body.get(name)
+        if text is None:
+            continue
+        if not isinstance(text, str) or len(text) > limit:
+            raise WireError("type", f"{name} must be a string of at most {limit} characters")
+        values[name] = text
     unknown = set(body) - set(values) - {"v"}
     if unknown:
         raise WireError("schema", f"unknown field {sorted(unknown)[0]}")

@@ -171,17 +171,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="600 steps, 2 kills, 1 overhead pair (< 2 min)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--steps", type=int, help="override the number of steps")
+    ap.add_argument("--width", type=int, default=1024, help="hidden units of the MLP (step time grows with it)")
+    ap.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    ap.add_argument("--lr", type=float, default=0.05)
     args = ap.parse_args()
     steps, n_kills, every, pairs = (600, 2, 50, 1) if args.quick else (3000, 4, 100, 3)
+    steps = args.steps or steps
     rng = random.Random(args.seed)
     # Kills spread over the run, each at a random step in its own stretch (never the same as K's grid).
     span = (steps - 2 * every) // n_kills
     kills = sorted(every + i * span + rng.randrange(every // 2, span - every // 2) for i in range(n_kills))
     work = Path(tempfile.mkdtemp(prefix="tg-integration-"))
-    model = ["--steps", str(steps), "--width", "1024", "--batch", "64"]
+    model = ["--steps", str(steps), "--width", str(args.width), "--batch", str(args.batch), "--lr", str(args.lr)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    print(f"integration benchmark: 2 ranks, {steps} steps, checkpoint every {every} steps, kills of rank 1 "
-          f"after steps {kills}")
+    print(f"integration benchmark: 2 ranks, MLP width {args.width}, batch {args.batch}/rank, {steps} steps, checkpoint "
+          f"every {every} steps, kills of rank 1 after steps {kills}")
     agent = Agent(work / "agent", every)
     # A second agent whose memory tier is never due: the API's own per-step cost alone.
     no_ckpt = Agent(work / "agent-nockpt", 10**9)
@@ -198,12 +203,15 @@ def main() -> int:
         plain_tp: list[float] = []
         api_tp: list[float] = []
         bare_tp: list[float] = []
+        arms = [("plain", agent, PLAIN, plain_tp), ("api", agent, API, api_tp), ("api-nockpt", no_ckpt, API, bare_tp)]
         for i in range(pairs):
-            for name, who, script, sink in (("plain", agent, PLAIN, plain_tp), ("api", agent, API, api_tp),
-                                            ("api-nockpt", no_ckpt, API, bare_tp)):
+            # The order rotates each round, so no arm always runs first (or right after another).
+            for name, who, script, sink in arms[i % 3:] + arms[:i % 3]:
                 d = fresh(work / f"p-{name}-{i}")
                 arm = drive(name, who.run_cmd(f"{name}-{i}", script, *model, "--progress", str(d)), env, d, [], work, 900)
                 sink.append(arm.steps_per_s(steps // 10))
+            print(f"  round {i + 1}: steps/s plain {plain_tp[-1]:.1f}, API + checkpoints {api_tp[-1]:.1f}, "
+                  f"API without checkpoints {bare_tp[-1]:.1f}", flush=True)
     finally:
         agent.close()
         no_ckpt.close()

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,12 @@ def test_hang_timeout_finds_a_stopped_rank_by_cpu_activity(agent_factory: Any, t
     hang = wait_for(lambda: events(agent, "stopped", "hang_detected"), 30, "the hang verdict")
     assert time.monotonic() - stopped_at >= 2.0
     assert hang[0]["fields"]["signal"] == "cpu_activity" and hang[0]["cause"] == "hang"
+    # The stopped rank's state and real Python stack (py-spy cannot read a stopped process as is),
+    # and its peer's, waiting in the all-reduce.
+    procs, stacks = hang[0]["fields"]["processes"], hang[0]["fields"]["stacks"]
+    assert procs["1"]["state"] == "T (stopped)" and procs["1"]["resumed_for_dump"] is True, procs
+    assert procs["0"]["state"].startswith(("S", "R")), procs
+    assert "ddp_plain.py" in stacks["1"] and "ddp_plain.py" in stacks["0"], stacks
     out, err = cli.communicate(timeout=180)
     assert cli.returncode == 0, err
     assert events(agent, "stopped", "job_restart")
@@ -173,3 +180,25 @@ def test_run_without_an_agent_says_how_to_get_one(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "trainguard", "run", "--standalone", "--", "no-such-program-x"],
                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
+
+
+def test_a_full_memory_tier_never_stops_training(agent_factory: Any, tmp_path: Path, tiny_tmpfs: Path) -> None:
+    """The agent's /dev/shm stand-in (a real 1 MiB tmpfs) is full: every rank skips the save, the
+    agent says why (checkpoint_write_failed, the alert's counter), training goes on; once the test
+    frees space the tier works again, and no half-written save is left behind."""
+    filler = tiny_tmpfs / "filler"
+    filler.write_bytes(b"x" * ((1 << 20) - 8192))
+    tier = tiny_tmpfs / "tier"
+    agent = agent_factory(config=CONFIG.replace("memory_every = 20", f'memory_every = 20\nmemory_root = "{tier}"'))
+    cli = run_cli(agent, tmp_path, "--nproc", "2", "--job", "full", "--", sys.executable, API, "--steps", "500",
+                  "--width", "512", "--step-sleep", "0.01")
+    failed = wait_for(lambda: events(agent, "full", "checkpoint_write_failed"), 90, "checkpoint_write_failed")
+    assert failed[0]["fields"]["tier"] == "memory" and "No space left" in failed[0]["fields"]["error"], failed[0]
+    metrics = urllib.request.urlopen(agent.metrics_url(), timeout=10).read().decode()
+    assert 'trainguard_checkpoint_write_failures_total{tier="memory"}' in metrics
+    filler.unlink()
+    wait_for(lambda: agent.client().checkpoints("full"), 90, "a memory checkpoint once there is room")
+    out, err = cli.communicate(timeout=180)
+    assert cli.returncode == 0, err[-2000:]
+    assert not [p for p in tier.rglob(".tmp-*")], list(tier.rglob("*"))
+    assert agent.client().job("full")["restarts"] == 0

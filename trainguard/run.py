@@ -185,6 +185,7 @@ class Run:
         self.last_step = -1
         self.checkpoint_failures = 0
         self.last_checkpoint: str | None = None
+        self._failed_save: tuple[int, str] | None = None
 
     # -- identity ----------------------------------------------------------------------------------
 
@@ -294,11 +295,14 @@ class Run:
                 local_grad_sq=_finite(r.get("local_grad_sq"), math.nan), lr=lr if math.isfinite(lr) and 0 <= lr <= 1e3 else 0.0,
                 batch_size=step.samples, mem_bytes=int(r.get("mem_bytes") or _rss_bytes()),
                 plan_version=self._plan.version, dp_rank=self.dp_rank, world_size=self.env.world_size,
-                has_loss=r.get("loss") is not None, **optional)
+                has_loss=r.get("loss") is not None,
+                ckpt_failed=self._failed_save[0] if self._failed_save else None,
+                ckpt_error=self._failed_save[1] if self._failed_save else None, **optional)
         except (TypeError, ValueError):
             self.telemetry.stats.dropped += 1
             return
-        self.telemetry.send(msg)
+        if self.telemetry.send(msg):
+            self._failed_save = None
 
     # -- steps -------------------------------------------------------------------------------------
 
@@ -336,6 +340,8 @@ class Run:
         path = writer.save(step + 1, state, self.checkpoint_meta())
         if path is None:
             self.checkpoint_failures += 1
+            # The next step's telemetry tells the agent (checkpoint_write_failed, and its alert).
+            self._failed_save = (step + 1, writer.stats.last_error[:300])
             return False
         self.last_checkpoint = path
         return True

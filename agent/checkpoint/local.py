@@ -333,6 +333,20 @@ class LocalDirTier(Tier):
                 (tmp / MANIFEST_NAME).unlink()
         self._retire(tmp)
 
+    def cleanup_job_tmp(self, job: str) -> int:
+        """Remove the staging directories of one job (its ranks died during a save, or it ended):
+        safe whenever none of the job's ranks is alive."""
+        removed = 0
+        try:
+            entries = list(self.job_dir(job).iterdir())
+        except (FileNotFoundError, CheckpointError):
+            return 0
+        for p in entries:
+            if p.name.startswith(TMP_PREFIX) and p.is_dir():
+                rmtree_quiet(p)
+                removed += 1
+        return removed
+
     def cleanup_tmp(self) -> int:
         removed = 0
         try:

@@ -30,7 +30,8 @@ from trainguard.agent.jobs import JobSpec, JobState
 from trainguard.agent.metricspec import MetricSpec
 from trainguard.agent.recovery.activity import ActivityProbe, descends_from
 from trainguard.agent.recovery.detectors import Finding, HangDetector, LossDetector
-from trainguard.agent.recovery.stacks import dump_stacks
+from trainguard.agent.recovery.stacks import probe_all
+from trainguard.agent.wire import PART_MARK
 
 if TYPE_CHECKING:
     from trainguard.agent.daemon import Agent
@@ -90,6 +91,7 @@ class RecoveryService:
         self.hangs = HangDetector(self.cfg.hang_factor, self.cfg.hang_floor_s, self.cfg.startup_timeout_s)
         self.losses = LossDetector(self.cfg.loss_spike_factor)
         self.activity = ActivityProbe()
+        self._failed_saves: set[tuple[str, int]] = set()
         self._attempt_seen: dict[str, int] = {}
         self._restored: dict[str, Restored] = {}
         self._busy: set[str] = set()
@@ -106,6 +108,7 @@ class RecoveryService:
         old = self._restored.pop(job, None)
         if old is not None:
             old.release()
+        self._clean_staging(job)
         env = {
             "TRAINGUARD_CKPT_MEMORY_ROOT": self.checkpoints.settings.memory_root,
             "TRAINGUARD_CKPT_MEMORY_EVERY": str(self.checkpoints.settings.memory_interval),
@@ -145,6 +148,32 @@ class RecoveryService:
         )
         return env
 
+    def _clean_staging(self, job: str) -> None:
+        """Saves that ranks of the previous attempt left half-written (they died during one): no rank
+        of the job runs now, so every staging directory of it is garbage."""
+        memory = self.checkpoints.memory
+        keys = [k for k in memory.jobs() if k == job or k.startswith(job + PART_MARK)]
+        removed = sum(memory.cleanup_job_tmp(k) for k in keys)
+        if removed:
+            self.agent.events.emit("checkpoint_tmp_cleaned", f"job {job}: removed {removed} half-written memory "
+                                   "checkpoint(s) of ranks that died during a save", job=job, tier="memory",
+                                   removed=removed)
+
+    def _note_save_failures(self, job: str, ranks: list[Any]) -> None:
+        """Checkpoints the ranks could not write (they skip them and train on): one event per
+        checkpoint, with the first reporting rank's error, and the tier's failure count (the alert)."""
+        for view in sorted(ranks, key=lambda v: v.rank):
+            for msg in self.agent.table.window(job, view.rank, 64):
+                if msg.ckpt_failed is None or (job, msg.ckpt_failed) in self._failed_saves:
+                    continue
+                self._failed_saves.add((job, msg.ckpt_failed))
+                error = msg.ckpt_error or "unknown error"
+                self.checkpoints.status.observe_failure("memory", error)
+                self.agent.events.emit(
+                    "checkpoint_write_failed", f"job {job}: rank {view.rank} could not write the memory "
+                    f"checkpoint of step {msg.ckpt_failed} ({error}); training goes on without it",
+                    severity="error", job=job, rank=view.rank, tier="memory", step=msg.ckpt_failed, error=error)
+
     def tick(self, agent: Agent, now: float) -> None:
         try:
             self.checkpoints.poll()
@@ -166,6 +195,7 @@ class RecoveryService:
                              if v.pid in pids or (record.spec.is_command and descends_from(v.pid, pids))]
             max_step = max((v.step for v in attempt_ranks), default=-1)
             self._note_recovered(job, record, attempt_ranks, now)
+            self._note_save_failures(job, attempt_ranks)
             medians = [v.median_step_s for v in attempt_ranks if v.median_step_s]
             if record.spec.is_command:
                 finding = self._command_hang(record, max_step, max(medians) if medians else None, now)
@@ -255,16 +285,18 @@ class RecoveryService:
         job = record.job
         try:
             pids = [r.pid for r in record.ranks if r.alive]
-            stacks = dump_stacks(pids)
-            by_rank = {str(r.rank): stacks.get(r.pid, "") for r in record.ranks if r.pid in stacks}
+            probes = probe_all(pids)
+            ranks = [r for r in record.ranks if r.pid in probes]
+            states = ", ".join(f"rank {r.rank} {probes[r.pid].state or 'gone'}" for r in ranks)
             self.agent.events.emit(
                 "hang_detected",
-                f"job {job}: {finding.message}",
+                f"job {job}: {finding.message} ({states})",
                 severity="error",
                 job=job,
                 cause="hang",
                 step=finding.step,
-                stacks=by_rank,
+                stacks={str(r.rank): probes[r.pid].stack or probes[r.pid].error for r in ranks},
+                processes={str(r.rank): probes[r.pid].to_dict() for r in ranks},
                 **finding.evidence,
             )
             self._count(job, "restart", "hang")
