@@ -60,9 +60,12 @@ class AgentSection:
     """Main loop period: collectors are read and detectors run once per interval."""
     on_stop: Literal["stop_ranks", "leave_ranks"] = "stop_ranks"
     """On SIGTERM: stop the ranks cleanly, or leave them running for the next agent to adopt."""
+    job_retention_s: float = 3600.0
+    """A finished job stays in status, events' job views and /metrics this long, then is forgotten."""
 
     def validate(self, key: str) -> None:
         _positive(f"{key}.interval_s", self.interval_s)
+        _positive(f"{key}.job_retention_s", self.job_retention_s)
         if not self.node:
             raise ConfigError(f"{key}.node", "must not be empty")
 

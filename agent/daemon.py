@@ -82,6 +82,8 @@ class Agent:
             self._launch_context,
             stop_grace_s=cfg.launcher.stop_grace_s,
             on_ranks_changed=self._ranks_changed,
+            # Its own jobs' telemetry is kept even with telemetry.accept_unknown_jobs = false.
+            on_submit=self.table.register_job,
         )
         self.telemetry.start()
         self._start_recovery()
@@ -135,7 +137,9 @@ class Agent:
         try:
             return read_client_token(Path(path))
         except TokenFileError as exc:
-            raise ConfigError("cluster.peer_token_file", str(exc)) from None
+            # Name the key the file came from: a bad api.token_file is not a peer_token_file problem.
+            key = "cluster.peer_token_file" if self.cfg.cluster.peer_token_file else "api.token_file"
+            raise ConfigError(key, str(exc)) from None
 
     def _cluster_event(self, kind: str, message: str, fields: dict[str, Any]) -> None:
         fields = dict(fields)
@@ -303,6 +307,14 @@ class Agent:
         severity = "error" if kind in ("oom_kill", "gpu_xid", "gpu_lost") else ("debug" if kind == "process_exit_seen" else "info")
         self.events.emit(kind, f"{kind.replace('_', ' ')}: {fields}", severity=severity, job=job, rank=rank, source="collector", **_safe_fields(fields))
 
+    def _forget_finished(self, now: float) -> None:
+        """Finished jobs leave status and /metrics after agent.job_retention_s (their events stay)."""
+        for job in self.supervisor.forget_finished(self.cfg.agent.job_retention_s, now):
+            self.table.forget_job(job)
+            self.plans.forget(job)
+            self.events.emit("job_forgotten", f"job {job} ended more than {self.cfg.agent.job_retention_s:g}s ago: "
+                             "removed from status and metrics", job=job)
+
     def _track_external(self, snapshot: Any, now: float) -> None:
         """Ranks of jobs this agent did not start but that report to it (torchrun jobs): their pids
         go to the collectors too (per-rank eBPF), while they keep reporting."""
@@ -349,6 +361,7 @@ class Agent:
             if steps:
                 self.supervisor.note_progress(job, max(steps))
         self._track_external(snapshot, now)
+        self._forget_finished(now)
         for hook in list(self.tick_hooks):
             try:
                 hook(self, now)

@@ -39,6 +39,8 @@ class JobRecord:
     exit_codes: dict[int, int | None] = field(default_factory=dict)
     failure_code: int | None = None
     """Exit status of the rank whose death caused the latest restart (128 + N for signal N)."""
+    finished_at: float | None = None
+    """When the job reached a final state (for the retention of finished jobs)."""
     restore_max_step: int | None = None
     """For a rollback: restore the newest checkpoint at or before this step (None: the newest)."""
     restored_from: dict[str, Any] | None = None
@@ -111,6 +113,7 @@ class Supervisor:
         stop_grace_s: float = 10.0,
         on_ranks_changed: Callable[[dict[int, TrackedProcess]], None] | None = None,
         launch_env: Callable[[JobRecord], dict[str, str]] | None = None,
+        on_submit: Callable[[str], None] | None = None,
     ) -> None:
         self.events = events
         self.plans = plans
@@ -119,6 +122,8 @@ class Supervisor:
         self.stop_grace_s = stop_grace_s
         self.on_ranks_changed = on_ranks_changed
         self.launch_env = launch_env
+        self.on_submit = on_submit
+        """Called with the job id before its ranks start (the telemetry table registers the job)."""
         self.jobs: dict[str, JobRecord] = {}
         self.restart_total = 0
         self._lock = threading.RLock()
@@ -141,6 +146,8 @@ class Supervisor:
             record = JobRecord(spec, block=block, on_failure=on_failure)
             self.jobs[spec.job] = record
             self.plans.reset(spec.job)
+        if self.on_submit is not None:
+            self.on_submit(spec.job)
         self.events.emit("job_submitted", f"job {spec.job} submitted with {spec.nproc} ranks", job=spec.job, nproc=spec.nproc)
         threading.Thread(target=self._launch_safely, args=(record,), name=f"launch-{spec.job}", daemon=True).start()
         return record
@@ -186,6 +193,7 @@ class Supervisor:
         check_transition(record.state, new)
         record.state = new
         if new.finished:
+            record.finished_at = time.time()
             # The job's warm launcher holds torch in memory: let it go with the job.
             threading.Thread(target=self.launcher.close_job, args=(record.job,), daemon=True).start()
 
@@ -210,6 +218,16 @@ class Supervisor:
         for job in list(self.jobs):
             if not self.jobs[job].state.finished:
                 self.stop(job, reason)
+
+    def forget_finished(self, older_than_s: float, now: float | None = None) -> list[str]:
+        """Drop jobs that ended more than ``older_than_s`` ago; returns their ids."""
+        now = time.time() if now is None else now
+        with self._lock:
+            gone = [j for j, r in self.jobs.items()
+                    if r.state.finished and r.finished_at is not None and now - r.finished_at >= older_than_s]
+            for job in gone:
+                del self.jobs[job]
+        return gone
 
     def note_progress(self, job: str, step: int) -> None:
         record = self.jobs.get(job)

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import stat
+import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from trainguard.agent import waiting
 from trainguard.agent.api.client import ApiClient, ApiClientError
 
+REPO = Path(__file__).resolve().parents[1]
 FAKE = [sys.executable, str(Path(__file__).resolve().parent / "helpers" / "fake_rank.py")]
 
 
@@ -136,3 +138,47 @@ def test_tcp_api_needs_token(agent_factory, tmp_path) -> None:
     assert ApiClient.remote("127.0.0.1", port, good).status()["node"]
     events = local.events(since=0)["events"]
     assert any(e["kind"] == "api_auth_failed" for e in events)
+
+
+def test_own_jobs_kept_without_unknown_jobs_and_finished_jobs_forgotten(agent_factory) -> None:
+    """telemetry.accept_unknown_jobs = false drops a stranger's datagrams, never the agent's own
+    jobs'; a finished job leaves status and /metrics after agent.job_retention_s."""
+    import socket as _socket
+
+    from trainguard.agent.wire import Telemetry
+
+    agent = agent_factory(config="[agent]\ninterval_s = 0.2\njob_retention_s = 2.0\n[telemetry]\naccept_unknown_jobs = false\n"
+                                 "[collectors]\ngpu = false\n")
+    client = agent.client()
+    client.submit_job({"job": "mine", "nproc": 2, "command": FAKE, "env": {"FAKE_STEPS": "60", "FAKE_STEP_S": "0.02"}})
+    forged = Telemetry(job="stranger", rank=0, local_rank=0, pid=1, step=1, wall_time=1.0, step_s=0.1, data_s=0.0,
+                       fwd_bwd_s=0.1, comm_s=0.0, opt_s=0.0, samples=1, tokens=1, loss=1.0, grad_norm=1.0,
+                       local_grad_sq=1.0, lr=0.1, batch_size=1, mem_bytes=0, plan_version=0)
+    with _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM) as s:
+        s.sendto(forged.encode(), agent.telemetry_socket)
+
+    def mine_reporting():  # noqa: ANN202
+        jobs = {j["job"]: j for j in client.status()["jobs"]}
+        return "mine" in jobs and all(r.get("telemetry") for r in jobs["mine"]["ranks"])
+
+    wait_for(mine_reporting, what="the agent's own job's telemetry")
+    assert "stranger" not in {j["job"] for j in client.status()["jobs"]}
+    assert 'trainguard_telemetry_dropped_total{reason="unknown_job"}' in scrape(agent.metrics_url())
+    wait_for(lambda: client.job("mine")["state"] == "succeeded", 60, "the job to finish")
+    assert 'job="mine"' in scrape(agent.metrics_url())
+    wait_for(lambda: "mine" not in {j["job"] for j in client.status()["jobs"]}, 30, "the finished job forgotten")
+    assert 'job="mine"' not in scrape(agent.metrics_url()).replace('job="mine"} 0', "")
+    assert [e for e in client.events(since=0, limit=1000)["events"] if e["kind"] == "job_forgotten"]
+
+
+def test_a_bad_api_token_file_is_named_as_such(tmp_path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("short admin\n")
+    tokens.chmod(0o600)
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(f'[api]\ntoken_file = "{tokens}"\n[collectors]\nebpf = false\ngpu = false\n')
+    res = subprocess.run([sys.executable, "-m", "trainguard", "agent", "--state-dir", str(tmp_path / "s"), "--config",
+                          str(cfg), "--metrics-addr", ""], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert "api.token_file" in res.stderr and "peer_token_file" not in res.stderr, res.stderr

@@ -131,6 +131,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return Agent(cfg, config_path=path if os.path.exists(path) else None).run()
+    except ConfigError as exc:  # found at start (a token file's contents): still a config error
+        print(f"trainguard: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except OSError as exc:
         return _fail(f"agent could not start: {exc}")
 
