@@ -276,3 +276,26 @@ def test_pinned_cpu_hog_then_cpu_quota_are_attributed(harness_factory: Callable[
         h.agent.supervisor.stop(job, "test done", hard=True)
         for g in groups:
             g.remove()
+
+
+def test_exclusion_shrinks_dp_4_to_3_and_keeps_the_global_batch(harness_factory: Callable[..., Harness]) -> None:
+    """A rank that stays slow past exclude_after_s is excluded: the job restarts with dp 3 from its
+    checkpoint, the global batch stays 8 (3 + 3 + 2: uneven shares, exact gradient), it finishes."""
+    h = harness_factory(replace(FAST, include_run_delay=False, exclude_after_s=2.0))
+    job = "exclude"
+    h.submit(job, 4, trainer_spec(4, 220, ["slow:rank=3,factor=4,step=15"], batch=8))
+    assert h.run_until(lambda: bool(h.events("rank_excluded", job)), 150, job), "no exclusion"
+    ev = h.events("rank_excluded", job)[0]
+    assert ev["rank"] == 3 and ev["fields"]["action"] == "exclude", ev
+    rec = h.agent.supervisor.jobs[job]
+    assert rec.spec.nproc == 3 and rec.spec.trainer["parallel"]["dp"] == 3
+    assert rec.spec.trainer["global_batch"] == 8
+
+    def shrunk_world_reports() -> bool:
+        views = h.agent.table.snapshot().jobs.get(job, {})
+        live = {r: v for r, v in views.items() if v.world_size == 3}
+        return len(live) == 3 and sum(v.batch_size for v in live.values()) == 8
+
+    assert h.run_until(shrunk_world_reports, 120, job), "the dp=3 job does not report a global batch of 8"
+    assert h.run_until(lambda: h.agent.supervisor.jobs[job].state.finished, 240, job), "job did not finish"
+    assert h.agent.supervisor.jobs[job].state.value == "succeeded", h.agent.supervisor.jobs[job].reason

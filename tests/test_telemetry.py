@@ -297,7 +297,11 @@ def test_fuzzed_datagrams_over_real_socket(sockdir: str, sender: socket.socket) 
                         unspecified += 1
                     else:
                         expected[reason] = expected.get(reason, 0) + 1
-            wait_for(lambda: server.received_total == before_rx + len(items))
+            # Received is counted before decoding; wait until every datagram was also stored or dropped.
+            before_dropped = sum(before_drop.values())
+            wait_for(lambda: server.received_total == before_rx + len(items)
+                     and server.messages_total - before_ok + sum(server.dropped_total.values()) - before_dropped
+                     == len(items))
             assert server.messages_total - before_ok == len(good)
             delta = {k: v - before_drop.get(k, 0) for k, v in server.dropped_total.items()
                      if v != before_drop.get(k, 0)}

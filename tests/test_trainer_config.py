@@ -39,7 +39,7 @@ def test_round_trip_through_json() -> None:
     ({"precision": "fp8"}, "precision"),
     ({"activation_checkpointing": "some"}, "activation_checkpointing"),
     ({"steps": 1.5}, "steps"),
-    ({"parallel": {"dp": 3}, "global_batch": 8}, "global_batch"),
+    ({"parallel": {"dp": 3}, "global_batch": 2}, "global_batch"),
     ({"parallel": {"pp": 2, "microbatches": 3}, "global_batch": 8}, "parallel.microbatches"),
     ({"parallel": {"pp": 2}, "grad_accum": 2}, "grad_accum"),
     ({"parallel": {"pp": 4}, "model": {"layers": 2}}, "model.layers"),

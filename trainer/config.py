@@ -230,14 +230,17 @@ class TrainConfig:
         _check(m.heads % p.tp == 0, "parallel.tp", f"{p.tp} does not divide model.heads={m.heads}")
         _check(m.layers >= p.num_stages, "model.layers",
                f"{m.layers} < {p.num_stages} pipeline stages")
-        _check(self.global_batch % p.dp == 0, "global_batch",
-               f"{self.global_batch} is not divisible by parallel.dp={p.dp}")
-        local = self.global_batch // p.dp
+        # Shares may be uneven (a job shrunk to dp=3 keeps global_batch=8 as 3+3+2: the loss
+        # normalisation keeps the gradient that of the whole global batch, train.py).
+        quantum = p.microbatches if p.pp > 1 else 1
+        _check(self.global_batch >= p.dp * quantum, "global_batch",
+               f"{self.global_batch} gives some of the parallel.dp={p.dp} ranks no sample"
+               + (f" (each needs a multiple of parallel.microbatches={quantum})" if quantum > 1 else ""))
         if p.pp > 1:
             _check(self.grad_accum == 1, "grad_accum",
                    "must be 1 with parallel.pp > 1 (pipeline microbatches accumulate gradients)")
-            _check(local % p.microbatches == 0, "parallel.microbatches",
-                   f"{p.microbatches} does not divide the per-dp-rank batch {local}")
+            _check(self.global_batch % p.microbatches == 0, "parallel.microbatches",
+                   f"{p.microbatches} does not divide global_batch={self.global_batch}")
         if self.compression != "none":
             _check(p.uses_ddp, "compression",
                    f"{self.compression!r} needs a DDP run (parallel.dp_mode=ddp, dp>1, tp=pp=1)")

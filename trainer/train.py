@@ -128,7 +128,8 @@ class Trainer:
         # One optimizer per local stage, so each chunk's state can be saved and resharded on its own.
         self.optimizers = [self._make_optimizer(list(c.parameters())) for c in self.chunks]
         self.grad_meter = LocalGradMeter(self.chunks, lay.tp)
-        self.even_sizes = split_counts(cfg.global_batch, lay.dp)
+        quantum = cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1
+        self.even_sizes = [n * quantum for n in split_counts(cfg.global_batch // quantum, lay.dp)]
         self.batch_sizes = list(self.even_sizes)
         self._schedule: object | None = None
         self._schedule_batch = -1
