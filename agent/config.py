@@ -117,10 +117,15 @@ class TelemetrySection:
     min_queue: int = 0
     """Raise net.unix.max_dgram_qlen to at least this at start (root; host-wide; 0 leaves it). The
     kernel default of 10 queued datagrams loses telemetry at the sender whenever the agent stalls."""
+    max_foreign_jobs: int = 64
+    """At most this many jobs the agent did not launch are kept (more: their datagrams are dropped
+    and counted), so a local process inventing job ids cannot grow the agent's tables."""
 
     def validate(self, key: str) -> None:
         if self.ring < 16:
             raise ConfigError(f"{key}.ring", "must be >= 16")
+        if not (0 <= self.max_foreign_jobs <= 1 << 16):
+            raise ConfigError(f"{key}.max_foreign_jobs", "must be in [0, 65536]")
         if not (0 <= self.min_queue <= 1 << 20):
             raise ConfigError(f"{key}.min_queue", "must be in [0, 1048576]")
 

@@ -25,6 +25,7 @@ from trainguard.agent.jobs import JobSpec
 from trainguard.agent.launcher import LaunchContext, Launcher
 from trainguard.agent.paths import AgentPaths
 from trainguard.agent.plans import PlanStore
+from trainguard.agent.recovery.activity import descends_from
 from trainguard.agent.sdnotify import Notifier
 from trainguard.agent.supervisor import Supervisor
 
@@ -55,6 +56,8 @@ class Agent:
         """Telemetry messages other nodes forwarded here, per node (jobs spanning nodes)."""
         self.metrics_port: int | None = None
         self._external: dict[int, TrackedProcess] = {}
+        self._managed_pids: dict[str, frozenset[int]] = {}
+        self._sender_cache: dict[int, str] = {}
         self.api_tcp_port: int | None = None
 
     # --- start-up ---------------------------------------------------------------------------
@@ -69,7 +72,8 @@ class Agent:
             self.paths.events_dir, cfg.agent.node, max_bytes=cfg.eventlog.max_bytes, keep=cfg.eventlog.keep
         )
         self.table = RankTable(
-            RankTableConfig(ring=cfg.telemetry.ring, accept_unknown_jobs=cfg.telemetry.accept_unknown_jobs)
+            RankTableConfig(ring=cfg.telemetry.ring, accept_unknown_jobs=cfg.telemetry.accept_unknown_jobs,
+                            max_foreign_jobs=cfg.telemetry.max_foreign_jobs)
         )
         self.telemetry = TelemetryServer(
             self.paths.telemetry_socket, self.table, min_queue=cfg.telemetry.min_queue or None
@@ -85,6 +89,7 @@ class Agent:
             # Its own jobs' telemetry is kept even with telemetry.accept_unknown_jobs = false.
             on_submit=self.table.register_job,
         )
+        self.telemetry.sender_check = self._sender_ok
         self.telemetry.start()
         self._start_recovery()
         self._start_collectors()
@@ -329,7 +334,37 @@ class Agent:
             self._external = fresh
             self._ranks_changed(self.supervisor.tracked())
 
+    def _sender_ok(self, job: str, pid: int) -> bool:
+        """On the telemetry thread: may process ``pid`` report for ``job``? A job this agent launched
+        takes telemetry only from its rank processes or their descendants (a wrapper such as
+        ``bash -c``); other jobs' senders are not checked (see telemetry.max_foreign_jobs)."""
+        pids = self._managed_pids.get(job)
+        if pids is None:
+            return True
+        if pid in pids:
+            return True
+        if pid <= 0:
+            return False
+        known = self._sender_cache.get(pid)
+        if known is not None:
+            return known == job
+        ok = descends_from(pid, pids)
+        if ok:
+            if len(self._sender_cache) > 4096:
+                self._sender_cache.clear()
+            self._sender_cache[pid] = job
+        return ok
+
     def _ranks_changed(self, processes: dict[int, TrackedProcess]) -> None:
+        sup = getattr(self, "supervisor", None)
+        if sup is not None:
+            managed: dict[str, set[int]] = {j: set() for j, r in sup.jobs.items() if not r.state.finished}
+            for p in processes.values():
+                if p.job in managed:
+                    managed[p.job].add(p.pid)
+            # Replaced whole: the telemetry thread reads it without a lock.
+            self._managed_pids = {j: frozenset(v) for j, v in managed.items()}
+            self._sender_cache = {}
         processes = {**getattr(self, "_external", {}), **processes}
         for c in self.collectors:
             try:

@@ -31,6 +31,8 @@ class RankTableConfig:
     """Keep telemetry from jobs nobody registered (e.g. torchrun jobs pointed at the socket)."""
     max_ranks: int = 65536
     """Upper bound on (job, rank) entries, so a sender inventing ids cannot grow the agent without end."""
+    max_foreign_jobs: int = 64
+    """Upper bound on jobs nobody registered (not launched by this agent) kept at once."""
 
     def __post_init__(self) -> None:
         for key in ("ring", "window", "max_ranks"):
@@ -255,9 +257,13 @@ class RankTable:
                 ranks = jobs.get(msg.job)
                 state = ranks.get(msg.rank) if ranks is not None else None
                 if state is None:
-                    if ranks is None and not self.config.accept_unknown_jobs and msg.job not in self._registered:
-                        rejected["unknown_job"] = rejected.get("unknown_job", 0) + 1
-                        continue
+                    if ranks is None and msg.job not in self._registered:
+                        if not self.config.accept_unknown_jobs:
+                            rejected["unknown_job"] = rejected.get("unknown_job", 0) + 1
+                            continue
+                        if sum(1 for j in jobs if j not in self._registered) >= self.config.max_foreign_jobs:
+                            rejected["foreign_limit"] = rejected.get("foreign_limit", 0) + 1
+                            continue
                     if self._count >= self.config.max_ranks:
                         rejected["table_full"] = rejected.get("table_full", 0) + 1
                         continue

@@ -5,6 +5,12 @@ Linux caps how many datagrams wait on a unix datagram socket at ``net.unix.max_d
 finds the queue full drops its message (the sender never blocks). So the receiver thread empties
 the queue first and decodes afterwards, a short batch at a time, and wakes the instant data
 arrives. ``ensure_dgram_qlen`` lets the daemon raise the cap before the socket is created.
+
+Who sent a datagram is known from the kernel, not from the message: the socket has SO_PASSCRED
+set, so every datagram comes with its sender's pid (SCM_CREDENTIALS, which an unprivileged process
+cannot forge). ``sender_check(job, pid)`` (installed by the daemon) says whether that pid may
+report for that job: a job the agent launched takes telemetry only from its own rank processes
+(or their descendants); anything else is dropped and counted as ``forged``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import select
 import socket
 import stat
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -37,6 +44,16 @@ _QLEN_SYSCTL = "sys/net/unix/max_dgram_qlen"
 _DECODE_BATCH = 8
 _PENDING_MAX = 4096
 _RCVBUF_BYTES = 8 << 20
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_CMSG_SPACE = socket.CMSG_SPACE(_CREDS.size)
+
+
+def _sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int:
+    """The sending process's pid from SCM_CREDENTIALS (0 when the kernel sent none)."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CREDS.size:
+            return int(_CREDS.unpack_from(data)[0])
+    return 0
 
 
 def read_dgram_qlen(proc_root: str = "/proc") -> int | None:
@@ -109,6 +126,8 @@ class TelemetryServer:
         self.min_queue = min_queue
         self.table = table
         self.on_message = on_message
+        self.sender_check: Callable[[str, int], bool] | None = None
+        """``(job, sender pid) -> allowed``; None: every sender is taken at its word."""
         self.mode = mode
         self._clock = clock
         self._proc_root = proc_root
@@ -149,6 +168,7 @@ class TelemetryServer:
                 except OSError:
                     continue
             sock.bind(self.path)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         except BaseException:
             sock.close()
             raise
@@ -237,19 +257,20 @@ class TelemetryServer:
     def _run(self) -> None:
         sock = self._sock
         assert sock is not None
-        recv = sock.recv
+        recvmsg = sock.recvmsg
         bufsize = MAX_DATAGRAM_BYTES + 1  # one byte more, so an oversized datagram shows as such
         poller = select.poll()
         poller.register(sock.fileno(), select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
         stopping = self._stopping
-        pending: list[bytes] = []
+        pending: list[tuple[bytes, int]] = []
         while not stopping.is_set():
             # Empty the kernel queue into our own list first (a recv is ~1 us, a decode ~10 us),
             # then decode a few and look at the queue again: senders find room sooner.
             try:
                 while len(pending) < _PENDING_MAX:
-                    pending.append(recv(bufsize))
+                    data, ancillary, _flags, _addr = recvmsg(bufsize, _CMSG_SPACE)
+                    pending.append((data, _sender_pid(ancillary)))
             except (BlockingIOError, InterruptedError):
                 pass
             except OSError as exc:  # should not happen on a bound datagram socket; do not spin
@@ -261,13 +282,18 @@ class TelemetryServer:
                 continue
             poller.poll(self._poll_ms)
 
-    def _ingest(self, batch: list[bytes]) -> None:
+    def _ingest(self, batch: list[tuple[bytes, int]]) -> None:
         self.received_total += len(batch)
         good: list[Telemetry] = []
         dropped = self.dropped_total
-        for data in batch:
+        check = self.sender_check
+        for data, sender in batch:
             try:
-                good.append(decode_telemetry(data))
+                msg = decode_telemetry(data)
+                if check is not None and not check(msg.job, sender):
+                    dropped["forged"] = dropped.get("forged", 0) + 1
+                    continue
+                good.append(msg)
             except WireError as exc:
                 dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
             except Exception:  # a decoder bug must cost one message, not the receiver thread

@@ -182,3 +182,38 @@ def test_a_bad_api_token_file_is_named_as_such(tmp_path) -> None:
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert res.returncode == 2, (res.stdout, res.stderr)
     assert "api.token_file" in res.stderr and "peer_token_file" not in res.stderr, res.stderr
+
+
+def test_telemetry_for_a_launched_job_only_from_its_ranks(agent_factory) -> None:
+    """The kernel names each datagram's sender (SO_PASSCRED): a local process forging steps for a
+    job the agent launched is dropped and counted; jobs it did not launch are limited in number."""
+    import socket as _socket
+
+    from trainguard.agent.wire import Telemetry
+
+    agent = agent_factory(config="[agent]\ninterval_s = 0.2\n[telemetry]\nmax_foreign_jobs = 1\n[collectors]\ngpu = false\n")
+    client = agent.client()
+    client.submit_job({"job": "owned", "nproc": 2, "command": FAKE, "env": {"FAKE_STEPS": "2000", "FAKE_STEP_S": "0.02"}})
+
+    def msg(job: str, step: int) -> bytes:
+        return Telemetry(job=job, rank=0, local_rank=0, pid=os.getpid(), step=step, wall_time=1.0, step_s=0.1,
+                         data_s=0.0, fwd_bwd_s=0.1, comm_s=0.0, opt_s=0.0, samples=1, tokens=1, loss=1.0, grad_norm=1.0,
+                         local_grad_sq=1.0, lr=0.1, batch_size=1, mem_bytes=0, plan_version=0).encode()
+
+    def ranks() -> dict:  # noqa: ANN202
+        return {r["rank"]: r for j in client.status()["jobs"] if j["job"] == "owned" for r in j["ranks"]}
+
+    wait_for(lambda: all(r.get("telemetry") for r in ranks().values()) and len(ranks()) == 2, what="owned ranks")
+    with _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM) as s:
+        for _ in range(3):
+            s.sendto(msg("owned", 999_999), agent.telemetry_socket)
+        s.sendto(msg("foreign-a", 1), agent.telemetry_socket)
+        s.sendto(msg("foreign-b", 1), agent.telemetry_socket)
+    wait_for(lambda: 'reason="foreign_limit"' in scrape(agent.metrics_url()), what="the foreign-job limit")
+    text = scrape(agent.metrics_url())
+    forged = [ln for ln in text.splitlines() if ln.startswith('trainguard_telemetry_dropped_total{reason="forged"}')]
+    assert forged and float(forged[0].split()[-1]) == 3.0, forged
+    assert ranks()[0]["telemetry"]["step"] < 999_999
+    jobs = {j["job"] for j in client.status()["jobs"]}
+    assert "foreign-a" in jobs and "foreign-b" not in jobs
+    client.stop_job("owned")
