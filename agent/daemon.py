@@ -358,12 +358,10 @@ class Agent:
     def _ranks_changed(self, processes: dict[int, TrackedProcess]) -> None:
         sup = getattr(self, "supervisor", None)
         if sup is not None:
-            managed: dict[str, set[int]] = {j: set() for j, r in sup.jobs.items() if not r.state.finished}
-            for p in processes.values():
-                if p.job in managed:
-                    managed[p.job].add(p.pid)
-            # Replaced whole: the telemetry thread reads it without a lock.
-            self._managed_pids = {j: frozenset(v) for j, v in managed.items()}
+            # Every rank of the current attempt, alive or not: a rank's last datagrams may still be
+            # queued when it exits. Replaced whole: the telemetry thread reads it without a lock.
+            self._managed_pids = {j: frozenset(r.pid for r in rec.ranks)
+                                  for j, rec in list(sup.jobs.items()) if not rec.state.finished}
             self._sender_cache = {}
         processes = {**getattr(self, "_external", {}), **processes}
         for c in self.collectors:

@@ -88,6 +88,30 @@ def test_slow_rank_detected_within_window_and_recovers_with_hysteresis() -> None
     assert det.score(2) > cfg.leave_score and det.state(2) == RankState.HEALTHY
 
 
+def test_straggler_standing_carries_over_a_restart() -> None:
+    """The job restarts (steps go back to a checkpoint) while rank 2 is a straggler: after the
+    warm-up it is a straggler again without a second detection, and its episode keeps its start."""
+    cfg = StragglerConfig(window=12, warmup_steps=5, enter_windows=2, leave_windows=2, eval_every_steps=4)
+    rng = random.Random(4)
+    before = {r: _steps(rng, 0, 100, 0.01) for r in range(4)}
+    before[2] = [StepSample(s.step, s.fwd_bwd_s * 2, s.opt_s, s.samples) for s in before[2]]
+    det = StragglerDetector(cfg)
+    trans = _run(det, before, 100)
+    assert [t.rank for t in trans if t.detected] == [2] and det.state(2) == RankState.STRAGGLER
+    since = det.straggler_since(2)
+    # Restart from a checkpoint at step 60: fresh steps 60.. (rank 2 still slow).
+    after = {r: _steps(rng, 60, 140, 0.01) for r in range(4)}
+    after[2] = [StepSample(s.step, s.fwd_bwd_s * 2, s.opt_s, s.samples) for s in after[2]]
+    later = []
+    for end in range(64, 141, 4):
+        inputs = {r: RankInput(r, 0, r, [s for s in steps if s.step < end]) for r, steps in after.items()}
+        later += det.evaluate(inputs, float(1000 + end)).transitions
+    assert [t.new for t in later if t.rank == 2][:2] == [RankState.WARMUP, RankState.STRAGGLER]
+    assert not [t for t in later if t.detected], later
+    assert det.state(2) == RankState.STRAGGLER and det.straggler_since(2) == since
+    assert all(det.state(r) == RankState.HEALTHY for r in (0, 1, 3))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_no_false_positive_on_noisy_healthy_run(seed: int) -> None:
     """300 steps of 8 ranks with log-normal jitter and random spikes: never a straggler."""

@@ -271,7 +271,7 @@ def bad_datagrams(draw: st.DrawFn) -> tuple[bytes, str | None]:
 
 def test_fuzzed_datagrams_over_real_socket(sockdir: str, sender: socket.socket) -> None:
     path = os.path.join(sockdir, "t.sock")
-    table = RankTable()
+    table = RankTable(RankTableConfig(max_foreign_jobs=1 << 16))  # hypothesis invents many job ids
     server = TelemetryServer(path, table)
     server.start()
     try:

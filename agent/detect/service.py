@@ -299,6 +299,10 @@ class StragglerService:
         min_step = min(views[r].step for r in live)
         if not st.policy.settled(min_version, min_step):
             return
+        if any(st.detector.state(r) == RankState.WARMUP for r in live):
+            # A rank not judged yet (the job just (re)started): keep the split in force. Undoing it
+            # here would hand a straggler whose standing carried over the restart its full share.
+            return
         slow = any(st.detector.state(r) in (RankState.STRAGGLER, RankState.RECOVERING) for r in live)
         slowest: dict[int, RankFigures] = {}  # dp replica -> its slowest member
         for fig in figures.values():

@@ -56,7 +56,9 @@ class RankState(enum.Enum):
 
 
 _ALLOWED: dict[RankState, frozenset[RankState]] = {
-    RankState.WARMUP: frozenset({RankState.HEALTHY}),
+    # WARMUP -> STRAGGLER: a straggler before its job restarted is one again after the warm-up,
+    # without a second detection (its standing carries over the restart).
+    RankState.WARMUP: frozenset({RankState.HEALTHY, RankState.STRAGGLER}),
     RankState.HEALTHY: frozenset({RankState.SUSPECT, RankState.STRAGGLER, RankState.WARMUP}),
     RankState.SUSPECT: frozenset({RankState.HEALTHY, RankState.STRAGGLER, RankState.WARMUP}),
     RankState.STRAGGLER: frozenset({RankState.RECOVERING, RankState.HEALTHY, RankState.WARMUP}),
@@ -149,6 +151,7 @@ class _Track:
     last_step: int = -1
     score: float = 1.0
     since: float | None = None  # when it became a straggler
+    carried_since: float | None = None  # a straggler when its job restarted: since when
 
 
 @dataclass(frozen=True)
@@ -288,6 +291,8 @@ class StragglerDetector:
             first, last = inp.steps[0].step, inp.steps[-1].step
             if t.base_step is None or last < t.last_step:
                 if t.base_step is not None:
+                    if t.state in (RankState.STRAGGLER, RankState.RECOVERING):
+                        t.carried_since = t.since
                     self._move(rank, t, RankState.WARMUP, now, result.transitions)
                 t.base_step = first if t.base_step is None else last
             t.last_step = last
@@ -318,6 +323,12 @@ class StragglerDetector:
         well = score >= cfg.leave_score or not significant
         s = t.state
         if s == RankState.WARMUP:
+            carried, t.carried_since = t.carried_since, None
+            if carried is not None and not well:
+                # Still slow after the restart: a straggler as before (same episode, same since).
+                self._move(rank, t, RankState.STRAGGLER, now, out)
+                t.since = carried
+                return
             self._move(rank, t, RankState.HEALTHY, now, out)
             s = t.state
         if s in (RankState.HEALTHY, RankState.SUSPECT):
