@@ -207,8 +207,15 @@ class Agent:
         from trainguard.agent.api.handler import ApiError
 
         rank = target.get("rank")
+        node = target.get("node")
+        if node is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            if getattr(self.cluster, "gangs", None) is None:
+                raise ApiError(409, f"node {node} is the only node of this agent's job: there is nowhere to move its "
+                                    "ranks; drain a rank instead (its data-parallel replica leaves the job)")
+            raise ApiError(501, "draining a node of a cluster job is not built yet: stop the agent on that node "
+                                "(its lease expires and the leader moves the job)")
         if isinstance(rank, bool) or not isinstance(rank, int):
-            raise ApiError(400, "drain needs {\"rank\": N} on a single-node agent")
+            raise ApiError(400, "drain needs {\"rank\": N} (or {\"node\": NAME} in a cluster)")
         if not self.recovery.exclude_rank(job, rank, "drained by an operator"):
             raise ApiError(409, f"job {job}: rank {rank} cannot be drained (data parallelism is already 1)")
         return {"job": job, "drained_rank": rank}

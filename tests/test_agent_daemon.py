@@ -217,3 +217,14 @@ def test_telemetry_for_a_launched_job_only_from_its_ranks(agent_factory) -> None
     jobs = {j["job"] for j in client.status()["jobs"]}
     assert "foreign-a" in jobs and "foreign-b" not in jobs
     client.stop_job("owned")
+
+
+def test_draining_the_only_node_is_refused_with_the_reason(agent_factory) -> None:
+    agent = agent_factory(config="[collectors]\ngpu = false\nebpf = false\n")
+    client = agent.client()
+    client.submit_job({"job": "one", "nproc": 2, "command": FAKE, "env": {"FAKE_STEPS": "500", "FAKE_STEP_S": "0.02"}})
+    node = client.status()["node"]
+    with pytest.raises(ApiClientError) as err:
+        client.drain("one", node=node)
+    assert err.value.status == 409 and "nowhere to move its ranks" in str(err.value)
+    client.stop_job("one")
