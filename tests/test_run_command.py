@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from trainguard.agent import waiting
+
 REPO = Path(__file__).resolve().parents[1]
 PLAIN = str(REPO / "examples" / "ddp_plain.py")
 API = str(REPO / "examples" / "ddp_api.py")
@@ -41,13 +43,7 @@ def run_cli(agent: Any, cwd: Path, *args: str) -> subprocess.Popen[str]:
 
 
 def wait_for(pred: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return waiting.wait_for(pred, timeout, what)
 
 
 def rank_pid(agent: Any, job: str, rank: int) -> int | None:

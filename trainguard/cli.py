@@ -258,14 +258,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.job:
         spec["job"] = args.job
     job = client.submit_job(spec)
+    if _submitted_only(job, args):
+        return 0
+    return follow_job(client, job, json_out=args.json)
+
+
+def _submitted_only(job: str, args: argparse.Namespace) -> bool:
+    """Say where a submitted job went when the command does not follow it (a cluster job, --detach)."""
     if args.nodes > 1:
         print(f"{job}: recorded in the cluster; the leader places it on {args.nodes} nodes "
               "(`trainguard status` on any agent shows where it runs)")
-        return 0
+        return True
     if args.detach:
         print(job)
-        return 0
-    return follow_job(client, job, json_out=args.json)
+        return True
+    return False
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -296,12 +303,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ApiClientError as exc:  # no agent: say how to get one, not a traceback
         return _fail(f"{exc}; or run without one: trainguard run --standalone ...")
     job = client.submit_job(spec)
-    if args.nodes > 1:
-        print(f"{job}: recorded in the cluster; the leader places it on {args.nodes} nodes "
-              "(`trainguard status` on any agent shows where it runs)")
-        return 0
-    if args.detach:
-        print(job)
+    if _submitted_only(job, args):
         return 0
     return follow(client, job)
 
