@@ -362,7 +362,11 @@ class Supervisor:
             return
         if any(r.exit_code not in (0, None) for r in ended):
             dead = [r for r in ended if r.exit_code != 0]
-            record.failure_code = dead[0].exit_code
+            # Reaped together, the rank that failed first is the likelier one not to exit 1: its peers
+            # die of the broken collective with a Python error (exit 1) right after it.
+            first = next((r for r in dead if r.exit_code != 1), dead[0])
+            record.failure_code = first.exit_code
+            dead = [first, *[r for r in dead if r is not first]]
             self.restart(record.job, cause=f"rank {dead[0].rank} died")
         elif all(not r.alive for r in record.ranks) and all(r.exit_code == 0 for r in record.ranks):
             # The event first: a reader that sees SUCCEEDED must also find it.

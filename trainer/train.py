@@ -139,7 +139,8 @@ class Trainer:
         self.faults = self._setup_faults()
         self._peak = peak_flops(self.device)
         if self.run_handle is None:
-            self.run_handle = init(job=self.env.job, dp_rank=lay.dp_rank, dp_size=lay.dp)
+            # Every step: its steps are long next to one store round trip, and migrations settle faster.
+            self.run_handle = init(job=self.env.job, dp_rank=lay.dp_rank, dp_size=lay.dp, plan_every=1)
         # The agent picked (and verified) the newest checkpoint across its tiers for this attempt.
         restored = self.run_handle.restore(self.checkpoint_state())
         if restored:

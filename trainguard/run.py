@@ -423,11 +423,13 @@ def _rss_bytes() -> int:
 
 
 def init(*, job: str | None = None, dp_rank: int | None = None, dp_size: int | None = None,
-         batch_size: int | None = None, environ: Mapping[str, str] | None = None) -> Run:
+         batch_size: int | None = None, plan_every: int = 4, environ: Mapping[str, str] | None = None) -> Run:
     """This rank's ``Run``. Reads the environment its launcher set (``trainguard run``, torchrun or
     nothing). ``dp_rank``/``dp_size``: this rank's data-parallel position when not every rank is
     a data-parallel replica (tensor or pipeline parallelism); default RANK/WORLD_SIZE.
     ``batch_size``: this rank's own samples per step, what ``run.plan.batch_size`` says until the
-    agent moves samples between ranks. Never raises for a missing agent."""
+    agent moves samples between ranks. ``plan_every``: steps between two looks at the agent's plan
+    (one store round trip each; a plan takes effect within ``2 x plan_every`` steps). Never raises
+    for a missing agent."""
     env = RunEnvironment.from_environ(environ, job=job)
-    return Run(env, dp_rank=dp_rank, dp_size=dp_size, batch_size=batch_size)
+    return Run(env, dp_rank=dp_rank, dp_size=dp_size, batch_size=batch_size, plan_every=plan_every)
