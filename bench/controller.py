@@ -130,7 +130,7 @@ class Loop:
             self.agent = SimpleNamespace(
                 table=RankTable(), plans=PlanStore(os.path.join(workdir, "plans")),
                 events=EventLog(os.path.join(workdir, "events"), "bench"), tick_hooks=[],
-                supervisor=SimpleNamespace(jobs={JOB: SimpleNamespace(spec=SimpleNamespace(trainer=cfg.to_dict()))}))
+                supervisor=SimpleNamespace(jobs={JOB: SimpleNamespace(spec=SimpleNamespace(trainer=cfg.to_dict()), decides_here=True)}))
             self.agent.plans.reset(JOB)
             self.controller = install(self.agent, controller)
             self.watcher = PlanWatcher(self.agent.plans.path(JOB))

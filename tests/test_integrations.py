@@ -39,7 +39,6 @@ def _restored(agent: Any, job: str) -> int:
 
 
 def test_lightning_callback_resumes_from_the_memory_tier(agent_factory: Any, tmp_path: Path) -> None:
-    pytest.importorskip("lightning")
     agent = agent_factory(config=CONFIG)
     cli = run_cli(agent, tmp_path, "--nproc", "2", "--job", "lit", "--", sys.executable,
                   str(REPO / "examples" / "lightning_train.py"), "--steps", "2500")
@@ -61,7 +60,6 @@ def test_lightning_callback_resumes_from_the_memory_tier(agent_factory: Any, tmp
 
 
 def test_hf_callback_resumes_from_the_memory_tier(agent_factory: Any, tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
     agent = agent_factory(config=CONFIG)
     cli = run_cli(agent, tmp_path, "--nproc", "2", "--job", "hft", "--", sys.executable,
                   str(REPO / "examples" / "hf_train.py"), "--steps", "3000", "--output-dir", str(tmp_path / "out"))

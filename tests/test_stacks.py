@@ -9,8 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from trainguard.agent.recovery.stacks import RankProbe, probe, process_state, py_spy_path
 
 
@@ -33,10 +31,10 @@ def test_a_failing_py_spy_reports_its_error_not_an_empty_stack(tmp_path: Path) -
     assert got.state.startswith(("R", "S"))
 
 
-@pytest.mark.skipif(py_spy_path() is None, reason="py-spy is a dependency; without it the error path above is what runs")
 def test_a_stopped_process_gets_its_python_stack_and_stays_stopped(tmp_path: Path) -> None:
     script = tmp_path / "sleeper.py"
     script.write_text("import time\n\ndef waiting_here():\n    time.sleep(60)\n\nwaiting_here()\n")
+    assert py_spy_path() is not None, "py-spy is a dependency of trainguard"
     proc = subprocess.Popen([sys.executable, str(script)])
     try:
         time.sleep(1.0)

@@ -213,6 +213,8 @@ class RecoveryService:
                       now: float) -> Finding | None:
         """A user's command: hung only on the evidence it gives (see the module docstring)."""
         job, spec = record.job, record.spec
+        if spec.hang_timeout_s <= 0 and max_step < 0:
+            return None  # silent and no --hang-timeout: nothing to judge, no /proc scan
         idle = self.activity.observe(job, [r.pid for r in record.ranks if r.alive], now)
         if spec.hang_timeout_s > 0 and idle >= spec.hang_timeout_s:
             self.activity.forget(job)

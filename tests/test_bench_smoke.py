@@ -1,0 +1,33 @@
+"""Every benchmark in its quick form runs to its RESULT line, so none rots unseen (bench/controller.py
+once crashed for months behind a stale fake). Figures come from the full runs in BENCHMARKS.md,
+never from here: this checks that the scripts run and report, not what they measure."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def result_line(stdout: str) -> dict[str, str]:
+    last = stdout.strip().splitlines()[-1] if stdout.strip() else ""
+    assert last.startswith("RESULT "), stdout[-2000:]
+    return dict(kv.split("=", 1) for kv in last.removeprefix("RESULT ").split())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bench", ["ingest", "controller", "straggler", "recovery", "overhead", "cluster"])
+def test_quick_bench_runs_to_its_result_line(bench: str) -> None:
+    out = subprocess.run([sys.executable, f"bench/{bench}.py", "--quick"], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    result = result_line(out.stdout)
+    ratios = {k: v for k, v in result.items() if k.endswith("_ratio")}
+    assert ratios, result  # every bench's headline is a ratio (bench contract, SPEC.md)
+    for key, value in ratios.items():
+        assert not math.isnan(float(value)), (key, value)
