@@ -15,6 +15,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+CPU_ISOLATION = "cpu_isolation"
+"""xdist group of the tests that pin processes to CPUs, raise cgroup CPU weights and judge timing
+against that: two of them at once on the 2-core machine contend with each other's hogs (CI saw a
+hog-sharing rank blamed on "unknown" because the other worker's hogs slowed its healthy peer too)."""
+
 
 @dataclass
 class RunningAgent:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import CPU_ISOLATION
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -21,7 +23,13 @@ def result_line(stdout: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bench", ["ingest", "controller", "straggler", "recovery", "overhead", "cluster"])
+@pytest.mark.parametrize("bench", ["ingest", "controller",
+                                   # these two pin processes to CPUs and raise CPU weights: they run
+                                   # one at a time with the other tests that do (conftest.CPU_ISOLATION)
+                                   pytest.param("straggler", marks=pytest.mark.xdist_group(CPU_ISOLATION)),
+                                   "recovery",
+                                   pytest.param("overhead", marks=pytest.mark.xdist_group(CPU_ISOLATION)),
+                                   "cluster"])
 def test_quick_bench_runs_to_its_result_line(bench: str) -> None:
     out = subprocess.run([sys.executable, f"bench/{bench}.py", "--quick"], cwd=REPO, capture_output=True, text=True,
                          timeout=600)

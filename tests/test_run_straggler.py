@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import CPU_ISOLATION
 from tests.test_run_command import events, wait_for
 from tests.test_straggler_real import CpuCgroup, _pin
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(CPU_ISOLATION)]
 
 CONFIG = """\
 [agent]

@@ -20,10 +20,13 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import CPU_ISOLATION
 from trainguard.agent.config import AgentConfig, apply_state_dir
 from trainguard.agent.daemon import Agent
 from trainguard.agent.detect import StragglerConfig, StragglerService, install
 from trainguard.agent.jobs import JobSpec
+
+pytestmark = pytest.mark.xdist_group(CPU_ISOLATION)
 
 CACHE = os.environ.get("TRAINGUARD_CACHE") or os.path.expanduser("~/.cache/trainguard")
 
