@@ -15,7 +15,15 @@ from trainguard.agent.detect.causes import Evidence, attribute
 from trainguard.agent.detect.config import DetectionConfigError, StragglerConfig
 from trainguard.agent.detect.evidence import ProcReader, RankEvidence
 from trainguard.agent.detect.service import METRICS, install
-from trainguard.agent.detect.straggler import RankInput, RankState, StepSample, StragglerDetector, mad, median
+from trainguard.agent.detect.straggler import (
+    RankInput,
+    RankState,
+    StepSample,
+    StragglerDetector,
+    fit_cost,
+    mad,
+    median,
+)
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.plans import PlanStore
 from trainguard.agent.ranktable import RankTable
@@ -368,3 +376,19 @@ def test_install_is_idempotent(sim_agent: Any) -> None:
     again = install(sim_agent, StragglerConfig(window=8))
     assert again is first and first.config.window == 8
     assert sim_agent.tick_hooks == [first] and sim_agent.exporter.sources == [first]
+
+
+def test_cost_fit_needs_batch_sizes_far_enough_apart() -> None:
+    """A slope from two nearly equal batch sizes is the step-to-step noise: no fit (per-sample time
+    is used instead). Sizes a quarter apart give the line back, intercept included."""
+    rng = random.Random(3)
+
+    def steps(sizes: list[int]) -> list[tuple[int, float]]:  # 30 ms fixed + 1 ms a sample, +-2 ms noise
+        return [(n, 0.030 + 0.001 * n + rng.uniform(-0.002, 0.002)) for n in sizes for _ in range(6)]
+
+    assert fit_cost(steps([36, 37])) is None
+    fit = fit_cost(steps([16, 32]))
+    assert fit is not None
+    intercept, slope = fit
+    assert 0.0008 < slope < 0.0012 and 0.022 < intercept < 0.038, fit
+    assert fit_cost(steps([16])) is None

@@ -1,21 +1,39 @@
-"""`trainguard demo`: an agent and a 4-rank training job of the bundled GPT, with a rank killed
-and a rank made slow, healed live, and a summary at the end. Everything runs under one temporary
-state directory (printed, so `trainguard top --state-dir DIR` can watch it from another terminal).
+"""`trainguard demo`: an agent and a 4-rank training job of the bundled GPT, hit from outside the
+way a node hits a job, healed live, and a verdict that checks each heal.
+
+The demo plays the node (nothing is injected by the trainer itself):
+  1. once the job runs, rank 2's process is put into a CPU cgroup with a quota (a node-level cause
+     the collectors see as cgroup throttling); the quota follows rank 2 across the restart, as a
+     node's slow slot would;
+  2. once the agent has migrated samples away from rank 2 and the job has run on a while, rank 1
+     gets SIGKILL.
+"demo passed" needs all of: the kill healed (job resumed from a checkpoint and finished), the
+straggler detected on rank 2 with the cause the collectors saw, samples migrated off it, the
+migration kept across the restart, and the job's step rate regained (measured: healthy, slowed,
+migrated). Without root or a CPU cgroup the trainer's own slow fault stands in and the cause
+check is left out, saying so.
+
+Everything runs under one temporary state directory (printed, so `trainguard top --state-dir DIR`
+can watch it from another terminal).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from trainguard.nodefaults import CpuCgroup, cpu_cgroup_unavailable
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,6 +54,19 @@ HEAL_KINDS = {
     "straggler_detected", "straggler_recovered", "shard_migration", "rank_excluded", "controller_decision",
     "checkpoint_write_failed", "crash_loop", "oom_kill",
 }
+
+SLOW_RANK, KILL_RANK, NPROC = 2, 1, 4
+GLOBAL_BATCH = 128
+"""Per-sample work large against each step's fixed cost (optimizer, all-reduce), as in real
+training: a throttled rank then gets faster when samples move off it."""
+QUOTA_CPU = 0.25
+"""rank 2's CPU quota: with 4 ranks on 2 cores each gets about half a CPU, so this is ~2.5x slower."""
+SLOW_AT = 40
+"""First step under the quota (after the detector's warm-up and a healthy stretch to measure)."""
+SETTLE_STEPS = 12
+"""Steps after a change before its step rate counts (the plan applies, the windows refill)."""
+REGAINED_MIN = 0.25
+"""Share of the step rate lost to the quota that migration must win back for the verdict."""
 
 
 def _wait(pred: Any, timeout: float) -> Any:
@@ -60,18 +91,22 @@ def _start_agent(state: Path) -> subprocess.Popen[bytes]:
     )
 
 
-def _job_spec(quick: bool) -> dict[str, Any]:
+def _steps(quick: bool) -> int:
+    return 200 if quick else 320
+
+
+def _job_spec(quick: bool, faults: list[str]) -> dict[str, Any]:
+    # Function-local: keeps torch (the trainer config imports it) out of `trainguard --help`.
     from trainguard.trainer.config import config_from_cli
 
-    steps = 160 if quick else 300
-    faults = ["slow:rank=2,factor=2.5,step=30", f"kill:rank=1,step={steps // 2}"]
     trainer = config_from_cli(
-        nproc=4,
-        steps=steps,
+        nproc=NPROC,
+        steps=_steps(quick),
         faults=faults,
-        overrides=["model.layers=2", "model.d_model=64", "model.context=64", "global_batch=16", "data.max_bytes=4000000", "val_every=50"],
+        overrides=["model.layers=2", "model.d_model=64", "model.context=64", f"global_batch={GLOBAL_BATCH}",
+                   "data.max_bytes=4000000", "val_every=50"],
     )
-    return {"job": "demo", "nproc": 4, "trainer": trainer, "faults": faults, "max_restarts": 3}
+    return {"job": "demo", "nproc": NPROC, "trainer": trainer, "faults": faults, "max_restarts": 3}
 
 
 def _fmt_score(score: Any) -> str:
@@ -84,23 +119,175 @@ def _describe(e: dict[str, Any]) -> str:
     return f"  {stamp} {e['kind']:<20} {e['message']}{cause}"
 
 
-def _summary(client: Any, job: str, started: float, out: Any, kernel: dict[str, Any] | None = None) -> dict[str, Any]:
+@dataclass
+class NodeLog:
+    """What the node did and saw, for the verdict: (time, job step) samples and the moments that
+    bound the phases the step rate is measured over."""
+
+    samples: list[tuple[float, int]] = field(default_factory=list)
+    slowed: tuple[float, int] | None = None
+    killed: tuple[float, int] | None = None
+    lines: list[str] = field(default_factory=list)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """The job's ranks as last seen while it ran with straggler scores (they go when it ends)."""
+    kernel: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class Node(threading.Thread):
+    """Plays the node: throttles rank 2 (and its replacement after the restart), kills rank 1 once
+    the migration has run a while, and samples the job's progress."""
+
+    def __init__(self, client: Any, job: str, steps: int, throttle: bool) -> None:
+        super().__init__(daemon=True, name="demo-node")
+        self.client, self.job, self.steps = client, job, steps
+        self.throttle = throttle
+        self.log = NodeLog()
+        self.group: CpuCgroup | None = None
+        self.throttled_pids: set[int] = set()
+        self.done = threading.Event()
+
+    def say(self, text: str) -> None:
+        self.log.lines.append(f"  {time.strftime('%H:%M:%S')} node: {text}")
+
+    def run(self) -> None:
+        try:
+            while not self.done.is_set():
+                self._tick()
+                self.done.wait(0.25)
+        except Exception as exc:  # the demo's verdict reports it; the agent and job are not ours to crash
+            self.log.error = f"{type(exc).__name__}: {exc}"
+
+    def _tick(self) -> None:
+        st = self.client.status()
+        job = {j["job"]: j for j in st["jobs"]}.get(self.job)
+        if job is None or job["state"] in ("succeeded", "failed", "stopped"):
+            return
+        ranks = {r["rank"]: r for r in job["ranks"]}
+        steps = [r["telemetry"]["step"] for r in ranks.values() if r.get("telemetry")]
+        if len(steps) < NPROC:
+            return
+        now, step = time.time(), min(steps)
+        self.log.samples.append((now, step))
+        if any("straggler_score" in (r.get("telemetry") or {}) for r in ranks.values()):
+            self.log.ranks = [dict(r) for r in job["ranks"]]
+        if any(k.startswith(f"{self.job} rank") for k in st.get("kernel", {}).get("runqueue", {})):
+            self.log.kernel = st["kernel"]
+        if not self.throttle and self.log.slowed is None and step >= SLOW_AT:
+            self.log.slowed = (now, step)  # the trainer's own slow fault starts there
+        slow = ranks.get(SLOW_RANK)
+        if self.throttle and slow is not None and step >= SLOW_AT - 1 and slow["pid"] not in self.throttled_pids:
+            if self.group is None:
+                self.group = CpuCgroup("trainguard-demo")
+                self.group.quota(QUOTA_CPU)
+            self.group.add(slow["pid"])
+            self.throttled_pids.add(slow["pid"])
+            if self.log.slowed is None:
+                self.log.slowed = (now, step)
+            self.say(f"rank {SLOW_RANK} (pid {slow['pid']}) put in CPU cgroup {self.group.path.name} "
+                     f"with a quota of {QUOTA_CPU} CPU, at step {step}")
+        if self.log.killed is None and ranks.get(KILL_RANK) and self._kill_due(step):
+            pid = ranks[KILL_RANK]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            self.log.killed = (now, step)
+            self.say(f"SIGKILL to rank {KILL_RANK} (pid {pid}) at step {step}")
+
+    def _kill_due(self, step: int) -> bool:
+        migrated = self.client.events(since=0, limit=1000, kind="shard_migration")["events"]
+        steps_since = [step - int(e["fields"].get("step", step)) for e in migrated]
+        # Long enough after the migration to measure its step rate; never later than 3/4 of the run.
+        return (bool(steps_since) and steps_since[0] >= 4 * SETTLE_STEPS) or step >= 3 * self.steps // 4
+
+    def close(self) -> None:
+        self.done.set()
+        self.join(10)
+        if self.group is not None:
+            self.group.remove()
+
+
+def _rate(samples: list[tuple[float, int]], lo: int, hi: int, before: float = math.inf) -> float:
+    """Job steps per second between steps ``lo`` and ``hi`` from the node's samples taken before
+    ``before`` (a restart goes back to a checkpoint's step), NaN when unmeasured."""
+    inside = [(t, s) for t, s in samples if lo <= s <= hi and t < before]
+    if len(inside) < 2 or inside[-1][1] - inside[0][1] < 3:
+        return float("nan")
+    (t0, s0), (t1, s1) = inside[0], inside[-1]
+    return (s1 - s0) / (t1 - t0) if t1 > t0 else float("nan")
+
+
+@dataclass
+class Verdict:
+    checks: list[tuple[str, bool, str]] = field(default_factory=list)
+
+    def check(self, name: str, ok: bool, detail: str) -> None:
+        self.checks.append((name, ok, detail))
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(ok for _, ok, _ in self.checks)
+
+
+def _judge(client: Any, job: str, node: Node, cause_expected: str | None, out: Any) -> Verdict:
     info = client.job(job)
-    status = client.status()
+    events = [e for e in client.events(since=0, limit=10000)["events"] if e.get("job") in (job, None)]
+    log = node.log
+    v = Verdict()
+    resumed = [e for e in events if e["kind"] == "job_resumed"]
+    v.check("kill healed", info["state"] == "succeeded" and bool(resumed) and log.killed is not None,
+            f"job {info['state']}, resumed {len(resumed)}x" +
+            (f", last from {resumed[-1]['fields'].get('restored_from')} in "
+             f"{resumed[-1]['fields'].get('recovery_s', float('nan')):.2f}s" if resumed else ""))
+    found = [e for e in events if e["kind"] == "straggler_detected" and e.get("rank") == SLOW_RANK]
+    wrong = sorted({e.get("rank") for e in events if e["kind"] == "straggler_detected" and e.get("rank") != SLOW_RANK})
+    detail = f"rank {SLOW_RANK}: {'cause ' + str(found[0].get('cause')) if found else 'not detected'}"
+    if wrong:
+        detail += f"; also blamed: ranks {wrong}"
+    ok = bool(found) and not wrong and (cause_expected is None or found[0].get("cause") == cause_expected)
+    v.check("straggler found" + (f" with cause {cause_expected}" if cause_expected else " (cause not checked)"), ok, detail)
+    migrations = [e for e in events if e["kind"] == "shard_migration"]
+    sizes: list[int] = migrations[0]["fields"].get("batch_sizes") or [] if migrations else []
+    off = bool(sizes) and sizes[SLOW_RANK] < min(s for r, s in enumerate(sizes) if r != SLOW_RANK)
+    v.check("samples migrated off it", off, f"batch shares {sizes}" if sizes else "no migration")
+    # Across the restart: the plan the job ended with still gives rank 2 the smallest share.
+    after = [e for e in migrations if log.killed is not None and e["ts"] > log.killed[0]]
+    undone = [e for e in after if e["fields"].get("action") == "undo"]
+    recovered = [e for e in events if e["kind"] == "straggler_recovered" and e.get("rank") == SLOW_RANK
+                 and log.killed is not None and e["ts"] > log.killed[0]]
+    v.check("migration kept across the restart", off and not undone and not recovered,
+            "undone after the restart" if undone or recovered else "kept")
+    if log.slowed is not None:
+        slow_step = log.slowed[1]
+        first_mig = int(migrations[0]["fields"].get("step", 0)) if migrations else None
+        kill_t, kill_step = log.killed if log.killed else (math.inf, log.samples[-1][1])
+        healthy = _rate(log.samples, 10, slow_step)
+        slowed = _rate(log.samples, slow_step + 3, first_mig) if first_mig else math.nan
+        healed = _rate(log.samples, first_mig + SETTLE_STEPS, kill_step, kill_t) if first_mig else math.nan
+        regained = (healed - slowed) / (healthy - slowed) if healthy > slowed else float("nan")
+        v.check("step rate regained", regained >= REGAINED_MIN,
+                f"healthy {healthy:.2f} steps/s, throttled {slowed:.2f}, migrated {healed:.2f}: "
+                f"{100 * regained:.0f}% of the loss won back (needs {100 * REGAINED_MIN:.0f}%)")
+    if log.error:
+        v.check("node script ran", False, log.error)
+    return v
+
+
+def _summary(client: Any, job: str, started: float, node: Node, out: Any) -> None:
+    info = client.job(job)
     events = client.events(since=0, limit=10000)["events"]
-    rows = {j["job"]: j for j in status["jobs"]}.get(job, {}).get("ranks", [])
     print("\n=== summary ===", file=out)
     print(f"job {job}: {info['state']} at step {info['progress_step']} in {time.time() - started:.0f}s, "
           f"{info['restarts']} restart(s), {info['nproc']} ranks", file=out)
-    for r in sorted(rows, key=lambda r: r["rank"]):
+    print("  ranks as last seen while training:", file=out)
+    for r in sorted(node.log.ranks, key=lambda r: r["rank"]):
         tel = r.get("telemetry") or {}
         tps = tel.get("tokens_per_s")
-        share = tel.get("batch_size")
-        print(f"  rank {r['rank']}: {tps if tps is None else round(tps):>7} tokens/s  batch {share}  "
+        cause = tel.get("straggler_cause")
+        print(f"  rank {r['rank']}: {tps if tps is None else round(tps):>7} tokens/s  batch {tel.get('batch_size')}  "
               f"median compute {1000 * (tel.get('median_compute_s') or 0):.0f} ms/step  "
-              f"straggler score {_fmt_score(tel.get('straggler_score'))}", file=out)
-    # Per-rank series exist while the ranks are tracked: use the last view taken during the run.
-    runq = (kernel or status.get("kernel", {})).get("runqueue", {})
+              f"straggler score {_fmt_score(tel.get('straggler_score'))}"
+              f"{'  ' + str(tel.get('straggler_state')) if tel.get('straggler_state') else ''}"
+              f"{'  cause ' + str(cause) if cause else ''}", file=out)
+    runq = (node.log.kernel or {}).get("runqueue", {})
     if runq:
         from trainguard.agent.collectors.ebpf.hist import log2_quantile
 
@@ -110,12 +297,9 @@ def _summary(client: Any, job: str, started: float, out: Any, kernel: dict[str, 
                 n = sum(h["slots"])
                 print(f"    {name:<14} p50 {1e6 * log2_quantile(h['slots'], 0.5):8.0f} us  p99 "
                       f"{1e6 * log2_quantile(h['slots'], 0.99):8.0f} us  ({n} waits)", file=out)
-    resumed = [e for e in events if e["kind"] == "job_resumed"]
-    for e in resumed:
-        print(f"  recovered in {e['fields'].get('recovery_s', float('nan')):.2f}s from {e['fields'].get('restored_from')}", file=out)
-    strag = [e for e in events if e["kind"] == "straggler_detected"]
-    for e in strag:
-        print(f"  straggler: rank {e.get('rank')} cause {e.get('cause')}", file=out)
+    for e in events:
+        if e["kind"] == "straggler_detected":
+            print(f"  straggler: rank {e.get('rank')} cause {e.get('cause')} ({e['message']})", file=out)
     migr = [e for e in events if e["kind"] == "shard_migration"]
     if migr:
         print(f"  shard migrations: {len(migr)}; last: {migr[-1]['message']}", file=out)
@@ -127,11 +311,10 @@ def _summary(client: Any, job: str, started: float, out: Any, kernel: dict[str, 
         print(f"  checkpoints in {tier:<6}: steps {sorted(steps)}", file=out)
     kinds = Counter(e["kind"] for e in events if e["kind"] in HEAL_KINDS)
     print("  events: " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())), file=out)
-    return {"state": info["state"], "restarts": info["restarts"], "resumed": len(resumed), "stragglers": len(strag),
-            "migrations": len(migr), "step": info["progress_step"]}
 
 
 def run_demo(tui: bool = False, quick: bool = False, out: Any = None, keep: bool = False) -> int:
+    # Function-local: the API client is only needed once the demo runs.
     from trainguard.agent.api.client import ApiClient
 
     out = out or sys.stdout
@@ -140,6 +323,7 @@ def run_demo(tui: bool = False, quick: bool = False, out: Any = None, keep: bool
     print(f"  watch live from another terminal:  .venv/bin/trainguard top --state-dir {state}", file=out)
     agent = _start_agent(state)
     sock = state / "run" / "agent.sock"
+    node: Node | None = None
     try:
         if not _wait(lambda: sock.exists() or agent.poll() is not None, 60) or agent.poll() is not None:
             print((state / "agent.log").read_text(errors="replace"), file=out)
@@ -149,44 +333,38 @@ def run_demo(tui: bool = False, quick: bool = False, out: Any = None, keep: bool
         st = client.status()
         for name, c in sorted(st["collectors"].items()):
             print(f"  collector {name:<5} {'up' if c['up'] else 'off: ' + str(c['reason'])}", file=out)
-        spec = _job_spec(quick)
-        print(f"submitting job 'demo': 4 ranks (dp=4), {spec['trainer']['steps']} steps, faults: {', '.join(spec['faults'])}", file=out)
+        no_cgroup = cpu_cgroup_unavailable()
+        faults: list[str] = []
+        if no_cgroup:
+            faults = [f"slow:rank={SLOW_RANK},factor=2.5,step={SLOW_AT}"]
+            print(f"  no node-level cause here ({no_cgroup}): the trainer's own slow fault stands in, "
+                  "and the cause is not checked", file=out)
+        spec = _job_spec(quick, faults)
+        steps = spec["trainer"]["steps"]
+        print(f"submitting job 'demo': {NPROC} ranks (dp={NPROC}), {steps} steps; the node will throttle rank "
+              f"{SLOW_RANK} from step {SLOW_AT} and SIGKILL rank {KILL_RANK} after the migration", file=out)
         started = time.time()
         job = client.submit_job(spec)
+        node = Node(ApiClient.local(str(sock), timeout=30), job, steps, throttle=not no_cgroup)
+        node.start()
         if tui:
             import argparse
 
             from trainguard.tui.app import run_dashboard
 
             run_dashboard(argparse.Namespace(state_dir=str(state), agent=None, token_file=None, json=False))
-        seen = 0
-        last_line = 0.0
-        kernel: dict[str, Any] | None = None
-        while True:
-            info = client.job(job)
-            batch = client.events(since=seen, limit=1000)
-            for e in batch["events"]:
-                if e["kind"] in HEAL_KINDS and (e["severity"] != "info" or e["kind"] != "rank_exit"):
-                    print(_describe(e), file=out, flush=True)
-            seen = batch["next"]
-            if info["state"] in ("succeeded", "failed", "stopped"):
-                break
-            if time.monotonic() - last_line > 5:
-                st = client.status()
-                if any(k.startswith(f"{job} rank") for k in st.get("kernel", {}).get("runqueue", {})):
-                    kernel = st["kernel"]
-                ranks = {j["job"]: j for j in st["jobs"]}.get(job, {}).get("ranks", [])
-                steps = [r["telemetry"]["step"] for r in ranks if r.get("telemetry")]
-                times = [r["telemetry"]["step_s"] for r in ranks if r.get("telemetry")]
-                timing = f", step time {statistics.median(times):.3f}s" if times else " (starting ranks)"
-                print(f"  ... {info['state']}, step {max(steps) if steps else '-'}{timing}", file=out, flush=True)
-                last_line = time.monotonic()
-            time.sleep(0.5)
-        result = _summary(client, job, started, out, kernel)
-        ok = result["state"] == "succeeded" and result["resumed"] >= 1
-        print(f"demo {'passed' if ok else 'FAILED'}: the kill was {'healed' if result['resumed'] else 'NOT healed'}", file=out)
-        return 0 if ok else 1
+        _follow(client, job, node, out)
+        node.close()
+        _summary(client, job, started, node, out)
+        verdict = _judge(client, job, node, None if no_cgroup else "cpu_quota", out)
+        print("\n=== verdict ===", file=out)
+        for name, ok, detail in verdict.checks:
+            print(f"  [{'ok' if ok else 'FAILED'}] {name}: {detail}", file=out)
+        print(f"demo {'passed' if verdict.passed else 'FAILED'}", file=out)
+        return 0 if verdict.passed else 1
     finally:
+        if node is not None:
+            node.close()
         agent.send_signal(signal.SIGTERM)
         try:
             agent.wait(30)
@@ -194,3 +372,27 @@ def run_demo(tui: bool = False, quick: bool = False, out: Any = None, keep: bool
             agent.kill()
         if not keep and not tui:
             shutil.rmtree(state, ignore_errors=True)
+
+
+def _follow(client: Any, job: str, node: Node, out: Any) -> None:
+    """Live output until the job ends: the agent's heal events, the node's actions, progress."""
+    seen, shown, last_line = 0, 0, 0.0
+    while True:
+        info = client.job(job)
+        batch = client.events(since=seen, limit=1000)
+        for e in batch["events"]:
+            if e["kind"] in HEAL_KINDS and (e["severity"] != "info" or e["kind"] != "rank_exit"):
+                print(_describe(e), file=out, flush=True)
+        seen = batch["next"]
+        for line in node.log.lines[shown:]:
+            print(line, file=out, flush=True)
+        shown = len(node.log.lines)
+        if info["state"] in ("succeeded", "failed", "stopped"):
+            return
+        if time.monotonic() - last_line > 5 and node.log.samples:
+            t, step = node.log.samples[-1]
+            recent = [s for s in node.log.samples if s[0] >= t - 5]
+            rate = (step - recent[0][1]) / (t - recent[0][0]) if t > recent[0][0] else 0.0
+            print(f"  ... {info['state']}, step {step}, {rate:.1f} steps/s", file=out, flush=True)
+            last_line = time.monotonic()
+        time.sleep(0.5)

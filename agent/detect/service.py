@@ -357,6 +357,7 @@ class StragglerService:
         fields: dict[str, Any] = {
             "action": d.action, "batch_sizes": st.sizes, "target": d.target, "global_batch": total,
             "plan_version": plan.version, "level": level, "stragglers": stragglers,
+            "step": max((f.last_step for f in figures.values()), default=0),
         }
         if layout.tp * layout.pp > 1:
             fields["note"] = (f"tp={layout.tp} pp={layout.pp}: batch moved between whole dp replicas "

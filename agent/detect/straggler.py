@@ -124,16 +124,24 @@ class RankFigures:
         return 1.0 / self.per_sample_s if self.per_sample_s > 0 else math.inf
 
 
-def fit_cost(points: Sequence[tuple[int, float]], min_group: int = 3) -> tuple[float, float] | None:
+FIT_MIN_SPREAD = 0.25
+"""The smallest and the largest batch size must differ by this share of the largest for a slope to
+be fitted: between 36 and 37 samples the step-to-step noise is the slope, and a rank whose slope
+came out near zero looked ever faster and was handed ever more samples (the demo flapped)."""
+
+
+def fit_cost(points: Sequence[tuple[int, float]], min_group: int = 3,
+             min_spread: float = FIT_MIN_SPREAD) -> tuple[float, float] | None:
     """(intercept, slope) of time against batch size from the medians of the smallest and the largest
-    batch size seen at least ``min_group`` times; None with fewer than two such sizes.
+    batch size seen at least ``min_group`` times; None with fewer than two such sizes, or when they
+    differ by less than ``min_spread`` of the largest.
 
     Medians per size rather than least squares: one slow step (a GC pause) must not tilt the line."""
     groups: dict[int, list[float]] = {}
     for n, t in points:
         groups.setdefault(n, []).append(t)
     sizes = sorted(n for n, ts in groups.items() if len(ts) >= min_group)
-    if len(sizes) < 2:
+    if len(sizes) < 2 or sizes[-1] - sizes[0] < min_spread * sizes[-1]:
         return None
     lo, hi = sizes[0], sizes[-1]
     m_lo, m_hi = median(groups[lo]), median(groups[hi])
