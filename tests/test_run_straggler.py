@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import CPU_ISOLATION
 from tests.test_run_command import events, wait_for
-from tests.test_straggler_real import CpuCgroup, _pin
+from trainguard.nodefaults import CpuCgroup, pin, start_cpu_hog
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(CPU_ISOLATION)]
@@ -46,8 +46,8 @@ def _ranks(agent: Any, job: str) -> dict[int, dict[str, Any]]:
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs: one for the healthy rank, one shared")
 def test_api_script_straggler_found_with_its_cause_and_migrated(agent_factory: Any, tmp_path: Path) -> None:
     try:
-        CpuCgroup().remove()
-    except FileNotFoundError:
+        CpuCgroup("tg-test").remove()
+    except OSError:
         pytest.skip("needs a CPU cgroup controller to isolate the ranks from other load "
                     "(test_straggler_real covers attribution from given evidence)")
     agent = agent_factory(config=CONFIG)
@@ -64,13 +64,12 @@ def test_api_script_straggler_found_with_its_cause_and_migrated(agent_factory: A
         ranks = wait_for(lambda: (r := _ranks(agent, job)) and all((v.get("telemetry") or {}).get("step", 0) >= 5
                                                                    for v in r.values()) and r, 90, "both ranks stepping")
         for rank in (0, 1):
-            g = CpuCgroup()
+            g = CpuCgroup("tg-test")
             groups.append(g)
             g.weight(10)
             g.add(ranks[rank]["pid"])
-            _pin(ranks[rank]["pid"], rank)
-        hogs = [subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {1})\nwhile True:\n    pass\n"])
-                for _ in range(2)]
+            pin(ranks[rank]["pid"], rank)
+        hogs = [start_cpu_hog(1) for _ in range(2)]
         for p in hogs:
             groups[1].add(p.pid)
         found = wait_for(lambda: events(agent, job, "straggler_detected"), 90, "the straggler")

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +23,7 @@ from trainguard.agent.config import AgentConfig, apply_state_dir
 from trainguard.agent.daemon import Agent
 from trainguard.agent.detect import StragglerConfig, StragglerService, install
 from trainguard.agent.jobs import JobSpec
+from trainguard.nodefaults import CpuCgroup, pin, start_cpu_hog
 
 pytestmark = pytest.mark.xdist_group(CPU_ISOLATION)
 
@@ -154,62 +153,6 @@ def test_slow_fault_detected_migrated_converges_and_recovers(harness_factory: Ca
     h.agent.supervisor.stop(job, "test done")
 
 
-def _pin(pid: int, cpu: int) -> None:
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), {cpu})
-        except OSError:
-            pass
-
-
-class CpuCgroup:
-    """A CPU cgroup made for the test (v2 with the cpu controller, else v1 ``cpu``), removed after."""
-
-    def __init__(self) -> None:
-        v2 = Path("/sys/fs/cgroup")
-        if (v2 / "cgroup.controllers").exists() and "cpu" in (v2 / "cgroup.controllers").read_text().split():
-            self.parent, self.version = v2, "v2"
-        elif Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists():
-            self.parent, self.version = Path("/sys/fs/cgroup/cpu"), "v1"
-        else:
-            raise FileNotFoundError("no CPU controller (cgroup v2 cpu or v1 cpu)")
-        self.path = self.parent / f"tg-test-{uuid.uuid4().hex[:8]}"
-        self.path.mkdir()
-        self.members: list[int] = []
-
-    def quota(self, fraction: float) -> None:
-        period = 100_000
-        if self.version == "v2":
-            (self.path / "cpu.max").write_text(f"{int(fraction * period)} {period}\n")
-        else:
-            (self.path / "cpu.cfs_period_us").write_text(f"{period}\n")
-            (self.path / "cpu.cfs_quota_us").write_text(f"{int(fraction * period)}\n")
-
-    def weight(self, times: int) -> None:
-        """CPU weight ``times`` the default (v1 cpu.shares 1024, v2 cpu.weight 100)."""
-        if self.version == "v2":
-            (self.path / "cpu.weight").write_text(f"{min(10000, 100 * times)}\n")
-        else:
-            (self.path / "cpu.shares").write_text(f"{1024 * times}\n")
-
-    def add(self, pid: int) -> None:
-        (self.path / "cgroup.procs").write_text(f"{pid}\n")
-        self.members.append(pid)
-
-    def remove(self) -> None:
-        for pid in self.members:
-            try:
-                (self.parent / "cgroup.procs").write_text(f"{pid}\n")
-            except OSError:
-                pass
-        for _ in range(30):
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
-
-
 # Elsewhere the attribution itself is still checked from given evidence and a fake /proc
 # (test_straggler_units.py: test_cause_precedence_and_thresholds, test_proc_reader_cgroup_v1_and_v2).
 @pytest.mark.skipif(os.geteuid() != 0, reason="moving processes into CPU cgroups needs root")
@@ -225,8 +168,8 @@ def test_pinned_cpu_hog_then_cpu_quota_are_attributed(harness_factory: Callable[
     the hog's core, spreading its pain over both ranks). The weight keeps the rest of the machine
     out; within rank 1's cgroup the hogs take their share of what rank 1 had, as on a quiet node."""
     try:
-        probe = CpuCgroup()
-    except FileNotFoundError:
+        probe = CpuCgroup("tg-test")
+    except OSError:
         pytest.skip("needs a CPU cgroup controller (v1 cpu or v2 cpu) to isolate the ranks from other load")
     probe.remove()
     h = harness_factory(ebpf=True)
@@ -241,18 +184,17 @@ def test_pinned_cpu_hog_then_cpu_quota_are_attributed(harness_factory: Callable[
         assert h.run_until(lambda: h.step(job) >= 3, 90, job), "job did not start"
         pids = h.pids(job)
         for rank in (0, 1):
-            g = CpuCgroup()
+            g = CpuCgroup("tg-test")
             groups.append(g)
             g.weight(10)
             g.add(pids[rank])
-            _pin(pids[rank], rank)
+            pin(pids[rank], rank)
         base = h.step(job)
         assert h.run_until(lambda: h.step(job) >= base + FAST.warmup_steps + FAST.window + 4, 60, job)
         assert not h.events("straggler_detected", job)
         # Two hogs: a rank that sleeps on collectives half the time wins the CPU back on each
         # wake-up from one hog (the scheduler favours sleepers), less so from two.
-        hogs = [subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {1})\nwhile True:\n    pass\n"])
-                for _ in range(2)]
+        hogs = [start_cpu_hog(1) for _ in range(2)]
         for p in hogs:
             groups[1].add(p.pid)
         start, t_start = h.step(job), time.monotonic()
