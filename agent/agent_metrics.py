@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.metrics_core import Metric
 
-from trainguard.agent.jobs import JobState
+from trainguard.agent.lifecycle.jobs import JobState
 from trainguard.agent.metricspec import MetricSpec
 
 if TYPE_CHECKING:

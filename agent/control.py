@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard.agent import __version__
 from trainguard.agent.api.handler import ApiError, Blob, BlobReader, Json
-from trainguard.agent.jobs import JobSpec, JobSpecError
+from trainguard.agent.lifecycle.jobs import JobSpec, JobSpecError
 from trainguard.agent.wire import WireError
 
 MAX_FORWARDED = 20_000
@@ -200,7 +200,9 @@ class AgentControl:
         result = self.agent.table.add_many(good, time.time())
         dropped += sum(result.rejected.values())
         self.agent.forwarded_in[node] = self.agent.forwarded_in.get(node, 0) + len(result.accepted)
-        return {"accepted": len(result.accepted), "dropped": dropped}
+        straggler = getattr(self.agent, "straggler", None)
+        evidence = straggler.note_remote_evidence(job, node, body.get("evidence")) if straggler is not None else 0
+        return {"accepted": len(result.accepted), "dropped": dropped, "evidence_ranks": evidence}
 
     def drain(self, job: str, target: dict[str, Any]) -> dict[str, Any]:
         self._job(job)

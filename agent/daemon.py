@@ -21,13 +21,14 @@ from trainguard.agent import __version__
 from trainguard.agent.collectors.base import Collector, CollectorUnavailable, TrackedProcess
 from trainguard.agent.config import AgentConfig, ConfigError, load_config, parse_host_port
 from trainguard.agent.eventlog import EventLog
-from trainguard.agent.jobs import JobSpec
-from trainguard.agent.launcher import LaunchContext, Launcher
+from trainguard.agent.lifecycle.jobs import JobSpec
+from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
+from trainguard.agent.lifecycle.plans import PlanStore
+from trainguard.agent.lifecycle.records import RecordStore
+from trainguard.agent.lifecycle.supervisor import Supervisor
 from trainguard.agent.paths import AgentPaths
-from trainguard.agent.plans import PlanStore
 from trainguard.agent.recovery.activity import descends_from
 from trainguard.agent.sdnotify import Notifier
-from trainguard.agent.supervisor import Supervisor
 
 log = logging.getLogger("trainguard.agent")
 EXTERNAL_SILENCE_S = 60.0
@@ -88,11 +89,13 @@ class Agent:
             on_ranks_changed=self._ranks_changed,
             # Its own jobs' telemetry is kept even with telemetry.accept_unknown_jobs = false.
             on_submit=self.table.register_job,
+            records=RecordStore(self.paths.jobs_dir),
         )
         self.telemetry.sender_check = self._sender_ok
         self.telemetry.start()
         self._start_recovery()
         self._start_collectors()
+        self._adopt_jobs()
         self.exporter = AgentExporter(
             sources=[TelemetryMetrics(self.table, self.telemetry), *self.collectors, self.checkpoints, self.recovery, self],
             build_info={"version": __version__, "python": platform.python_version(), "node": cfg.agent.node},
@@ -195,7 +198,10 @@ class Agent:
         if self.cfg.detection.enabled:
             from trainguard.agent.detect import install as install_stragglers
 
-            install_stragglers(self, self.cfg.detection)
+            service = install_stragglers(self, self.cfg.detection)
+            gangs = getattr(getattr(self, "cluster", None), "gangs", None)
+            if gangs is not None:
+                gangs.evidence_for = service.local_evidence  # sent along with forwarded telemetry
         if self.cfg.controller.strategy != "none":
             from trainguard.agent.controller import install as install_controller
 
@@ -259,6 +265,18 @@ class Agent:
 
     def _on_auth_failure(self, remote: str, path: str) -> None:
         self.events.emit("api_auth_failed", f"API request without a valid token from {remote}", severity="warning", remote=remote, path=path)
+
+    def _adopt_jobs(self) -> None:
+        """Jobs a previous agent on this state directory left: adopted or restarted (the records
+        are read after the collectors start, so adopted ranks get eBPF exit statuses and metrics)."""
+        records = self.supervisor.records
+        if records is None:
+            return
+        saved, problems = records.load_all()
+        for problem in problems:
+            self.events.emit("job_not_adopted", f"unreadable job record {problem}", severity="error", cause=problem)
+        self.supervisor.exit_events = self.collector_state.get("ebpf", (False, None))[0]
+        self.supervisor.adopt(saved)
 
     def _start_collectors(self) -> None:
         wanted: list[tuple[str, Callable[[], Collector]]] = []

@@ -52,7 +52,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from trainguard.agent.controller import ControllerConfig, install  # noqa: E402
 from trainguard.agent.eventlog import EventLog  # noqa: E402
-from trainguard.agent.plans import PlanStore  # noqa: E402
+from trainguard.agent.lifecycle.plans import PlanStore  # noqa: E402
 from trainguard.agent.ranktable import RankTable  # noqa: E402
 from trainguard.agent.wire import Telemetry  # noqa: E402
 from trainguard.link import PlanWatcher  # noqa: E402

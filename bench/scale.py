@@ -46,8 +46,8 @@ from trainguard.agent.controller import ControllerConfig  # noqa: E402
 from trainguard.agent.controller.controller import Controller  # noqa: E402
 from trainguard.agent.detect import StragglerConfig  # noqa: E402
 from trainguard.agent.detect.service import StragglerService  # noqa: E402
-from trainguard.agent.jobs import JobState  # noqa: E402
-from trainguard.agent.plans import PlanStore  # noqa: E402
+from trainguard.agent.lifecycle.jobs import JobState  # noqa: E402
+from trainguard.agent.lifecycle.plans import PlanStore  # noqa: E402
 from trainguard.agent.ranktable import RankTable, RankTableConfig  # noqa: E402
 from trainguard.agent.wire import Telemetry, decode_telemetry  # noqa: E402
 

@@ -4,10 +4,12 @@ and the same with trainguard's shard migration, side by side in one run, for eac
 An in-process agent (the real daemon, straggler service installed with its default settings, the
 agent's own 1 s tick) launches the embedded trainer:
 
-  healthy            no cause; detection in observe-only mode, over --healthy-steps (2,000 by
+  healthy-long       no cause; detection in observe-only mode, over --healthy-steps (2,000 by
                      default): every straggler event there is a false positive
-  <cause> slowed     the cause applied to rank 1 from step S; observe-only (detected, nothing done)
-  <cause> healed     the same cause; detection and shard migration on
+  then per cause, back to back (the machine's load drifts; a reference minutes away is not one):
+  <cause>-healthy    no cause, observe-only: the throughput reference (and more false-positive steps)
+  <cause>-slowed     the cause applied to rank 1 from step S; observe-only (detected, nothing done)
+  <cause>-healed     the same cause; detection and shard migration on
 
 Causes, both applied from outside the job as a node would (the trainer injects nothing):
   quota   rank 1's process in a CPU cgroup with a quota of half a CPU (cgroup throttling);
@@ -42,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainguard.agent.config import AgentConfig, apply_state_dir  # noqa: E402
 from trainguard.agent.daemon import Agent  # noqa: E402
 from trainguard.agent.detect import StragglerConfig, install  # noqa: E402
-from trainguard.agent.jobs import JobSpec  # noqa: E402
+from trainguard.agent.lifecycle.jobs import JobSpec  # noqa: E402
 from trainguard.nodefaults import CpuCgroup, cpu_cgroup_unavailable, pin, start_cpu_hog  # noqa: E402
 
 SLOW_RANK = 1
@@ -178,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="reduced run (a few minutes)")
     ap.add_argument("--causes", default="quota,hog", help="comma list of quota, hog, fault (default quota,hog)")
-    ap.add_argument("--steps", type=int, default=None, help="steps of each slowed run (default 300, quick 120)")
+    ap.add_argument("--steps", type=int, default=None, help="steps of each run (default 300, quick 100)")
     ap.add_argument("--healthy-steps", type=int, default=None,
-                    help="steps of the healthy run, where every detection is a false positive (default 2000, quick 150)")
+                    help="steps of the long healthy run, where every detection is a false positive (default 2000, quick 0: none)")
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON object")
     ap.add_argument("--dp", type=int, default=min(4, os.cpu_count() or 2),
                     help="ranks (data-parallel degree); default one per core up to 4 (the hog needs a core of its rank's own)")
@@ -195,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"the quota cause needs a CPU cgroup: {why}")
     if "hog" in causes and args.dp > (os.cpu_count() or 1):
         ap.error(f"the hog cause needs a core per rank: --dp {args.dp} on {os.cpu_count()} cores")
-    steps = args.steps or (120 if args.quick else 300)
-    healthy_steps = max(steps, args.healthy_steps or (150 if args.quick else 2000))
+    steps = args.steps or (100 if args.quick else 300)
+    # --quick skips the long healthy run: the causes' own healthy runs count the false positives.
+    healthy_steps = args.healthy_steps if args.healthy_steps is not None else (0 if args.quick else 2000)
     slow_from = 15 if args.quick else 30
     settle = 55 if args.quick else 90  # detection + migration + settle before throughput is measured
     measure_from = slow_from + settle
@@ -233,17 +236,16 @@ def run_all(dp: int, causes: list[str], steps: int, healthy_steps: int, slow_fro
         results: list[tuple[str, RunResult]] = []
         try:
             service.update_detection({"observe_only": True})
-            healthy = run_job(agent, "healthy", dp, healthy_steps, [], measure_from, cache,
-                              timeout * healthy_steps / steps)
-            # Throughput over the same step range as the slowed runs.
-            same_range = [m for m in agent.table.window("healthy", 0) if measure_from <= m.step <= steps]
-            if len(same_range) >= 2:
-                span = same_range[-1].wall_time - same_range[0].wall_time
-                healthy.samples_per_s = GLOBAL_BATCH * (len(same_range) - 1) / span if span > 0 else float("nan")
-            results.append(("healthy", healthy))
+            if healthy_steps:
+                results.append(("fp", run_job(agent, "healthy-long", dp, healthy_steps, [], measure_from, cache,
+                                              timeout * max(1.0, healthy_steps / steps))))
             for cause in causes:
-                for arm, observe in (("slowed", True), ("healed", False)):
+                # Its own healthy reference right before its slowed and healed runs: the machine's
+                # load drifts over a long benchmark, and a reference measured minutes apart is not one.
+                for arm, observe in (("healthy", True), ("slowed", True), ("healed", False)):
                     faults, slowdown, _ = _slowdown(cause)
+                    if arm == "healthy":
+                        faults, slowdown = [], None
                     faults = [f.format(slow_from=slow_from) for f in faults]
                     service.update_detection({"observe_only": observe})
                     results.append((cause, run_job(agent, f"{cause}-{arm}", dp, steps, faults, measure_from, cache,
@@ -256,39 +258,45 @@ def run_all(dp: int, causes: list[str], steps: int, healthy_steps: int, slow_fro
 def report(results: list[tuple[str, RunResult]], defaults: dict[str, Any], dp: int, causes: list[str], steps: int,
            healthy_steps: int, slow_from: int, measure_from: int, load_before: tuple[float, float, float],
            as_json: bool) -> int:
-    healthy = results[0][1]
+    long_runs = [r for group, r in results if group == "fp"]
+    refs = {group: r for group, r in results if r.name.endswith("-healthy")}
     print(f"straggler benchmark: {dp}-rank dp job (gloo, CPU, {os.cpu_count()} cores, rank r pinned to CPU r), "
           f"global batch {GLOBAL_BATCH} x {CONTEXT} tokens; rank {SLOW_RANK} slowed from step {slow_from}; "
           f"throughput over steps {measure_from}..{steps}; no extra CPU weight; load average before "
           f"{load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}; detection defaults {defaults}")
     print(f"{'run':<14} {'samples/s':>10} {'vs healthy':>11} {'detected at':>12} {'cause':>15} {'stragglers':>11} "
           f"{'plans':>6} {'final batch sizes':>20} {'wall s':>7}")
-    for _, r in results:
-        print(f"{r.name:<14} {r.samples_per_s:>10.1f} {r.samples_per_s / healthy.samples_per_s:>11.3f} "
+    for group, r in results:
+        ref = refs.get(group)
+        vs = f"{r.samples_per_s / ref.samples_per_s:>11.3f}" if ref is not None else f"{'-':>11}"
+        print(f"{r.name:<14} {r.samples_per_s:>10.1f} {vs} "
               f"{(str(r.detect_step) if r.detect_step is not None else '-'):>12} {','.join(r.causes) or '-':>15} "
               f"{','.join(map(str, r.detected_ranks)) or '-':>11} {r.migrations:>6} "
               f"{str(r.final_sizes or '-'):>20} {r.wall_s:>7.1f}")
-    false_positives = len(healthy.detected_ranks)
-    wrong_rank = sum(1 for name, r in results[1:] for rank in r.detected_ranks if rank != SLOW_RANK)
-    fields = [f"false_positives={false_positives}", f"healthy_steps={healthy_steps}", f"wrong_rank={wrong_rank}"]
+    false_positives = sum(len(r.detected_ranks) for r in long_runs) + sum(len(r.detected_ranks) for r in refs.values())
+    wrong_rank = sum(1 for group, r in results if group != "fp" and r not in refs.values()
+                     for rank in r.detected_ranks if rank != SLOW_RANK)
+    fp_steps = healthy_steps + steps * len(refs)
+    fields = [f"false_positives={false_positives}", f"healthy_steps={fp_steps}", f"wrong_rank={wrong_rank}"]
     for cause in causes:
-        slowed, healed = (r for name, r in results if name == cause)
+        healthy, slowed, healed = (r for group, r in results if group == cause)
         recovered = ((healed.samples_per_s - slowed.samples_per_s) / (healthy.samples_per_s - slowed.samples_per_s)
                      if healthy.samples_per_s > slowed.samples_per_s else float("nan"))
         detect = [r.detect_step - slow_from for r in (slowed, healed) if r.detect_step is not None]
         _, _, how = _slowdown(cause)
-        print(f"{cause}: {how}: slowed to {slowed.samples_per_s / healthy.samples_per_s:.3f} of healthy, healed to "
-              f"{healed.samples_per_s / healthy.samples_per_s:.3f}: {recovered:.1%} of the lost throughput recovered; "
-              f"detected {detect or 'never'} steps after the slowdown, cause {slowed.causes or healed.causes or '-'}")
+        print(f"{cause}: {how}: slowed to {slowed.samples_per_s / healthy.samples_per_s:.3f} of its healthy run, "
+              f"healed to {healed.samples_per_s / healthy.samples_per_s:.3f}: {recovered:.1%} of the lost throughput "
+              f"recovered; detected {detect or 'never'} steps after the slowdown, cause "
+              f"{slowed.causes or healed.causes or '-'}")
         fields += [f"{cause}_recovered_ratio={recovered:.3f}",
                    f"{cause}_slowed_vs_healthy_ratio={slowed.samples_per_s / healthy.samples_per_s:.3f}",
                    f"{cause}_healed_vs_healthy_ratio={healed.samples_per_s / healthy.samples_per_s:.3f}",
                    f"{cause}_detect_steps={max(detect) if detect else -1}",
                    f"{cause}_cause={(slowed.causes or healed.causes or ['-'])[0]}"]
-    print(f"false positives: {false_positives} in {healthy_steps} healthy steps; detections of another rank in the "
-          f"slowed runs: {wrong_rank}")
+    print(f"false positives: {false_positives} in {fp_steps} healthy steps (the long run and each cause's healthy "
+          f"run); detections of another rank in the slowed runs: {wrong_rank}")
     if as_json:
-        print(json.dumps({"results": [dict(r.__dict__, cause=c) for c, r in results]}))
+        print(json.dumps({"results": [dict(r.__dict__, group=g) for g, r in results]}))
     print("RESULT " + " ".join(fields))
     return 0
 

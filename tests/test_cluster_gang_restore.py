@@ -105,7 +105,7 @@ def test_block_that_would_split_a_tp_group_is_not_started(survivor: dict[str, An
 
 
 def test_new_rank_zero_node_starts_from_the_carried_plan(survivor: dict[str, Any], tmp_path: Path) -> None:
-    from trainguard.agent.plans import PlanStore
+    from trainguard.agent.lifecycle.plans import PlanStore
 
     gang: GangCoordinator = survivor["gang"]
     gang.plans = PlanStore(str(tmp_path / "plans"))

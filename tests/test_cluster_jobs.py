@@ -16,8 +16,8 @@ from trainguard.agent.cluster.config import ClusterConfig
 from trainguard.agent.cluster.etcdserver import LocalEtcd
 from trainguard.agent.cluster.jobs import JobRecordDoc
 from trainguard.agent.cluster.service import ClusterService
-from trainguard.agent.jobs import JobSpec, JobState
-from trainguard.agent.plans import PlanStore
+from trainguard.agent.lifecycle.jobs import JobSpec, JobState
+from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.waiting import wait_for
 
 

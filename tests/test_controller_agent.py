@@ -29,7 +29,7 @@ from trainguard.agent.controller import (
 )
 from trainguard.agent.controller.optuna_strategy import OptunaStrategy
 from trainguard.agent.daemon import Agent
-from trainguard.agent.jobs import JobSpec
+from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.wire import Telemetry
 from trainguard.trainer.config import config_from_cli
 from trainguard.trainer.data import build_corpus

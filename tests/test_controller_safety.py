@@ -23,8 +23,8 @@ from trainguard.agent.controller import (
     install,
 )
 from trainguard.agent.eventlog import EventLog
+from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.metricspec import index
-from trainguard.agent.plans import PlanStore
 from trainguard.agent.ranktable import RankTable
 from trainguard.agent.wire import Telemetry
 from trainguard.link import PlanWatcher

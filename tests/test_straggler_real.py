@@ -22,7 +22,7 @@ from tests.conftest import CPU_ISOLATION
 from trainguard.agent.config import AgentConfig, apply_state_dir
 from trainguard.agent.daemon import Agent
 from trainguard.agent.detect import StragglerConfig, StragglerService, install
-from trainguard.agent.jobs import JobSpec
+from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.nodefaults import CpuCgroup, pin, start_cpu_hog
 
 pytestmark = pytest.mark.xdist_group(CPU_ISOLATION)

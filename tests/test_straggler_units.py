@@ -25,7 +25,7 @@ from trainguard.agent.detect.straggler import (
     median,
 )
 from trainguard.agent.eventlog import EventLog
-from trainguard.agent.plans import PlanStore
+from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.ranktable import RankTable
 from trainguard.agent.wire import Telemetry
 
@@ -392,3 +392,37 @@ def test_cost_fit_needs_batch_sizes_far_enough_apart() -> None:
     intercept, slope = fit
     assert 0.0008 < slope < 0.0012 and 0.022 < intercept < 0.038, fit
     assert fit_cost(steps([16])) is None
+
+
+def test_a_remote_rank_is_judged_on_the_evidence_its_own_node_sent(sim_agent: Any, tmp_path: Path) -> None:
+    """Rank 1 runs on node b. This node must not read b's pid in its own /proc (here a local
+    stranger with that pid waits for a CPU a lot): the cause comes from what b sent along with the
+    forwarded telemetry (its cgroup's throttling), and without b's evidence it stays unknown."""
+    sim = SimJob(sim_agent.table, sim_agent.plans, "sim", [0.001, 0.001])
+    sim_agent.supervisor.jobs["sim"] = SimpleNamespace(
+        block=SimpleNamespace(rank_offset=0, nproc=1, group_rank=0), decides_here=True,
+        state=SimpleNamespace(finished=False), spec=SimpleNamespace(trainer=None))
+    cfg = StragglerConfig(window=12, warmup_steps=5, enter_windows=2, leave_windows=2, eval_every_steps=4,
+                          settle_steps=6, migrate=False)
+    svc = install(sim_agent, cfg, proc_root=tmp_path / "proc", sys_root=tmp_path / "sys", clock=lambda: sim.t)
+    stranger_delay = 0
+    for i in range(40):
+        if i == 10:
+            sim.per_sample[1] = 0.002  # rank 1 becomes 2x slower
+        sim.run(5)
+        stranger_delay += 5 * 40_000_000  # 40 ms a step of run delay, every step
+        _fake_proc(tmp_path, 4_000_000, 0, "0::/\n")
+        _fake_proc(tmp_path, 4_000_001, stranger_delay, "0::/\n")
+        throttled = 0.016 if i >= 10 else 0.0
+        assert svc.note_remote_evidence("sim", "b", {"1": {"throttled_s": throttled, "run_delay_s": 0.0,
+                                                           "delay_per_step_s": 0.0}, "x": {}}, now=sim.t) == 1
+        svc.tick(sim.t)
+    found = [e for e in _kinds(sim_agent, "straggler_detected") if e["rank"] == 1]
+    assert found and found[0]["cause"] == "cpu_quota", found
+    assert found[0]["fields"]["node"] == "b" and found[0]["fields"]["evidence_from"] == "its node"
+    assert ("sim", 1) not in svc.evidence.keys()  # b's pid was never looked up here
+    # Evidence that stopped coming is unknown, not stale and not a local stranger's.
+    assert svc._evidence("sim", 1, 4_000_001, None).throttled_s == pytest.approx(0.016)
+    sim.t += 60
+    stale = svc._evidence("sim", 1, 4_000_001, None)
+    assert all(math.isnan(v) for v in (stale.throttled_s, stale.run_delay_s, stale.blocked_s)), stale

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from trainguard.agent.eventlog import EventLog
-from trainguard.agent.jobs import JobSpec, JobState
-from trainguard.agent.launcher import LaunchContext, Launcher
-from trainguard.agent.plans import PlanStore
-from trainguard.agent.supervisor import Supervisor
+from trainguard.agent.lifecycle.jobs import JobSpec, JobState
+from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
+from trainguard.agent.lifecycle.plans import PlanStore
+from trainguard.agent.lifecycle.supervisor import Supervisor
 
 FAKE = [sys.executable, str(Path(__file__).resolve().parent / "helpers" / "fake_rank.py")]
 

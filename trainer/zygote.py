@@ -38,9 +38,21 @@ PRELOAD = (
 TRAINER_PRELOAD = ("trainguard.trainer.worker",)
 
 
+_agent_gone = False
+
+
 def _say(out: Any, **msg: Any) -> None:
-    out.write(json.dumps(msg) + "\n")
-    out.flush()
+    """One line to the agent. When the agent is gone (killed, restarted) the pipe is broken: the
+    zygote goes on reaping its ranks quietly, so they never become zombies of a dead launcher; a
+    new agent adopts the ranks by pid (agent/lifecycle/records.py)."""
+    global _agent_gone
+    if _agent_gone:
+        return
+    try:
+        out.write(json.dumps(msg) + "\n")
+        out.flush()
+    except (BrokenPipeError, OSError):
+        _agent_gone = True
 
 
 def _child(req: dict[str, Any]) -> None:

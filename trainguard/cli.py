@@ -249,7 +249,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         rc: int = run_standalone(TrainConfig.from_dict(trainer_cfg), args.nproc, json_out=args.json)
         return rc
-    from trainguard.agent.follow import follow_job
+    from trainguard.agent.lifecycle.follow import follow_job
 
     client = make_client(args)
     spec = {"nproc": args.nproc, "trainer": trainer_cfg, "faults": list(args.fault)}

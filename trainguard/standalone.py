@@ -19,8 +19,8 @@ import time
 import uuid
 from typing import IO, TextIO
 
-from trainguard.agent.jobs import JobSpec
-from trainguard.agent.launcher import RankBlock, free_port, torchrun_env
+from trainguard.agent.lifecycle.jobs import JobSpec
+from trainguard.agent.lifecycle.launcher import RankBlock, free_port, torchrun_env
 from trainguard.runcmd import prefixed
 
 

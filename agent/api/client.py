@@ -155,8 +155,12 @@ class ApiClient:
         return self._json("POST", f"/v1/jobs/{_seg(job)}/drain",
                           {"rank": rank} if rank is not None else {"node": node})
 
-    def forward_telemetry(self, job: str, node: str, messages: list[str]) -> dict[str, Any]:
-        return self._json("POST", f"/v1/jobs/{_seg(job)}/telemetry", {"node": node, "messages": messages})
+    def forward_telemetry(self, job: str, node: str, messages: list[str],
+                          evidence: dict[str, Any] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"node": node, "messages": messages}
+        if evidence:
+            body["evidence"] = evidence
+        return self._json("POST", f"/v1/jobs/{_seg(job)}/telemetry", body)
 
     def detection_config(self) -> dict[str, Any]:
         return self._json("GET", "/v1/config/detection")

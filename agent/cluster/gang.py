@@ -54,8 +54,8 @@ from trainguard.agent.wire import Telemetry, WireError, decode_telemetry, part_k
 
 if TYPE_CHECKING:
     from trainguard.agent.cluster.membership import EmitFn, NodeInfo
-    from trainguard.agent.plans import PlanStore
-    from trainguard.agent.supervisor import Supervisor
+    from trainguard.agent.lifecycle.plans import PlanStore
+    from trainguard.agent.lifecycle.supervisor import Supervisor
 
 log = logging.getLogger("trainguard.cluster.gang")
 TIER_HOLDER = "tier:"
@@ -265,6 +265,9 @@ class GangCoordinator:
         self._forwarder: threading.Thread | None = None
         self._stop = threading.Event()
         self.forward_interval_s = 0.25
+        self.evidence_for: Callable[[str], dict[str, Any]] | None = None
+        """This node's evidence on its ranks of a job (the straggler service's local_evidence):
+        the judging node cannot read another node's /proc."""
         self.forwarded = 0
         self.forward_dropped = 0
 
@@ -296,7 +299,8 @@ class GangCoordinator:
             try:
                 if api is None:
                     raise ConnectionError(f"{master} is not a member")
-                self.client_for(PeerRef(master, api)).forward_telemetry(job, self.node, batch)
+                evidence = self.evidence_for(job) if self.evidence_for is not None else None
+                self.client_for(PeerRef(master, api)).forward_telemetry(job, self.node, batch, evidence)
                 self.forwarded += len(batch)
             except Exception as exc:  # noqa: BLE001 - telemetry is best effort; counted, never fatal
                 self.forward_dropped += len(batch)
@@ -385,7 +389,7 @@ class GangCoordinator:
 
     def _member(self, rec: JobRecordDoc, rev: int) -> None:
         assert self.supervisor is not None
-        from trainguard.agent.jobs import JobState
+        from trainguard.agent.lifecycle.jobs import JobState
 
         job = rec.job
         g = Gang.from_dict(rec.gang)
@@ -431,7 +435,7 @@ class GangCoordinator:
             return
         if not g.master_port:
             if g.master_node == self.node:
-                from trainguard.agent.launcher import free_port
+                from trainguard.agent.lifecycle.launcher import free_port
 
                 g.master_port = free_port(g.master_addr)
                 self._write_gang(rec, rev, g)
@@ -441,8 +445,8 @@ class GangCoordinator:
 
     def _start_block(self, rec: JobRecordDoc, g: Gang, mine: tuple[int, int, int]) -> None:
         assert self.supervisor is not None
-        from trainguard.agent.jobs import JobSpec
-        from trainguard.agent.launcher import RankBlock
+        from trainguard.agent.lifecycle.jobs import JobSpec
+        from trainguard.agent.lifecycle.launcher import RankBlock
 
         job = rec.job
         group, offset, nproc = mine

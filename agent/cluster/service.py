@@ -37,8 +37,8 @@ from trainguard.agent.cluster.peertier import PeerRef, PeerTier, ring_peer, toke
 from trainguard.agent.metricspec import MetricSpec
 
 if TYPE_CHECKING:
-    from trainguard.agent.plans import PlanStore
-    from trainguard.agent.supervisor import Supervisor
+    from trainguard.agent.lifecycle.plans import PlanStore
+    from trainguard.agent.lifecycle.supervisor import Supervisor
 
 log = logging.getLogger("trainguard.cluster")
 _ETCD_ERRORS = (EtcdUnavailable, etcd_exc.Etcd3Exception, LeaseExpired)
@@ -341,7 +341,7 @@ class ClusterService:
 
     def _adopt(self, records: dict[str, tuple[JobRecordDoc, int]]) -> None:
         assert self.supervisor is not None
-        from trainguard.agent.jobs import JobSpec, JobSpecError
+        from trainguard.agent.lifecycle.jobs import JobSpec, JobSpecError
 
         for job, (rec, _) in records.items():
             if rec.node != self.node or rec.state != "running" or self._epochs.get(job, -1) >= rec.epoch:

@@ -50,6 +50,29 @@ class Evidence:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+_WIRE_FLOATS = ("run_delay_s", "throttled_s", "blocked_s", "reclaim_s", "gpu_clock_ratio", "cpu_s")
+
+
+def evidence_to_wire(ev: Evidence) -> dict[str, Any]:
+    """JSON-safe fields of ``ev`` (NaN as null) for the node that judges a rank hosted here."""
+    out: dict[str, Any] = {k: (None if math.isnan(v) else v) for k in _WIRE_FLOATS if (v := getattr(ev, k)) is not None}
+    out.update(run_delay_source=ev.run_delay_source, gpu_slowdown=list(ev.gpu_slowdown), gpu_errors=ev.gpu_errors)
+    return out
+
+
+def evidence_from_wire(fields: Any) -> Evidence:
+    """The inverse of evidence_to_wire; ValueError/TypeError on a malformed entry."""
+    if not isinstance(fields, dict):
+        raise TypeError("evidence must be an object")
+    floats: dict[str, Any] = {k: math.nan if fields.get(k) is None else float(fields[k]) for k in _WIRE_FLOATS}
+    slowdown = fields.get("gpu_slowdown") or []
+    if not isinstance(slowdown, list):
+        raise TypeError("gpu_slowdown must be a list")
+    return Evidence(run_delay_source=str(fields.get("run_delay_source", ""))[:32],
+                    gpu_slowdown=tuple(str(x)[:64] for x in slowdown[:16]),
+                    gpu_errors=max(0, int(fields.get("gpu_errors", 0))), **floats)
+
+
 @dataclass(frozen=True)
 class Attribution:
     cause: str

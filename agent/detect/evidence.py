@@ -114,6 +114,10 @@ class RankEvidence:
         self._last: dict[tuple[str, int], _Last] = {}
         self._ticks: dict[tuple[str, int], deque[_Tick]] = {}
 
+    def keys(self) -> list[tuple[str, int]]:
+        """(job, rank) of every rank observed."""
+        return list(self._last)
+
     def forget_job(self, job: str) -> None:
         for key in [k for k in self._last if k[0] == job]:
             self._last.pop(key, None)

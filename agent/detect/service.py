@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
 
-from trainguard.agent.detect.causes import Attribution, Evidence, attribute
+from trainguard.agent.detect.causes import (
+    Attribution,
+    Evidence,
+    attribute,
+    evidence_from_wire,
+    evidence_to_wire,
+)
 from trainguard.agent.detect.config import StragglerConfig
 from trainguard.agent.detect.evidence import ProcReader, RankEvidence
 from trainguard.agent.detect.straggler import (
@@ -101,6 +107,19 @@ def _layout(agent: Agent, job: str, views: Mapping[int, Any]) -> Layout:
     return Layout(max(1, len(dps)), 1, 1, 1, None, False)
 
 
+REMOTE_EVIDENCE_TTL_S = 10.0
+"""Evidence a node sent for its ranks counts this long (it comes every forward, ~0.25 s); older
+evidence is unknown rather than stale."""
+
+
+@dataclass(frozen=True)
+class RemoteEvidence:
+    node: str
+    evidence: Evidence
+    delay_per_step_s: float
+    at: float
+
+
 class StragglerService:
     def __init__(self, agent: Agent, config: StragglerConfig, *, proc_root: Path = Path("/proc"),
                  sys_root: Path = Path("/sys"), clock: Callable[[], float] = time.time) -> None:
@@ -109,6 +128,8 @@ class StragglerService:
         self.clock = clock
         self.evidence = RankEvidence(ProcReader(proc_root, sys_root))
         self._jobs: dict[str, _JobState] = {}
+        self._remote: dict[tuple[str, int], RemoteEvidence] = {}
+        """Evidence other nodes sent for their ranks of the jobs judged here."""
         self._lock = threading.RLock()
         self._gpu_errors_seen: dict[int, int] = {}
 
@@ -166,10 +187,21 @@ class StragglerService:
         # A job that ended keeps its telemetry in the table for a while; it has nothing left to judge.
         live = {j: v for j, v in snapshot.jobs.items()
                 if not (j in records and (records[j].state.finished or not records[j].decides_here))}
+        # This node's ranks of jobs judged on another node: their evidence goes along with their
+        # forwarded telemetry (local_evidence), since only this node can read their /proc.
+        hosted = {j: v for j, v in snapshot.jobs.items()
+                  if j in records and not records[j].state.finished and not records[j].decides_here}
         with self._lock:
             for job in [j for j in self._jobs if j not in live]:
                 self._jobs.pop(job)
+            for job in {k[0] for k in self.evidence.keys()} - set(live) - set(hosted):
                 self.evidence.forget_job(job)
+            for job, views in hosted.items():
+                ebpf = self._collector("ebpf")
+                for rank, view in views.items():
+                    if rank in self._local_ranks(job, views):
+                        stats = ebpf.rank_stats(job, rank) if ebpf is not None else None
+                        self.evidence.observe(job, rank, view.pid, view.step, now, stats)
             for job, views in live.items():
                 try:
                     self._tick_job(job, views, now)
@@ -191,14 +223,20 @@ class StragglerService:
         layout = _layout(self.agent, job, views)
         ebpf = self._collector("ebpf")
         inputs: dict[int, RankInput] = {}
+        local = self._local_ranks(job, views)
         for rank, view in views.items():
             if rank in st.excluded:
                 continue
-            stats = ebpf.rank_stats(job, rank) if ebpf is not None else None
-            self.evidence.observe(job, rank, view.pid, view.step, now, stats)
             window = self.agent.table.window(job, rank, 2 * cfg.window + cfg.warmup_steps)
             steps = [StepSample(m.step, m.fwd_bwd_s, m.opt_s, m.samples) for m in window]
-            delay = self.evidence.run_delay_per_step(job, rank, now, cfg.delay_window_s)
+            if rank in local:
+                stats = ebpf.rank_stats(job, rank) if ebpf is not None else None
+                self.evidence.observe(job, rank, view.pid, view.step, now, stats)
+                delay = self.evidence.run_delay_per_step(job, rank, now, cfg.delay_window_s)
+            else:
+                # Another node's rank: its pid means nothing in this node's /proc.
+                remote = self._fresh_remote(job, rank, now)
+                delay = remote.delay_per_step_s if remote is not None else 0.0
             dp_rank = view.dp_rank if view.dp_rank is not None else rank
             inputs[rank] = RankInput(rank, layout.group(rank) if layout.known else 0, dp_rank, steps, delay)
         result = st.detector.evaluate(inputs, now)
@@ -237,7 +275,66 @@ class StragglerService:
         self._gpu_errors_seen[gpu] = total
         return stats, max(0, total - before)
 
+    # --- ranks on other nodes --------------------------------------------------------------------
+    def _local_ranks(self, job: str, views: Mapping[int, Any]) -> set[int]:
+        """The ranks of ``job`` that run on this node (all of them unless the job spans nodes)."""
+        record = getattr(self.agent.supervisor, "jobs", {}).get(job)
+        block = getattr(record, "block", None)
+        if block is None:
+            return set(views)
+        return {r for r in views if block.rank_offset <= r < block.rank_offset + block.nproc}
+
+    def _fresh_remote(self, job: str, rank: int, now: float) -> RemoteEvidence | None:
+        remote = self._remote.get((job, rank))
+        if remote is None or now - remote.at > REMOTE_EVIDENCE_TTL_S:
+            return None
+        return remote
+
+    def local_evidence(self, job: str, now: float | None = None) -> dict[str, dict[str, Any]]:
+        """What this node saw of its ranks of ``job``, for the node that judges it (sent along with
+        the forwarded telemetry): rank -> Evidence fields and run delay per step."""
+        now = self.clock() if now is None else now
+        out: dict[str, dict[str, Any]] = {}
+        with self._lock:
+            for (j, rank) in self.evidence.keys():
+                if j != job:
+                    continue
+                view = self.agent.table.snapshot().jobs.get(job, {}).get(rank)
+                gpu, errors = self._gpu_errors(view.pid) if view is not None else (None, 0)
+                ev = self.evidence.evidence(job, rank, self.config.window, gpu, errors)
+                out[str(rank)] = {**evidence_to_wire(ev),
+                                  "delay_per_step_s": self.evidence.run_delay_per_step(job, rank, now,
+                                                                                         self.config.delay_window_s)}
+        return out
+
+    def note_remote_evidence(self, job: str, node: str, by_rank: Any, now: float | None = None) -> int:
+        """Evidence another node sent for its ranks of ``job``; returns how many ranks' were taken
+        (malformed entries are dropped, never raised)."""
+        now = self.clock() if now is None else now
+        if not isinstance(by_rank, dict):
+            return 0
+        taken = 0
+        for key, fields in by_rank.items():
+            try:
+                rank = int(key)
+                ev = evidence_from_wire(fields)
+                delay = float(fields.get("delay_per_step_s", 0.0))
+            except (TypeError, ValueError, AttributeError):
+                continue
+            if not math.isfinite(delay):
+                delay = 0.0
+            self._remote[(job, rank)] = RemoteEvidence(node, ev, max(0.0, delay), now)
+            taken += 1
+        return taken
+
     def _evidence(self, job: str, rank: int, pid: int, fig: RankFigures | None) -> Evidence:
+        views = self.agent.table.snapshot().jobs.get(job, {})
+        if rank not in self._local_ranks(job, views or {rank: None}):
+            remote = self._fresh_remote(job, rank, self.clock())
+            ev = remote.evidence if remote is not None else Evidence()  # unknown, never a local stranger's
+            if fig is not None:
+                ev = dataclasses.replace(ev, cpu_s=fig.compute_s - fig.delay_s)
+            return ev
         gpu, errors = self._gpu_errors(pid)
         ev = self.evidence.evidence(job, rank, self.config.window, gpu, errors)
         if fig is not None:
@@ -267,6 +364,10 @@ class StragglerService:
         fig = figures.get(tr.rank)
         action = "observe_only" if cfg.observe_only else ("migrate" if cfg.migrate else "report")
         fields: dict[str, Any] = {"score": round(tr.score, 4), "action": action, "details": attr.details}
+        if tr.rank not in self._local_ranks(job, views):
+            remote = self._remote.get((job, tr.rank))
+            fields["node"] = remote.node if remote is not None else "unknown"
+            fields["evidence_from"] = "its node" if self._fresh_remote(job, tr.rank, self.clock()) else "none"
         if fig is not None:
             fields.update(step=fig.last_step, per_sample_s=fig.per_sample_s, compute_s=fig.compute_s,
                           run_delay_s=fig.delay_s, dp_rank=fig.dp_rank)

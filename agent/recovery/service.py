@@ -26,7 +26,7 @@ from prometheus_client.metrics_core import Metric
 
 from trainguard.agent.checkpoint import CheckpointManager, CheckpointSettings, ObjectStoreConfig, Restored
 from trainguard.agent.config import AgentConfig
-from trainguard.agent.jobs import JobSpec, JobState
+from trainguard.agent.lifecycle.jobs import JobSpec, JobState
 from trainguard.agent.metricspec import MetricSpec
 from trainguard.agent.recovery.activity import ActivityProbe, descends_from
 from trainguard.agent.recovery.detectors import Finding, HangDetector, LossDetector
@@ -35,7 +35,7 @@ from trainguard.agent.wire import PART_MARK
 
 if TYPE_CHECKING:
     from trainguard.agent.daemon import Agent
-    from trainguard.agent.supervisor import JobRecord
+    from trainguard.agent.lifecycle.supervisor import JobRecord
 
 log = logging.getLogger("trainguard.recovery")
 

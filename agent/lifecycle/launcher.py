@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from trainguard.agent.jobs import JobSpec
+from trainguard.agent.lifecycle.jobs import JobSpec
+from trainguard.agent.lifecycle.zygote_client import Zygote, ZygoteError
 from trainguard.agent.wire import ENV_JOB, ENV_JOB_SPEC, ENV_PLAN, ENV_SOCKET
-from trainguard.agent.zygote_client import Zygote, ZygoteError
 
 # The directory that holds the ``trainguard`` package (the checkout, or site-packages).
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

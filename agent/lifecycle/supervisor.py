@@ -8,8 +8,10 @@ shrink) is decided by the ``recovery`` policy hook, which later healing code rep
 
 from __future__ import annotations
 
+import functools
 import os
 import select
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -18,9 +20,10 @@ from typing import Any
 
 from trainguard.agent.collectors.base import TrackedProcess
 from trainguard.agent.eventlog import EventLog
-from trainguard.agent.jobs import JobSpec, JobState, check_transition
-from trainguard.agent.launcher import LaunchContext, Launcher, RankBlock, RankProcess
-from trainguard.agent.plans import PlanStore
+from trainguard.agent.lifecycle.jobs import JobSpec, JobState, check_transition
+from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher, RankBlock, RankProcess
+from trainguard.agent.lifecycle.plans import PlanStore
+from trainguard.agent.lifecycle.records import AdoptedProcess, RecordStore, SavedJob
 
 
 @dataclass
@@ -114,6 +117,8 @@ class Supervisor:
         on_ranks_changed: Callable[[dict[int, TrackedProcess]], None] | None = None,
         launch_env: Callable[[JobRecord], dict[str, str]] | None = None,
         on_submit: Callable[[str], None] | None = None,
+        records: RecordStore | None = None,
+        exit_events: bool = False,
     ) -> None:
         self.events = events
         self.plans = plans
@@ -124,6 +129,10 @@ class Supervisor:
         self.launch_env = launch_env
         self.on_submit = on_submit
         """Called with the job id before its ranks start (the telemetry table registers the job)."""
+        self.records = records
+        """Where every job's record is kept for a restarted agent (None: not kept)."""
+        self.exit_events = exit_events
+        """Whether ``on_exit_event`` will bring exit statuses (eBPF): adopted ranks wait for them."""
         self.jobs: dict[str, JobRecord] = {}
         self.restart_total = 0
         self._lock = threading.RLock()
@@ -177,6 +186,7 @@ class Supervisor:
             if record.state == JobState.RESTARTING:
                 self._set_state(record, JobState.STARTING)
             self._set_state(record, JobState.RUNNING)
+            self._persist(record)
         self.events.emit(
             "ranks_started",
             f"job {record.job} attempt {record.attempt}: started {len(record.ranks)} ranks",
@@ -192,10 +202,81 @@ class Supervisor:
             return
         check_transition(record.state, new)
         record.state = new
+        self._persist(record)
         if new.finished:
             record.finished_at = time.time()
             # The job's warm launcher holds torch in memory: let it go with the job.
             threading.Thread(target=self.launcher.close_job, args=(record.job,), daemon=True).start()
+
+    def _persist(self, record: JobRecord) -> None:
+        if self.records is not None:
+            doc = record.to_dict()
+            doc["restored_from"] = record.restored_from
+            self.records.save(doc, [(r.rank, r.local_rank, r.pid, r.log_path) for r in record.ranks if r.alive])
+
+    # --- a restarted agent ------------------------------------------------------------------
+    def adopt(self, saved: list[SavedJob]) -> None:
+        """Take over the jobs a previous agent on this state directory left running: reattach to
+        their ranks when every one is still alive, else stop what is left and start the job again
+        (from its newest checkpoint, as any restart). Says which in an event per job."""
+        for old in saved:
+            if old.state in ("succeeded", "failed", "stopped") or old.spec.get("job") in self.jobs:
+                continue
+            job = str(old.spec.get("job"))
+            try:
+                spec = JobSpec.from_dict(old.spec)
+            except (ValueError, TypeError, KeyError) as exc:
+                self.events.emit("job_not_adopted", f"job {job}: its saved spec is unusable ({exc})",
+                                 severity="error", job=job, cause=str(exc))
+                continue
+            alive = [r for r in old.ranks if r.alive()]
+            gone = [r.rank for r in old.ranks if r not in alive]
+            if old.spans_nodes:
+                self.events.emit("job_not_adopted", f"job {job} spans nodes: the cluster leader places it again",
+                                 severity="warning", job=job, pids=[r.pid for r in alive])
+                continue
+            record = JobRecord(spec, state=JobState.RUNNING, attempt=old.attempt, restarts=old.restarts,
+                               progress_step=old.progress_step, submitted=old.submitted, restored_from=old.restored_from)
+            record.step_at_last_restart = old.progress_step
+            with self._lock:
+                self.jobs[job] = record
+            self.plans.adopt(job)
+            if self.on_submit is not None:
+                self.on_submit(job)
+            if old.state == "running" and alive and not gone and len(alive) == spec.nproc:
+                record.ranks = [RankProcess(r.rank, r.local_rank,
+                                            AdoptedProcess(r, functools.partial(self._adopted_status, record),
+                                                           expect_hint=self.exit_events),
+                                            self.launcher.clock(), r.log_path) for r in old.ranks]
+                self._persist(record)
+                self.events.emit("job_adopted", f"job {job}: adopted its {len(alive)} running ranks "
+                                 f"(attempt {old.attempt}) from the previous agent", severity="warning", job=job,
+                                 attempt=old.attempt, pids=[r.pid for r in alive], action="adopt")
+                self._ranks_changed()
+                os.write(self._wake_w, b"x")
+                continue
+            # Ranks ended while no agent watched (their exit status is lost), or the job was
+            # between attempts: the survivors cannot go on without them.
+            for r in alive:
+                try:
+                    os.killpg(r.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            record.state = JobState.RESTARTING
+            record.restarts += 1
+            self.restart_total += 1
+            why = (f"ranks {gone} ended while no agent ran" if gone else f"it was {old.state} when the agent stopped")
+            self.events.emit("job_restart", f"job {job}: the agent restarted and {why}: restarting all ranks "
+                             f"(attempt {old.attempt + 1}) from its newest checkpoint", severity="warning", job=job,
+                             cause=f"agent restart: {why}", action="restart_after_agent_restart",
+                             gone=gone, killed=[r.pid for r in alive])
+            threading.Thread(target=self._launch_safely, args=(record,), name=f"launch-{job}", daemon=True).start()
+
+    def _adopted_status(self, record: JobRecord) -> int:
+        """The exit status of an adopted rank when no exit event brought it: 0 when the job's
+        telemetry reached its last step (an embedded-trainer job says how many), else a failure."""
+        steps = (record.spec.trainer or {}).get("steps") if not record.spec.is_command else None
+        return 0 if isinstance(steps, int) and record.progress_step + 1 >= steps else 1
 
     def stop(self, job: str, reason: str = "requested", *, hard: bool = False) -> JobRecord:
         with self._lock:
@@ -227,6 +308,8 @@ class Supervisor:
                     if r.state.finished and r.finished_at is not None and now - r.finished_at >= older_than_s]
             for job in gone:
                 del self.jobs[job]
+                if self.records is not None:
+                    self.records.forget(job)
         return gone
 
     def note_progress(self, job: str, step: int) -> None:
@@ -258,7 +341,12 @@ class Supervisor:
     # --- failure handling --------------------------------------------------------------------
     def on_exit_event(self, pid: int, fields: dict[str, Any]) -> None:
         """Fast path from the eBPF exit event: wake the monitor so it reaps now."""
-        if self.find_rank(pid) is not None:
+        found = self.find_rank(pid)
+        if found is not None:
+            handle = found[1].popen
+            if isinstance(handle, AdoptedProcess) and handle.status_hint is None:
+                sig, code = fields.get("signal"), fields.get("exit_code")
+                handle.status_hint = -int(sig) if sig else (int(code) if isinstance(code, int) else None)
             os.write(self._wake_w, b"x")
 
     def relaunch(self, job: str, block: RankBlock, spec: JobSpec, cause: str) -> None:
@@ -347,6 +435,9 @@ class Supervisor:
             record.exit_codes[r.rank] = r.exit_code
             failed = r.exit_code != 0
             how = f"signal {r.exit_signal}" if r.exit_signal else f"code {r.exit_code}"
+            source = getattr(r.popen, "status_source", "")
+            if source and source != "ebpf":  # an adopted rank's status that no exit event brought
+                how += f" (adopted rank: status from {source})"
             self.events.emit(
                 "rank_exit",
                 f"job {record.job} rank {r.rank} (pid {r.pid}) exited with {how}",

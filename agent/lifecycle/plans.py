@@ -67,6 +67,20 @@ class PlanStore:
             self._remember(job, plan)
             return dataclasses.replace(plan)
 
+    def adopt(self, job: str) -> Plan:
+        """Take over the plan a previous agent left in the job's plan file (its ranks follow it):
+        versions go on from there and a migration in force stays in force. A fresh plan when the
+        file is missing or unreadable."""
+        try:
+            with open(self.path(job), "rb") as fh:
+                plan = Plan.decode(fh.read())
+        except (OSError, WireError):
+            return self.reset(job)
+        with self._lock:
+            self._plans[job] = plan
+            self._remember(job, plan)
+            return dataclasses.replace(plan)
+
     def forget(self, job: str) -> None:
         with self._lock:
             self._plans.pop(job, None)

@@ -1,0 +1,194 @@
+"""Job records on disk, so that an agent started again on the same state directory (after a crash,
+SIGKILL or a systemd restart) finds the jobs the previous one ran and adopts their ranks.
+
+One ``record.json`` per job in its directory under ``jobs/``, rewritten atomically on every state
+change and launch. A rank is named by its pid *and* its start time (``/proc/<pid>/stat`` field 22,
+clock ticks since boot), so a recycled pid is never mistaken for the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+RECORD_FILE = "record.json"
+VERSION = 1
+
+
+def process_start_ticks(pid: int, proc_root: Path = Path("/proc")) -> int | None:
+    """The process's start time in clock ticks since boot; None when it is gone (or a zombie)."""
+    try:
+        text = (proc_root / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    fields = text[text.rfind(")") + 2:].split()
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    rank: int
+    local_rank: int
+    pid: int
+    start_ticks: int | None
+    log_path: str
+
+    def alive(self, proc_root: Path = Path("/proc")) -> bool:
+        """Is this very process still running (same pid, same start time)?"""
+        now = process_start_ticks(self.pid, proc_root)
+        return now is not None and (self.start_ticks is None or now == self.start_ticks)
+
+
+@dataclass(frozen=True)
+class SavedJob:
+    spec: dict[str, Any]
+    state: str
+    attempt: int
+    restarts: int
+    progress_step: int
+    submitted: float
+    ranks: list[RankRecord]
+    spans_nodes: bool
+    restored_from: dict[str, Any] | None = None
+
+
+class RecordStore:
+    """Reads and writes the job records under ``jobs_dir``."""
+
+    def __init__(self, jobs_dir: str, proc_root: Path = Path("/proc")) -> None:
+        self.jobs_dir = Path(jobs_dir)
+        self.proc_root = proc_root
+        self.errors = 0
+        """Records that could not be written or read (a full disk, a truncated file)."""
+
+    def path(self, job: str) -> Path:
+        return self.jobs_dir / job / RECORD_FILE
+
+    def save(self, job: dict[str, Any], ranks: list[tuple[int, int, int, str]]) -> None:
+        """``job``: JobRecord.to_dict() fields; ``ranks``: (rank, local_rank, pid, log) of the live
+        attempt. Never raises: a record that cannot be written costs adoption, not the job."""
+        doc = {
+            "version": VERSION,
+            "spec": job["spec"],
+            "state": job["state"],
+            "attempt": job["attempt"],
+            "restarts": job["restarts"],
+            "progress_step": job["progress_step"],
+            "submitted": job["submitted"],
+            "spans_nodes": job.get("local_ranks") is not None,
+            "restored_from": job.get("restored_from"),
+            "ranks": [
+                {"rank": rank, "local_rank": local, "pid": pid, "start_ticks": process_start_ticks(pid, self.proc_root),
+                 "log_path": log_path}
+                for rank, local, pid, log_path in ranks
+            ],
+        }
+        path = self.path(job["job"])
+        tmp = path.with_name(RECORD_FILE + ".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "w") as fh:
+                json.dump(doc, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            self.errors += 1
+            log.warning("job %s: could not write its record (%s); a restarted agent will not adopt it", job["job"], exc)
+
+    def forget(self, job: str) -> None:
+        try:
+            self.path(job).unlink()
+        except OSError:
+            pass
+
+    def load_all(self) -> tuple[list[SavedJob], list[str]]:
+        """Every readable record, and a line per unreadable one (file and why)."""
+        saved: list[SavedJob] = []
+        problems: list[str] = []
+        if not self.jobs_dir.is_dir():
+            return saved, problems
+        for path in sorted(self.jobs_dir.glob(f"*/{RECORD_FILE}")):
+            try:
+                doc = json.loads(path.read_text())
+                saved.append(SavedJob(
+                    spec=dict(doc["spec"]), state=str(doc["state"]), attempt=int(doc["attempt"]),
+                    restarts=int(doc["restarts"]), progress_step=int(doc["progress_step"]),
+                    submitted=float(doc["submitted"]), spans_nodes=bool(doc.get("spans_nodes")),
+                    restored_from=doc.get("restored_from"),
+                    ranks=[RankRecord(int(r["rank"]), int(r["local_rank"]), int(r["pid"]),
+                                      None if r.get("start_ticks") is None else int(r["start_ticks"]),
+                                      str(r["log_path"])) for r in doc["ranks"]],
+                ))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                self.errors += 1
+                problems.append(f"{path}: {type(exc).__name__}: {exc}")
+        return saved, problems
+
+
+class AdoptedProcess:
+    """A rank a previous agent started, now watched by this one; quacks like ``subprocess.Popen``
+    for the supervisor. Not our child, so no waitpid: its end is seen through a pidfd (the
+    supervisor's monitor) or /proc, and its exit status comes from the eBPF exit event when that
+    collector runs (``status_hint``, in Popen's convention: -N for signal N), else from ``resolve()`` (the supervisor's judgement from the
+    job's own telemetry), and ``status_source`` says which."""
+
+    HINT_WAIT_S = 0.5
+    """How long a seen end waits for the eBPF exit event to bring the status (it is usually first)."""
+
+    def __init__(self, rank: RankRecord, resolve: Callable[[], int], *, expect_hint: bool,
+                 proc_root: Path = Path("/proc"), clock: Callable[[], float] = time.monotonic) -> None:
+        self.record = rank
+        self.pid = rank.pid
+        self.args = [f"adopted pid {rank.pid}"]
+        self.resolve = resolve
+        self.expect_hint = expect_hint
+        self.proc_root = proc_root
+        self.clock = clock
+        self.returncode: int | None = None
+        self.status_hint: int | None = None
+        self.status_source = ""
+        self._gone_at: float | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        if self.record.alive(self.proc_root):
+            return None
+        if self.status_hint is None and self.expect_hint:
+            now = self.clock()
+            self._gone_at = now if self._gone_at is None else self._gone_at
+            if now - self._gone_at < self.HINT_WAIT_S:
+                return None
+        if self.status_hint is not None:
+            self.returncode = self.status_hint
+            self.status_source = "ebpf"
+        else:
+            self.returncode = self.resolve()
+            self.status_source = "telemetry" if self.returncode == 0 else "unknown"
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else self.clock() + timeout
+        while True:
+            code = self.poll()
+            if code is not None:
+                return code
+            if deadline is not None and self.clock() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            time.sleep(0.02)
