@@ -85,7 +85,13 @@ class CpuCgroup:
         return int(stats.get("throttled_time", 0)) / 1e9
 
     def remove(self) -> None:
-        for pid in self.members:
+        """Every process still in the group (members and their children) back to the parent, then
+        the group itself."""
+        try:
+            inside = [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            inside = []
+        for pid in dict.fromkeys([*self.members, *inside]):
             try:
                 (self.parent / "cgroup.procs").write_text(f"{pid}\n")
             except OSError:
