@@ -9,11 +9,14 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import CPU_ISOLATION
 from trainguard.demo import KILL_RANK, SLOW_RANK, Node, _judge, run_demo
 from trainguard.nodefaults import cpu_cgroup_unavailable
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(CPU_ISOLATION)
+@pytest.mark.usefixtures("cpu_priority")
 def test_demo_heals_the_kill_and_the_throttled_rank() -> None:
     out = io.StringIO()
     rc = run_demo(quick=True, out=out)

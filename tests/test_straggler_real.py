@@ -23,7 +23,7 @@ from trainguard.agent.config import AgentConfig, apply_state_dir
 from trainguard.agent.daemon import Agent
 from trainguard.agent.detect import StragglerConfig, StragglerService, install
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.nodefaults import CpuCgroup, cpu_cgroup_unavailable, pin, start_cpu_hog
+from trainguard.nodefaults import CpuCgroup, pin, start_cpu_hog
 
 pytestmark = pytest.mark.xdist_group(CPU_ISOLATION)
 
@@ -83,23 +83,6 @@ class Harness:
 
     def close(self) -> None:
         self.agent.shutdown()
-
-
-@pytest.fixture
-def cpu_priority() -> Iterator[None]:
-    """This test process, and so the agent's ranks it starts, in a CPU cgroup with 10x the default
-    weight while the test runs: the other xdist worker's load (CI runs two) must not make stragglers
-    of the healthy ranks these tests judge (CI saw a healthy rank flagged after the recovery)."""
-    if cpu_cgroup_unavailable() is not None:
-        yield  # not root: timing then competes with the rest of the machine, as on a busy node
-        return
-    group = CpuCgroup("tg-test-prio")
-    group.weight(10)
-    group.add(os.getpid())
-    try:
-        yield
-    finally:
-        group.remove()
 
 
 @pytest.fixture

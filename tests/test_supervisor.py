@@ -100,3 +100,16 @@ def test_stop_terminates_ranks(tmp_path) -> None:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     sup.close()
+
+
+def test_a_peers_exit_1_does_not_hide_the_failing_ranks_status(tmp_path) -> None:
+    """Rank 1 fails with 3 but is still in its teardown when rank 0 dies of it (exit 1, as a broken
+    collective raises): the job's exit code is rank 1's, seen within the short grace."""
+    sup, events = make_supervisor(tmp_path, "cold")
+    script = ("import os, sys, time\nrank = int(os.environ['RANK'])\n"
+              "time.sleep(0.1 if rank == 0 else 0.35)\nsys.exit(1 if rank == 0 else 3)\n")
+    sup.submit(JobSpec("peer-job", 2, command=[sys.executable, "-c", script], max_restarts=0))
+    assert wait_state(sup, "peer-job", {JobState.SUCCEEDED, JobState.FAILED}) == JobState.FAILED
+    record = sup.jobs["peer-job"]
+    assert record.exit_code == 3, (record.exit_codes, [e["message"] for e in events.since(0)])
+    sup.close()

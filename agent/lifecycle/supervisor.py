@@ -105,6 +105,17 @@ class JobRecord:
         }
 
 
+PEER_EXIT_GRACE_S = 0.5
+"""How long a rank's exit 1 waits for a still-running peer to end on its own (see _judge_exits)."""
+
+
+def _close_pidfd(rank: RankProcess) -> None:
+    fd = getattr(rank, "_pidfd", -1)
+    if fd >= 0:
+        os.close(fd)
+        rank._pidfd = -1  # type: ignore[attr-defined]
+
+
 class Supervisor:
     def __init__(
         self,
@@ -430,7 +441,26 @@ class Supervisor:
                 record.state = JobState.FAILED
             self.events.emit("job_failed", f"job {job}: could not restart ranks: {exc}", severity="error", job=job, cause=str(exc))
 
+    def _reap_soon(self, record: JobRecord, within_s: float) -> list[RankProcess]:
+        """Ranks of ``record`` that end within ``within_s`` (stops early once one ends with a
+        status other than 1, or none is left)."""
+        ended: list[RankProcess] = []
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline and any(r.alive for r in record.ranks):
+            now_ended = self.launcher.reap(record.ranks)
+            for r in now_ended:
+                _close_pidfd(r)
+            ended += now_ended
+            if any(r.exit_code not in (0, 1) for r in now_ended):
+                break
+            time.sleep(0.02)
+        return ended
+
     def _handle_exits(self, record: JobRecord, ended: list[RankProcess]) -> None:
+        self._handle_exit_events(record, ended)
+        self._judge_exits(record, ended)
+
+    def _handle_exit_events(self, record: JobRecord, ended: list[RankProcess]) -> None:
         for r in ended:
             record.exit_codes[r.rank] = r.exit_code
             failed = r.exit_code != 0
@@ -449,10 +479,19 @@ class Supervisor:
                 signal=r.exit_signal,
                 cause="rank_crash" if failed else "",
             )
+
+    def _judge_exits(self, record: JobRecord, ended: list[RankProcess]) -> None:
         if record.state in (JobState.STOPPING, JobState.RESTARTING):
             return
         if any(r.exit_code not in (0, None) for r in ended):
             dead = [r for r in ended if r.exit_code != 0]
+            if all(r.exit_code == 1 for r in dead) and any(r.alive for r in record.ranks):
+                # Exit 1 is how a rank dies of a peer's death (its collective raised). The peer
+                # that failed first may still be in its interpreter's teardown: give it a moment to
+                # end on its own, so its status, not the symptom's, becomes the job's.
+                late = self._reap_soon(record, PEER_EXIT_GRACE_S)
+                self._handle_exit_events(record, late)
+                dead += [r for r in late if r.exit_code != 0]
             # Reaped together, the rank that failed first is the likelier one not to exit 1: its peers
             # die of the broken collective with a Python error (exit 1) right after it.
             first = next((r for r in dead if r.exit_code != 1), dead[0])
@@ -498,10 +537,7 @@ class Supervisor:
             for rec in list(self.jobs.values()):
                 ended = self.launcher.reap(rec.ranks)
                 for r in ended:
-                    fd = getattr(r, "_pidfd", -1)
-                    if fd >= 0:
-                        os.close(fd)
-                        r._pidfd = -1  # type: ignore[attr-defined]
+                    _close_pidfd(r)
                 if ended:
                     self._handle_exits(rec, ended)
 
