@@ -156,6 +156,9 @@ def _uneven(rank: int, nproc: int, port: int, plan_path: str, out: str) -> None:
         opt.step()
     if rank == 0:
         torch.save(model.module.state_dict(), out)
+    # DDP's reducer must go before the process group: destroyed after it, its destructor can
+    # deadlock a gloo rank at exit (seen in CI; the examples do the same).
+    del model, opt
     dist.destroy_process_group()
 
 
