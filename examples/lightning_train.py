@@ -31,7 +31,8 @@ class Regressor(pl.LightningModule):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         if self.global_rank == 0 and self.global_step % 20 == 0:
-            print(f"step {self.global_step} loss {loss.item():.5f}", flush=True)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            print(f"step {self.global_step} loss {loss.item():.5f} restart {attempt}", flush=True)
         return loss
 
     def configure_optimizers(self) -> dict[str, object]:

@@ -46,9 +46,14 @@ def test_lightning_callback_resumes_from_the_memory_tier(agent_factory: Any, tmp
     out, err = cli.communicate(timeout=300)
     assert cli.returncode == 0, err[-3000:]
     step = _restored(agent, "lit")
-    printed = [(int(m.group(1)), float(m.group(2))) for m in re.finditer(r"\[rank0\]:step (\d+) loss ([\d.]+)", out)]
-    restart_at = next(i for i in range(1, len(printed)) if printed[i][0] <= printed[i - 1][0])
-    before, after = printed[:restart_at], printed[restart_at:]
+    # Split by the attempt each line names: a kill just after a checkpoint and before the next
+    # print resumes at a higher step than the last one printed, so step order alone cannot tell.
+    lines = [(int(m.group(1)), float(m.group(2)), int(m.group(3)))
+             for m in re.finditer(r"\[rank0\]:step (\d+) loss ([\d.]+) restart (\d+)", out)]
+    before = [(s, loss) for s, loss, attempt in lines if attempt == 0]
+    after = [(s, loss) for s, loss, attempt in lines if attempt == 1]
+    printed = before + after
+    assert before and after, out[-2000:]
     # The restarted attempt goes on from the restored step: it never starts over at step 0.
     assert after[0][0] >= step and step > 0 and [s for s, _ in printed].count(0) == 1
     assert after[-1][0] == 2480
