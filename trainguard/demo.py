@@ -145,6 +145,8 @@ class Node(threading.Thread):
         self.log = NodeLog()
         self.group: CpuCgroup | None = None
         self.throttled_pids: set[int] = set()
+        self.migrated_at: int | None = None
+        """Step of the agent's first shard migration, once seen."""
         self.done = threading.Event()
 
     def say(self, text: str) -> None:
@@ -193,10 +195,12 @@ class Node(threading.Thread):
             self.say(f"SIGKILL to rank {KILL_RANK} (pid {pid}) at step {step}")
 
     def _kill_due(self, step: int) -> bool:
-        migrated = self.client.events(since=0, limit=1000, kind="shard_migration")["events"]
-        steps_since = [step - int(e["fields"].get("step", step)) for e in migrated]
+        if self.migrated_at is None:
+            migrated = self.client.events(since=0, limit=1000, kind="shard_migration")["events"]
+            self.migrated_at = int(migrated[0]["fields"].get("step", step)) if migrated else None
         # Long enough after the migration to measure its step rate; never later than 3/4 of the run.
-        return (bool(steps_since) and steps_since[0] >= 4 * SETTLE_STEPS) or step >= 3 * self.steps // 4
+        return (self.migrated_at is not None and step - self.migrated_at >= 4 * SETTLE_STEPS) \
+            or step >= 3 * self.steps // 4
 
     def close(self) -> None:
         self.done.set()

@@ -196,10 +196,10 @@ class StragglerService:
                 self._jobs.pop(job)
             for job in {k[0] for k in self.evidence.keys()} - set(live) - set(hosted):
                 self.evidence.forget_job(job)
+            ebpf = self._collector("ebpf")
             for job, views in hosted.items():
-                ebpf = self._collector("ebpf")
                 for rank, view in views.items():
-                    if rank in self._local_ranks(job, views):
+                    if self._is_local(job, rank):
                         stats = ebpf.rank_stats(job, rank) if ebpf is not None else None
                         self.evidence.observe(job, rank, view.pid, view.step, now, stats)
             for job, views in live.items():
@@ -276,13 +276,14 @@ class StragglerService:
         return stats, max(0, total - before)
 
     # --- ranks on other nodes --------------------------------------------------------------------
-    def _local_ranks(self, job: str, views: Mapping[int, Any]) -> set[int]:
-        """The ranks of ``job`` that run on this node (all of them unless the job spans nodes)."""
+    def _is_local(self, job: str, rank: int) -> bool:
+        """Does ``rank`` of ``job`` run on this node (every rank does unless the job spans nodes)?"""
         record = getattr(self.agent.supervisor, "jobs", {}).get(job)
         block = getattr(record, "block", None)
-        if block is None:
-            return set(views)
-        return {r for r in views if block.rank_offset <= r < block.rank_offset + block.nproc}
+        return block is None or block.rank_offset <= rank < block.rank_offset + block.nproc
+
+    def _local_ranks(self, job: str, views: Mapping[int, Any]) -> set[int]:
+        return {r for r in views if self._is_local(job, r)}
 
     def _fresh_remote(self, job: str, rank: int, now: float) -> RemoteEvidence | None:
         remote = self._remote.get((job, rank))
@@ -295,11 +296,12 @@ class StragglerService:
         the forwarded telemetry): rank -> Evidence fields and run delay per step."""
         now = self.clock() if now is None else now
         out: dict[str, dict[str, Any]] = {}
+        views = self.agent.table.snapshot().jobs.get(job, {})
         with self._lock:
             for (j, rank) in self.evidence.keys():
                 if j != job:
                     continue
-                view = self.agent.table.snapshot().jobs.get(job, {}).get(rank)
+                view = views.get(rank)
                 gpu, errors = self._gpu_errors(view.pid) if view is not None else (None, 0)
                 ev = self.evidence.evidence(job, rank, self.config.window, gpu, errors)
                 out[str(rank)] = {**evidence_to_wire(ev),
@@ -328,8 +330,7 @@ class StragglerService:
         return taken
 
     def _evidence(self, job: str, rank: int, pid: int, fig: RankFigures | None) -> Evidence:
-        views = self.agent.table.snapshot().jobs.get(job, {})
-        if rank not in self._local_ranks(job, views or {rank: None}):
+        if not self._is_local(job, rank):
             remote = self._fresh_remote(job, rank, self.clock())
             ev = remote.evidence if remote is not None else Evidence()  # unknown, never a local stranger's
             if fig is not None:
@@ -364,7 +365,7 @@ class StragglerService:
         fig = figures.get(tr.rank)
         action = "observe_only" if cfg.observe_only else ("migrate" if cfg.migrate else "report")
         fields: dict[str, Any] = {"score": round(tr.score, 4), "action": action, "details": attr.details}
-        if tr.rank not in self._local_ranks(job, views):
+        if not self._is_local(job, tr.rank):
             remote = self._remote.get((job, tr.rank))
             fields["node"] = remote.node if remote is not None else "unknown"
             fields["evidence_from"] = "its node" if self._fresh_remote(job, tr.rank, self.clock()) else "none"

@@ -102,10 +102,10 @@ class RecordStore:
         tmp = path.with_name(RECORD_FILE + ".tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            # No fsync: the rename is atomic for an agent that crashes; after a power loss the ranks
+            # are gone anyway. A restart writes the record three times, on the recovery path.
             with open(tmp, "w") as fh:
                 json.dump(doc, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
             os.replace(tmp, path)
         except OSError as exc:
             self.errors += 1

@@ -196,8 +196,7 @@ class Supervisor:
             record.ranks = ranks
             if record.state == JobState.RESTARTING:
                 self._set_state(record, JobState.STARTING)
-            self._set_state(record, JobState.RUNNING)
-            self._persist(record)
+            self._set_state(record, JobState.RUNNING)  # writes the record, new ranks included
         self.events.emit(
             "ranks_started",
             f"job {record.job} attempt {record.attempt}: started {len(record.ranks)} ranks",
