@@ -4,7 +4,9 @@ Run through ``bench/gpu_check.sh`` (which finds or makes a Python environment). 
 it prints nvidia-smi's value, the collector's, the median delta over a few rounds, the tolerance
 and PASS/FAIL; then checks the collector end to end (process attribution by pid, Prometheus
 export without NaN, XID event registration) and runs one NCCL training step of the trainguard
-trainer if one is available. Ends with ``RESULT fields_ok=… fields_total=…``.
+trainer if one is available, and checks that the compute time stragglers are judged on leaves out
+a collective wait on CUDA (``bench/gpu_clock_check.py``). Ends with
+``RESULT fields_ok=… fields_total=… train_step=… compute_clock=…``.
 """
 
 from __future__ import annotations
@@ -424,6 +426,17 @@ def train_step(col: GpuCollector, py: str, timeout: float) -> str:
     return "failed"
 
 
+def clock_check(py: str) -> str:
+    """bench/gpu_clock_check.py: the compute time judged on CUDA leaves out a collective wait."""
+    proc = subprocess.run([py, str(REPO / "bench" / "gpu_clock_check.py")], cwd=REPO, capture_output=True,
+                          text=True, timeout=180, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    print("compute clock: " + ("\n  ".join(lines[-6:]) if lines else f"no output, rc={proc.returncode}"))
+    if any(ln.startswith("CLOCK skipped") for ln in lines):
+        return "skipped"
+    return "ok" if proc.returncode == 0 else "failed"
+
+
 def self_test_nvml(drift: bool) -> Any:
     """A fake NVML plus a matching fake nvidia-smi, to check this script on a machine without a GPU
     (tests/test_gpu_check.py). ``drift`` makes nvidia-smi disagree on memory.used by 200 MiB."""
@@ -504,9 +517,13 @@ def main() -> int:
         except Exception as exc:  # the NVML result above stands whatever happens here
             print(f"train step crashed: {exc!r}")
             train = "failed"
+    clock = "skipped"
+    if not args.self_test:
+        clock = clock_check(py)
     col.stop()
     print(
         f"RESULT fields_ok={ok} fields_total={total} fields_ok_ratio={ok / total if total else 0:.3f} train_step={train}"
+        f" compute_clock={clock}"
     )
     return 0 if ok == total else 1
 

@@ -75,6 +75,7 @@ def main() -> int:
     run = trainguard.init(batch_size=args.batch)
     state = {"model": model, "optim": optim}
     start = run.restore(state)  # the step to resume at (0 on a first start)
+    run.watch_gradients(model.parameters())  # compute timed to the last gradient (on CUDA: without the all-reduce wait)
     progress = Progress(args.progress, rank)
     if rank == 0 and start:
         print(f"resumed at step {start}", flush=True)

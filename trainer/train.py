@@ -141,6 +141,9 @@ class Trainer:
         if self.run_handle is None:
             # Every step: its steps are long next to one store round trip, and migrations settle faster.
             self.run_handle = init(job=self.env.job, dp_rank=lay.dp_rank, dp_size=lay.dp, plan_every=1)
+        # Compute judged up to the last gradient on the device's clock: on CUDA the DDP/FSDP wait for
+        # the gradient all-reduce at the end of backward would otherwise count as compute.
+        self.run_handle.watch_gradients(self.params)
         # The agent picked (and verified) the newest checkpoint across its tiers for this attempt.
         restored = self.run_handle.restore(self.checkpoint_state())
         if restored:

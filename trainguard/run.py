@@ -67,7 +67,10 @@ class Step:
     is the rank's own compute, not its waiting on peers: on the CPU the compute and optim phases
     count their thread's CPU time (a collective wait sleeps), the rest of their wall time counts as
     communication; an explicit ``comm`` phase is communication. Without phases, the whole step is
-    measured that way.
+    measured that way. With ``run.watch_gradients(model.parameters())`` the compute is the span
+    from the start of the compute phase (or of the step) to the step's last gradient, on the
+    device's own clock: on CUDA that leaves out the gradient all-reduce wait that wall time holds
+    (``trainguard.computetime``).
     """
 
     def __init__(self, run: Run, step: int, samples: int, tokens: int) -> None:
@@ -94,10 +97,17 @@ class Step:
         self.run._before_step(self)
         self._t0 = time.perf_counter()
         self._c0 = time.thread_time()
+        self._clock_begin("compute")
         return self
+
+    def _clock_begin(self, phase: str | None) -> None:
+        clock = self.run._grad_clock
+        if clock is not None and phase == "compute":
+            clock.begin()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        self._clock_begin(name)
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             yield
@@ -114,6 +124,7 @@ class Step:
             self.wall[running] = self.wall.get(running, 0.0) + now - t0
             self.cpu[running] = self.cpu.get(running, 0.0) + cpu - c0
         self._phase = (name, now, cpu) if name is not None else None
+        self._clock_begin(name)
 
     def report(self, loss: float | None = None, lr: float | None = None, grad_norm: float | None = None,
                **extra: Any) -> None:
@@ -141,8 +152,12 @@ class Step:
         """data_s, fwd_bwd_s, comm_s, opt_s as the wire carries them."""
         by_cpu = not _cuda_in_use()
         wall, cpu = self.wall, self.cpu
+        clock = self.run._grad_clock
+        clocked = clock.take() if clock is not None else None
         if not wall:
             whole = min(step_cpu_s, step_s) if by_cpu else step_s
+            if clocked is not None and not by_cpu:
+                whole = min(clocked, step_s)  # the step's wall time holds the collective wait
             return {"data_s": 0.0, "fwd_bwd_s": whole, "comm_s": max(0.0, step_s - whole), "opt_s": 0.0}
 
         def busy(name: str) -> float:
@@ -150,6 +165,8 @@ class Step:
             return min(cpu.get(name, 0.0), w) if by_cpu else w
 
         compute, optim = busy("compute"), busy("optim")
+        if clocked is not None and "compute" in wall:
+            compute = min(clocked, wall["compute"])
         waited = (wall.get("compute", 0.0) - compute) + (wall.get("optim", 0.0) - optim)
         return {"data_s": wall.get("data", 0.0), "fwd_bwd_s": compute, "comm_s": wall.get("comm", 0.0) + waited,
                 "opt_s": optim}
@@ -186,6 +203,7 @@ class Run:
         self.checkpoint_failures = 0
         self.last_checkpoint: str | None = None
         self._failed_save: tuple[int, str] | None = None
+        self._grad_clock: Any = None  # trainguard.computetime.GradientClock after watch_gradients()
 
     # -- identity ----------------------------------------------------------------------------------
 
@@ -306,6 +324,22 @@ class Run:
 
     # -- steps -------------------------------------------------------------------------------------
 
+    def watch_gradients(self, params: Any, clock: Any = None) -> None:
+        """Measure each step's compute up to its last gradient on the device's own clock (CUDA
+        events on a GPU), so that the collective wait at the end of backward is not counted as this
+        rank's compute: without it, on CUDA every rank of a synchronous job looks as slow as the
+        slowest. ``params``: the model's parameters; ``clock``: a ``GradientClock`` to use instead."""
+        # Imported here: it needs torch, which the agent (importing this package) must not load.
+        from trainguard.computetime import GradientClock
+
+        if self._grad_clock is not None:
+            self._grad_clock.close()
+        if clock is None:
+            clock = GradientClock.for_params(params)
+        else:
+            clock.watch(params)
+        self._grad_clock = clock
+
     def step(self, step: int, samples: int = 0, tokens: int = 0) -> Step:
         """Context manager around one training step (``step`` counts from 0; the agent sees steps
         done, ``step + 1``, the same count a checkpoint taken after this step carries)."""
@@ -388,6 +422,9 @@ class Run:
 
     def close(self) -> None:
         self.telemetry.close()
+        if self._grad_clock is not None:
+            self._grad_clock.close()
+            self._grad_clock = None
 
     def __enter__(self) -> Run:
         return self

@@ -45,6 +45,8 @@ class TrainguardCallback(TrainerCallback):
         if self.run is None:
             self.run = trainguard.init(dp_rank=args.process_index, dp_size=args.world_size)
         self._optimizer = optimizer
+        if model is not None:
+            self.run.watch_gradients(model.parameters())
         self._state = {"model": model}
         if optimizer is not None:
             self._state["optim"] = _unwrap(optimizer)

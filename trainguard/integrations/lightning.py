@@ -52,6 +52,7 @@ class TrainguardCallback(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.run is not None
+        self.run.watch_gradients(pl_module.parameters())
         start = self.run.restore(self._state(trainer, pl_module))
         if start:
             self.restored_step = start
