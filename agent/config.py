@@ -31,6 +31,7 @@ class ConfigError(ValueError):
 
 # Sections owned by their modules (imported after ConfigError, which they raise).
 from trainguard.agent.cluster.config import ClusterConfig  # noqa: E402
+from trainguard.agent.collectors.gpu.config import GpuCollectorConfig  # noqa: E402
 from trainguard.agent.controller.config import ControllerConfig  # noqa: E402
 from trainguard.agent.detect.config import StragglerConfig  # noqa: E402
 
@@ -232,6 +233,7 @@ class AgentConfig:
     eventlog: EventLogSection = field(default_factory=EventLogSection)
     telemetry: TelemetrySection = field(default_factory=TelemetrySection)
     collectors: CollectorsSection = field(default_factory=CollectorsSection)
+    gpu: GpuCollectorConfig = field(default_factory=GpuCollectorConfig)
     launcher: LauncherSection = field(default_factory=LauncherSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     recovery: RecoverySection = field(default_factory=RecoverySection)

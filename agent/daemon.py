@@ -21,6 +21,7 @@ from trainguard.agent import __version__
 from trainguard.agent.collectors.base import Collector, CollectorUnavailable, TrackedProcess
 from trainguard.agent.config import AgentConfig, ConfigError, load_config, parse_host_port
 from trainguard.agent.eventlog import EventLog
+from trainguard.agent.heal.gpu_faults import GpuFaults
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
 from trainguard.agent.lifecycle.plans import PlanStore
@@ -40,8 +41,11 @@ TickHook = Callable[["Agent", float], None]
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig, config_path: str | None = None, *, print_bpf: bool = False) -> None:
+    def __init__(self, cfg: AgentConfig, config_path: str | None = None, *, print_bpf: bool = False,
+                 nvml_module: Any = None) -> None:
+        """``nvml_module``: a stand-in for ``pynvml`` (tests pass a fake NVML); None: the real one."""
         self.cfg = cfg
+        self.nvml_module = nvml_module
         self.config_path = config_path
         self.print_bpf = print_bpf
         self.paths = AgentPaths(cfg.agent.state_dir, cfg.agent.run_dir)
@@ -191,6 +195,8 @@ class Agent:
         self.checkpoint_catalog = self.checkpoints.catalog
         self.rollback = self.recovery.rollback
         self.exclude_rank = self.recovery.exclude_rank
+        self.gpu_faults = GpuFaults(self, exclude=self.cfg.gpu.exclude_failed)
+        self.tick_hooks.append(lambda _agent, _now: self.gpu_faults.tick())
         self.events.subscribe(self._watch_failures)
 
     def _install_policies(self) -> None:
@@ -318,9 +324,9 @@ class Agent:
         return EbpfCollector(self._on_collector_event, interval=self.cfg.agent.interval_s, print_bpf=self.print_bpf)
 
     def _make_gpu(self) -> Collector:
-        from trainguard.agent.collectors.gpu import GpuCollector
+        from trainguard.agent.collectors.gpu import GpuCollector, Nvml
 
-        return GpuCollector(self._on_collector_event)
+        return GpuCollector(self._on_collector_event, Nvml(module=self.nvml_module), self.cfg.gpu)
 
     def _on_collector_event(self, kind: str, fields: dict[str, Any]) -> None:
         pid = fields.get("pid")
@@ -334,6 +340,8 @@ class Agent:
             # itself (with the waitpid status), so this one is only the latency evidence.
             self.supervisor.on_exit_event(pid, fields)
             kind = "process_exit_seen"
+        if kind in ("gpu_lost", "gpu_xid", "gpu_ecc"):
+            self.gpu_faults.on_event(kind, fields)
         severity = "error" if kind in ("oom_kill", "gpu_xid", "gpu_lost") else ("debug" if kind == "process_exit_seen" else "info")
         self.events.emit(kind, f"{kind.replace('_', ' ')}: {fields}", severity=severity, job=job, rank=rank, source="collector", **_safe_fields(fields))
 
@@ -404,7 +412,12 @@ class Agent:
             python=self.cfg.launcher.python,
             user=self.cfg.launcher.user,
             extra_env={"TRAINGUARD_STATE_DIR": self.cfg.agent.state_dir, "TRAINGUARD_JSON": "1"},
+            gpus=self._healthy_gpus(),
         )
+
+    def _healthy_gpus(self) -> tuple[int, ...] | None:
+        gpu: Any = next((c for c in self.collectors if getattr(c, "name", None) == "gpu"), None)
+        return self.gpu_faults.healthy(gpu.gpu_indices()) if gpu is not None else None
 
     # --- main loop --------------------------------------------------------------------------
     def tick(self, now: float) -> None:

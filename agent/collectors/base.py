@@ -28,6 +28,8 @@ class TrackedProcess:
     job: str
     rank: int
     local_rank: int
+    gpu: int | None = None
+    """The GPU the agent gave the rank (None: the rank's own choice, by default ``local_rank``)."""
 
 
 class CollectorUnavailable(RuntimeError):

@@ -56,6 +56,8 @@ class RankProcess:
     exit_code: int | None = None
     exit_signal: int | None = None
     ended: float | None = None
+    gpu: int | None = None
+    """The GPU the agent gave the rank (None: the rank's own choice)."""
 
     @property
     def pid(self) -> int:
@@ -77,6 +79,9 @@ class LaunchContext:
     python: str = ""
     user: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
+    gpus: tuple[int, ...] | None = None
+    """GPUs the job's ranks may use, in order (``CUDA_VISIBLE_DEVICES``, local rank i on the i-th);
+    None leaves the environment's choice alone (nothing on the node has failed)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,24 @@ def _same_interpreter(command: str, python: str, path: str | None) -> bool:
         return os.path.samefile(found, python) or os.path.realpath(found) == os.path.realpath(python)
     except OSError:
         return False
+
+
+def visible_gpus(allowed: tuple[int, ...] | None, requested: str | None) -> tuple[int, ...] | None:
+    """The GPUs a job's ranks get: ``allowed`` (the node's healthy GPUs), narrowed to the job's own
+    ``CUDA_VISIBLE_DEVICES`` in its order when it names GPUs by index; None leaves it alone."""
+    if allowed is None:
+        return None
+    if requested:
+        try:
+            wanted = [int(x) for x in requested.split(",") if x.strip()]
+        except ValueError:  # UUIDs or MIG names: the healthy set by index is all that is known
+            return allowed
+        return tuple(g for g in wanted if g in allowed)
+    return allowed
+
+
+def _nth(items: tuple[int, ...] | None, i: int) -> int | None:
+    return items[i] if items is not None and i < len(items) else None
 
 
 def _privilege_wrapper(user: str) -> tuple[list[str], dict[str, object]]:
@@ -221,6 +244,9 @@ class Launcher:
             base_env["PYTHONPATH"] = PACKAGE_PARENT + (os.pathsep + pythonpath if pythonpath else "")
         base_env.update(ctx.extra_env)
         base_env.update(spec.env)
+        gpus = visible_gpus(ctx.gpus, base_env.get("CUDA_VISIBLE_DEVICES"))
+        if gpus is not None:
+            base_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         if spec.is_command and block.nproc > 1:
             # As torchrun does: one intra-op thread per rank unless the user chose otherwise.
             base_env.setdefault("OMP_NUM_THREADS", "1")
@@ -262,7 +288,7 @@ class Launcher:
             if zygote is not None:
                 assert warm_target is not None
                 child = zygote.spawn(rank, env, log_path, cwd, warm_target[0], warm_target[1])
-                ranks.append(RankProcess(rank, local, child, self.clock(), log_path))
+                ranks.append(RankProcess(rank, local, child, self.clock(), log_path, gpu=_nth(gpus, local)))
                 continue
             log = open(log_path, "ab")
             try:
@@ -278,7 +304,7 @@ class Launcher:
                 )
             finally:
                 log.close()
-            ranks.append(RankProcess(rank, local, popen, self.clock(), log_path))
+            ranks.append(RankProcess(rank, local, popen, self.clock(), log_path, gpu=_nth(gpus, local)))
         return ranks
 
     def reap(self, ranks: list[RankProcess]) -> list[RankProcess]:

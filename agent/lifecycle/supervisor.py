@@ -330,7 +330,7 @@ class Supervisor:
     def tracked(self) -> dict[int, TrackedProcess]:
         with self._lock:
             return {
-                r.pid: TrackedProcess(r.pid, rec.job, r.rank, r.local_rank)
+                r.pid: TrackedProcess(r.pid, rec.job, r.rank, r.local_rank, r.gpu)
                 for rec in self.jobs.values()
                 for r in rec.ranks
                 if r.alive

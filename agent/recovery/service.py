@@ -328,8 +328,9 @@ class RecoveryService:
         self._count(job, "rollback", "loss_divergence")
         self.agent.supervisor.restart(job, cause=f"rollback: {reason}")
 
-    def exclude_rank(self, job: str, rank: int, reason: str) -> bool:
-        """Restart the job without one data-parallel replica (the one holding ``rank``)."""
+    def exclude_rank(self, job: str, rank: int, reason: str, kind: str = "straggler") -> bool:
+        """Restart the job without one data-parallel replica (the one holding ``rank``); ``kind``
+        is what made it go (the ``cause`` label of the action counter)."""
         record = self.agent.supervisor.jobs.get(job)
         if record is None:
             return False
@@ -353,7 +354,7 @@ class RecoveryService:
             cause=reason,
             action="exclude",
         )
-        self._count(job, "exclude", "straggler")
+        self._count(job, "exclude", kind)
         # The world shrinks: per-rank batch sizes of the old plan no longer fit.
         self.agent.plans.update(job, {"batch_sizes": None, "reason": f"rank {rank} excluded"})
         self.agent.supervisor.restart(job, cause=f"exclude rank {rank}: {reason}", spec=spec)

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from trainguard.agent.collectors.base import CollectorUnavailable, EmitFn, TrackedProcess
+from trainguard.agent.collectors.gpu.config import GpuCollectorConfig
 from trainguard.agent.collectors.gpu.nvml import GpuLost, Nvml, NvmlUnavailable, is_na
 from trainguard.agent.collectors.gpu.reading import (
     THROTTLE_REASONS,
@@ -103,28 +104,6 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
         "GPU memory used by a tracked rank process.",
     ),
 )
-
-
-@dataclass
-class GpuCollectorConfig:
-    xid_events: bool = True
-    """Watch the NVML event set for XID/ECC events in a thread (instant delivery)."""
-    event_wait_ms: int = 200
-    """Event-set wait timeout: bounds how long ``stop`` takes."""
-    pcie_sampling_fallback: bool = True
-    """Where the PCIe byte counters are missing, sample nvmlDeviceGetPcieThroughput (blocks ~20 ms per direction)."""
-    local_rank_fallback: bool = False
-    """Attribute a tracked rank to GPU ``local_rank`` when NVML lists no process for it (containers
-    whose PID namespace hides the ranks from NVML). Off by default: CPU-only ranks would be misattributed."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.event_wait_ms, int) or not 10 <= self.event_wait_ms <= 5000:
-            raise ValueError(
-                f"gpu.event_wait_ms must be an integer in [10, 5000], got {self.event_wait_ms!r}"
-            )
-        for key in ("xid_events", "pcie_sampling_fallback", "local_rank_fallback"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"gpu.{key} must be true or false, got {getattr(self, key)!r}")
 
 
 @dataclass(frozen=True)
@@ -336,6 +315,10 @@ class GpuCollector:
         with self._lock:
             return dict(self._snapshot.readings)
 
+    def gpu_indices(self) -> list[int]:
+        """Every GPU NVML listed at start, lost ones included."""
+        return sorted(self._devices)
+
     def lost_gpus(self) -> list[int]:
         return sorted(i for i, d in self._devices.items() if d.lost)
 
@@ -380,8 +363,9 @@ class GpuCollector:
                     pid_gpu[pid] = idx
         if self.config.local_rank_fallback:
             for pid, proc in self._tracked.items():
-                if pid not in pid_gpu and proc.local_rank in readings:
-                    pid_gpu[pid] = proc.local_rank
+                gpu = proc.gpu if proc.gpu is not None else proc.local_rank
+                if pid not in pid_gpu and gpu in readings:
+                    pid_gpu[pid] = gpu
         return pid_gpu
 
     def _event_fields(self, gpu: int, snap: _Snapshot, extra: dict[str, Any]) -> dict[str, Any]:
