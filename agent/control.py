@@ -205,7 +205,9 @@ class AgentControl:
         return {"accepted": len(result.accepted), "dropped": dropped, "evidence_ranks": evidence}
 
     def drain(self, job: str, target: dict[str, Any]) -> dict[str, Any]:
-        self._job(job)
+        if not (isinstance(target, dict) and "node" in target and getattr(self.agent, "cluster", None) is not None
+                and getattr(self.agent.cluster, "gangs", None) is not None):
+            self._job(job)  # a node drain in a cluster may name any cluster job: its record decides
         handler = getattr(self.agent, "drain_handler", None)
         if handler is None:
             raise ApiError(501, "draining needs the straggler/healing module, which is not enabled on this agent")

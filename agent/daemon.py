@@ -224,8 +224,14 @@ class Agent:
             if getattr(self.cluster, "gangs", None) is None:
                 raise ApiError(409, f"node {node} is the only node of this agent's job: there is nowhere to move its "
                                     "ranks; drain a rank instead (its data-parallel replica leaves the job)")
-            raise ApiError(501, "draining a node of a cluster job is not built yet: stop the agent on that node "
-                                "(its lease expires and the leader moves the job)")
+            try:
+                return self.cluster.drain(job, str(node))
+            except LookupError as exc:
+                raise ApiError(404, str(exc)) from None
+            except ValueError as exc:
+                raise ApiError(409, str(exc)) from None
+            except Exception as exc:  # noqa: BLE001 - etcd down or refusing: say so, change nothing
+                raise ApiError(503, f"drain not recorded: {exc}") from None
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise ApiError(400, "drain needs {\"rank\": N} (or {\"node\": NAME} in a cluster)")
         if not self.recovery.exclude_rank(job, rank, "drained by an operator"):

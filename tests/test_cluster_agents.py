@@ -134,3 +134,37 @@ def test_node_loss_job_resumes_on_survivor_from_peer_tier(cluster: Callable[...,
     for name in pa:
         assert (pa[name] == pb[name]).all(), name
     print(f"node loss -> resumed on survivor in {took:.1f}s from peer step {restored_step}")
+
+
+def test_drain_node_moves_a_job_off_a_live_node_and_the_old_copy_stops(cluster: Callable[..., ClusterNode],
+                                                                      tmp_path: Path) -> None:
+    """An operator drains node b (through a's API): the leader moves b's job to a while b is alive,
+    b stops its copy (fenced), a restores it from the peer copy in its own RAM and trains on."""
+    from trainguard.trainer.testing import tiny_config
+
+    a = cluster("a", slots=2)
+    wait_for(lambda: a.metric("trainguard_cluster_is_leader") == 1, 20, "a leads")
+    b = cluster("b", slots=2)
+    trainer = tiny_config(str(tmp_path / "corpus"), steps=3000, parallel={"dp": 2}).to_dict()
+    b.client.submit_job({"job": "work", "nproc": 2, "trainer": trainer})
+    wait_for(lambda: max(a.held_steps("b", "work") or [0]) >= 8, 150, f"a peer copy on a\n{b.log()[-3000:]}")
+    with pytest.raises(ApiClientError) as refused:
+        a.client.drain("work", node="a")  # the job does not run there
+    assert refused.value.status == 409 and "does not run on node a" in str(refused.value)
+
+    reply = a.client.drain("work", node="b")
+    assert reply["state"] == "recorded" and reply["moves_to"] == ["a"], reply
+    moved = wait_for(lambda: [e for e in a.events("job_moved") if e.get("job") == "work"], 30,
+                     f"the leader moves the job\n{a.log()[-2000:]}")
+    assert moved[0]["fields"]["src"] == "b" and moved[0]["fields"]["dst"] == "a"
+    assert "drained node b" in moved[0]["message"]
+    wait_for(lambda: [e for e in b.events("job_fenced") if e.get("job") == "work"], 30, "b stops its copy")
+    wait_for(lambda: b.client.job("work")["state"] in ("stopped", "failed", "succeeded"), 30, "b's ranks gone")
+    selected = wait_for(lambda: [e for e in a.events("restore_selected") if e.get("job") == "work"], 60, "restore on a")
+    assert selected[0]["fields"]["tier"] in ("peer", "memory", "disk")
+    wait_for(lambda: [e for e in a.events("job_resumed") if e.get("job") == "work"], 90, f"job resumed on a\n{a.log()[-3000:]}")
+    assert a.client.job("work")["state"] in ("running", "starting")
+    # b stays a member (it was drained, not lost) and the job is not placed back on it.
+    assert not b.events("node_lost") and not a.events("node_lost")
+    time.sleep(3)
+    assert b.client.job("work")["state"] != "running"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -158,3 +159,18 @@ def test_forwarded_telemetry_keeps_valid_messages_of_the_job_and_counts_the_rest
 
     good, dropped = decode_forwarded("j", [msg("j", 2), msg("other", 3), "{not json", 42, msg("j", 3)])
     assert [m.rank for m in good] == [2, 3] and dropped == 3
+
+
+def test_a_drained_node_is_left_by_the_next_attempt_and_never_used_again() -> None:
+    rec = replace(_running(), drained=["b"])
+    new, _ = _decided(rec, _members(a=2, b=2), Finder(12, {"a": ["a"], "b": ["b"]}), 5.0)
+    g = Gang.from_dict(new.gang)
+    # Both ranks packed on a (room for 2): dp kept, and the drained node stays out.
+    assert g.nodes == ["a"] and g.dp == 2 and "node b drained" in new.cause and g.restore_step == 12
+    assert new.drained == ["b"]
+    # Once running on a, no further attempt: b is alive but not a member for this job.
+    assert decide(new, _members(a=2, b=2), Finder(), 6.0) is None
+    # The job is placed elsewhere, never on b, at later restarts too.
+    restarted = replace(new, gang={**new.gang, "requests": {"a": {"attempt": g.attempt, "cause": "rank died"}}})
+    again, _ = _decided(restarted, _members(a=2, b=2), Finder(), 7.0)
+    assert Gang.from_dict(again.gang).nodes == ["a"]

@@ -53,9 +53,19 @@ def test_plan_moves_prefers_the_lost_nodes_peer_and_skips_live_or_finished_jobs(
     assert plan_moves(records, {}) == []
 
 
+def test_a_drained_owner_is_moved_off_although_alive_and_not_to_another_drained_node() -> None:
+    drained = JobRecordDoc("x", spec(2, 2), "a", "b", drained=["a", "b"])
+    [(new, _, m)] = plan_moves({"x": (drained, 4)}, {"a": 2, "b": 2, "c": 2})
+    assert (m.src, m.dst) == ("a", "c") and new.cause == "node a drained" and new.drained == ["a", "b"]
+    assert plan_moves({"x": (new, 5)}, {"a": 2, "b": 2, "c": 2}) == []  # settled on c
+    assert plan_moves({"x": (drained, 4)}, {"a": 2, "b": 2}) == []  # nowhere else to go: it stays
+
+
 def test_record_json_round_trip_and_garbage() -> None:
     r = rec("j", "a", "b", epoch=3)
     assert JobRecordDoc.from_json(r.to_json()) == r
+    d = JobRecordDoc("j", spec(2, 2), "a", drained=["b"])
+    assert JobRecordDoc.from_json(d.to_json()) == d
     assert JobRecordDoc.from_json(b"not json") is None
     assert JobRecordDoc.from_json(b'{"job": "j"}') is None
 

@@ -175,14 +175,19 @@ def decide(rec: JobRecordDoc, members: dict[str, NodeInfo], find_restore: Restor
     ``leader`` gets global rank 0 when it has room; ``rejoin``: grow back to the submitted dp."""
     g = Gang.from_dict(rec.gang)
     failed_at = now
+    # A node an operator drained this job off is no member for it (it is never placed there again).
+    drained = [n for n in g.nodes if n in members and n in rec.drained]
+    members = {n: i for n, i in members.items() if n not in rec.drained}
     if rec.state == "pending":
         cause = rec.cause or "submitted"
     elif rec.state == "running":
-        lost = [n for n in g.nodes if n not in members]
+        lost = [n for n in g.nodes if n not in members and n not in drained]
         requests = {n: r for n, r in g.requests.items() if r.get("attempt") == g.attempt}
         failed_at = min([float(r.get("at", now)) for r in requests.values()] + [now])
         if lost:
             cause = f"node {', '.join(lost)} lost"
+        elif drained:
+            cause = f"node {', '.join(drained)} drained"
         elif requests:
             node, first = sorted(requests.items())[0]
             cause = f"{node}: {first.get('cause', 'ranks failed')}"

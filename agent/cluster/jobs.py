@@ -47,6 +47,9 @@ class JobRecordDoc:
     gang: dict[str, Any] = field(default_factory=dict)
     """Set for a job that spans nodes (``agent.cluster.gang``): placement and attempt state. Such
     records are the leader's and their nodes' business; the single-owner logic here skips them."""
+    drained: list[str] = field(default_factory=list)
+    """Nodes an operator drained this job off: the leader moves it away from them at its next
+    restart point (now: the newest checkpoint) and never places it there again."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -59,7 +62,8 @@ class JobRecordDoc:
                        peer=str(doc.get("peer", "")), state=str(doc.get("state", "running")),
                        epoch=int(doc.get("epoch", 0)), cause=str(doc.get("cause", "")),
                        history=[str(h) for h in doc.get("history", [])][-20:],
-                       plan=dict(doc.get("plan") or {}), gang=dict(doc.get("gang") or {}))
+                       plan=dict(doc.get("plan") or {}), gang=dict(doc.get("gang") or {}),
+                       drained=[str(n) for n in doc.get("drained") or []])
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -103,18 +107,20 @@ def plan_moves(records: dict[str, tuple[JobRecordDoc, int]], members: dict[str, 
     if not names:
         return out
     for job, (rec, rev) in sorted(records.items()):
-        if rec.state != "running" or rec.node in members or rec.gang:
+        eligible = [n for n in names if n not in rec.drained]
+        if rec.state != "running" or rec.node in eligible or rec.gang or not eligible:
             continue
-        if rec.peer in members:
+        if rec.peer in eligible:
             dst = rec.peer
         else:
-            after = [n for n in names if n > rec.node]
-            dst = after[0] if after else names[0]
+            after = [n for n in eligible if n > rec.node]
+            dst = after[0] if after else eligible[0]
         spec, why = shrink_spec(rec.spec, members[dst])
         plan = dict(rec.plan)
         if why:
             plan.pop("batch_sizes", None)  # one size per dp rank: the old split does not fit the new dp
-        new = replace(rec, spec=spec, plan=plan, node=dst, epoch=rec.epoch + 1, cause=f"node {rec.node} lost",
+        cause = f"node {rec.node} drained" if rec.node in members else f"node {rec.node} lost"
+        new = replace(rec, spec=spec, plan=plan, node=dst, epoch=rec.epoch + 1, cause=cause,
                       history=[*rec.history, f"{rec.node}->{dst}"][-20:])
         out.append((new, rev, Move(job, rec.node, dst, new.epoch, why)))
     return out

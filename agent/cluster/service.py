@@ -30,7 +30,7 @@ from trainguard.agent.checkpoint.tier import Tier
 from trainguard.agent.cluster.blobstore import BlobStore
 from trainguard.agent.cluster.config import ClusterConfig
 from trainguard.agent.cluster.etcd import EtcdClient, EtcdUnavailable, LeaseExpired
-from trainguard.agent.cluster.gang import GangCoordinator
+from trainguard.agent.cluster.gang import Gang, GangCoordinator
 from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable, plan_moves
 from trainguard.agent.cluster.membership import EmitFn, Membership, NodeInfo
 from trainguard.agent.cluster.peertier import PeerRef, PeerTier, ring_peer, token_client_factory
@@ -312,7 +312,8 @@ class ClusterService:
             base = cur[0] if cur is not None else None
             desired = JobRecordDoc(job, local.spec.to_dict(), self.node, peer.node if peer else "", state,
                                    base.epoch if base else 0, base.cause if base else "submitted",
-                                   base.history if base else [self.node], self._plan_of(job, base))
+                                   base.history if base else [self.node], self._plan_of(job, base),
+                                   drained=base.drained if base else [])
             if base is not None and base == desired:
                 self._epochs[job] = desired.epoch
                 continue
@@ -376,7 +377,37 @@ class ClusterService:
         for new, rev, move in plan_moves(records, members):
             if self.jobs.write(new, rev):
                 self.moves += 1
-                self.emit("job_moved", f"leader moves job {move.job} from lost node {move.src} to {move.dst}"
+                how = "drained" if new.cause.endswith("drained") else "lost"
+                self.emit("job_moved", f"leader moves job {move.job} from {how} node {move.src} to {move.dst}"
                           + (f" ({move.reason})" if move.reason else ""),
                           {"job": move.job, "src": move.src, "dst": move.dst, "epoch": move.epoch,
-                           "action": "restart_elsewhere", "cause_": f"node {move.src} lost", "severity": "warning"})
+                           "action": "restart_elsewhere", "cause_": new.cause, "severity": "warning"})
+
+    def drain(self, job: str, node: str) -> dict[str, Any]:
+        """Record that ``job`` must leave ``node``; the leader moves it at its next sync. Raises
+        ValueError (no such job, not on that node, nowhere else to go) or EtcdUnavailable."""
+        if self.jobs is None or self.membership is None:
+            raise ValueError("no cluster: set [cluster] etcd_endpoints")
+        if not self.membership.etcd_reachable:
+            raise EtcdUnavailable("etcd is unreachable: the drain cannot be recorded")
+        for _ in range(5):  # compare-and-swap: retry when another agent wrote the record meanwhile
+            cur = self.jobs.read().get(job)
+            if cur is None:
+                raise LookupError(f"job {job} has no cluster record")
+            rec, rev = cur
+            on = Gang.from_dict(rec.gang).nodes if rec.gang else [rec.node]
+            if node not in on:
+                raise ValueError(f"job {job} does not run on node {node} (it runs on {', '.join(on) or 'none yet'})")
+            if rec.state != "running":
+                raise ValueError(f"job {job} is {rec.state}: nothing to move")
+            others = [n for n in self.members() if n != node and n not in rec.drained]
+            if not others:
+                raise ValueError(f"no other live node for job {job}: draining {node} would leave it nowhere to run")
+            if node in rec.drained:
+                return {"job": job, "drained_node": node, "state": "already draining"}
+            if self.jobs.write(replace(rec, drained=[*rec.drained, node]), rev):
+                self.emit("node_drain_requested", f"job {job}: drain of node {node} recorded; the leader "
+                          "moves its ranks off at the next restart point", {"job": job, "node": node})
+                self._wake()
+                return {"job": job, "drained_node": node, "state": "recorded", "moves_to": sorted(others)}
+        raise ValueError(f"job {job}: its record kept changing; drain not recorded, try again")

@@ -403,9 +403,11 @@ class MainScreen(Screen[None]):
             self._say("no job to drain", False)
             return
         self._confirm(f"Drain node [b]{t.node}[/b] from job [b]{t.job}[/b]?\n"
-                      "Every rank on it stops taking data.", f"drain of node {t.node}",
+                      "The cluster leader restarts its ranks on other nodes from the newest checkpoint.",
+                      f"drain of node {t.node}",
                       lambda: self.source.drain(t.agent, t.job, node=t.node),
-                      lambda r: f"node {t.node} drained from {t.job}: {r.get('message') or r}")
+                      lambda r: f"node {t.node} drained from {t.job}: {r.get('state') or r.get('message') or r}"
+                                + (f", moving to {', '.join(r['moves_to'])}" if r.get("moves_to") else ""))
 
     def _confirm(self, question: str, what: str, call: Callable[[], dict[str, Any]],
                  ok_text: Callable[[dict[str, Any]], str]) -> None:
