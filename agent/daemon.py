@@ -109,8 +109,7 @@ class Agent:
         if cfg.metrics.addr:
             host, port = parse_host_port(cfg.metrics.addr)
             self._metrics_server, self.metrics_port = serve_metrics(self.exporter.registry, host, port)
-            with open(self.paths.metrics_addr_file, "w") as fh:
-                fh.write(f"{host}:{self.metrics_port}\n")
+            _write_whole(self.paths.metrics_addr_file, f"{host}:{self.metrics_port}\n")
         self._start_api()
         with open(self.paths.pid_file, "w") as fh:
             fh.write(f"{os.getpid()}\n")
@@ -132,11 +131,7 @@ class Agent:
             "memory_root": self.checkpoints.settings.memory_root,
             "memory_every": self.checkpoints.settings.memory_interval,
         }
-        tmp = f"{self.paths.discovery_file}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(body, fh)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, self.paths.discovery_file)
+        _write_whole(self.paths.discovery_file, json.dumps(body))
 
     def _peer_token(self) -> str | None:
         from pathlib import Path
@@ -272,8 +267,7 @@ class Agent:
         # Join the cluster once peers can reach this agent's API.
         self.exporter.sources.append(self.cluster)
         self.cluster.start(f"{tcp[0]}:{tcp[1]}" if tcp else None, self.supervisor, self.plans)
-        with open(os.path.join(self.cfg.agent.run_dir, "api.addr"), "w") as fh:
-            fh.write(f"{tcp[0]}:{tcp[1]}\n" if tcp else "\n")
+        _write_whole(os.path.join(self.cfg.agent.run_dir, "api.addr"), f"{tcp[0]}:{tcp[1]}\n" if tcp else "\n")
 
     def _on_auth_failure(self, remote: str, path: str) -> None:
         self.events.emit("api_auth_failed", f"API request without a valid token from {remote}", severity="warning", remote=remote, path=path)
@@ -555,3 +549,13 @@ _RESERVED = {"kind", "message", "severity", "cause", "job", "rank", "source"}
 def _safe_fields(fields: dict[str, Any]) -> dict[str, Any]:
     """Event fields that cannot collide with EventLog.emit's own parameters."""
     return {(f"{k}_" if k in _RESERVED else k): v for k, v in fields.items()}
+
+
+def _write_whole(path: str, text: str) -> None:
+    """Write by rename: a reader polling for the file (a test, a wrapper script) never sees it
+    empty or half written (CI read an empty api.addr between its creation and the write)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)

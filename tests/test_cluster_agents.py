@@ -168,3 +168,32 @@ def test_drain_node_moves_a_job_off_a_live_node_and_the_old_copy_stops(cluster: 
     assert not b.events("node_lost") and not a.events("node_lost")
     time.sleep(3)
     assert b.client.job("work")["state"] != "running"
+
+
+def test_node_loss_shrinks_dp_4_to_3_and_keeps_the_global_batch(cluster: Callable[..., ClusterNode],
+                                                               tmp_path: Path) -> None:
+    """dp 4 -> 3 by node loss: the survivor has room for 3 ranks; the job restarts there with dp 3
+    and the global batch 8 kept exactly (3 + 3 + 2), from the peer copy of the lost node's checkpoint."""
+    from trainguard.trainer.testing import tiny_config
+
+    a = cluster("a", slots=4)
+    b = cluster("b", slots=3)
+    trainer = tiny_config(str(tmp_path / "corpus"), steps=3000, parallel={"dp": 4}).to_dict()
+    assert trainer["global_batch"] == 8
+    a.client.submit_job({"job": "big", "nproc": 4, "trainer": trainer})
+    wait_for(lambda: max(b.held_steps("a", "big") or [0]) >= 8, 180, f"a peer copy on b\n{a.log()[-3000:]}")
+    a.kill_with_ranks("big")
+    moved = wait_for(lambda: [e for e in b.events("job_moved") if e.get("job") == "big"], 30, "the leader moves it")
+    assert "dp 4 -> 3" in moved[0]["message"]
+
+    def shrunk_world_reports() -> bool:
+        job = b.client.job("big")
+        tel = [r.get("telemetry") or {} for r in job.get("ranks", [])]
+        sizes = [t.get("batch_size") for t in tel if t.get("world_size") == 3]
+        return job["nproc"] == 3 and len(sizes) == 3 and sum(sizes) == 8
+
+    wait_for(shrunk_world_reports, 120, f"dp 3 with a global batch of 8 on b\n{b.log()[-3000:]}")
+    selected = [e for e in b.events("restore_selected") if e.get("job") == "big"]
+    assert selected and selected[0]["fields"]["tier"] == "peer"
+    sizes = sorted(r["telemetry"]["batch_size"] for r in b.client.job("big")["ranks"])
+    assert sizes == [2, 3, 3]
