@@ -103,6 +103,31 @@ def test_restarted_replicator_does_not_rewrite_the_same_interval(memory: MemoryT
     assert [i.step for i in disk.list("job")] == [500, 600]
 
 
+def test_the_same_failure_again_is_counted_not_reported_until_a_copy_succeeds(
+        memory: MemoryTier, tiny_tmpfs: Path) -> None:
+    disk = DiskTier(tiny_tmpfs)
+    events, status = Events(), CheckpointStatus()
+    rep = TierReplicator(memory, [disk], {"disk": 100}, emit=events, status=status)
+    rep.start()
+    for step in (100, 200, 300):
+        save(memory, step, size=700_000)  # 1.4 MB: never fits in 1 MiB
+        rep.notify("job", step)
+        assert rep.wait_idle(10)
+    assert [e["step"] for e in events.of("checkpoint_write_failed")] == [100]
+    failures = sum(x.value for m in status.metrics() for x in m.samples
+                   if x.name == "trainguard_checkpoint_write_failures_total" and x.labels.get("tier") == "disk")
+    assert failures == 3
+    save(memory, 400)  # small: fits
+    rep.notify("job", 400)
+    assert rep.wait_idle(10)
+    assert events.of("checkpoint_replicated")
+    save(memory, 500, size=700_000)
+    rep.notify("job", 500)
+    assert rep.wait_idle(10) and rep.stop(5)
+    # After a success the same error is news again.
+    assert [e["step"] for e in events.of("checkpoint_write_failed")] == [100, 500]
+
+
 def test_full_disk_emits_failure_and_object_still_written(memory: MemoryTier, tiny_tmpfs: Path,
                                                           tmp_path: Path) -> None:
     disk = DiskTier(tiny_tmpfs)

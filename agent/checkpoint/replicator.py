@@ -151,6 +151,9 @@ class TierReplicator:
         self.status = status
         self._workers = [_Worker(self, t, intervals[t.name], keep.get(t.name)) for t in targets]
         self._started = False
+        self._last_error: dict[tuple[str, str], str] = {}
+        """(tier, job) -> the error its last copy failed with, until one succeeds: the same
+        failure again (a cluster of one has no peer, at every checkpoint) is counted, not re-emitted."""
         if status is not None:
             for t in (source, *targets):
                 status.register(t.name)
@@ -198,6 +201,7 @@ class TierReplicator:
 
     # -- outcomes --------------------------------------------------------------------------------
     def _written(self, tier: Tier, info: CheckpointInfo, seconds: float) -> None:
+        self._last_error.pop((tier.name, info.job), None)
         if self.status is not None:
             self.status.observe_commit(info)
         self.emit("checkpoint_replicated", {"tier": tier.name, "job": info.job, "step": info.step,
@@ -207,7 +211,11 @@ class TierReplicator:
         error = describe(exc.cause) if isinstance(exc, CheckpointWriteError) else describe(exc)
         if self.status is not None:
             self.status.observe_failure(tier.name, error)
-        self.emit("checkpoint_write_failed", {"tier": tier.name, "job": job, "step": step, "error": error})
+        if self._last_error.get((tier.name, job)) == error:
+            return
+        self._last_error[(tier.name, job)] = error
+        self.emit("checkpoint_write_failed", {"tier": tier.name, "job": job, "step": step, "error": error,
+                                              "note": "repeats of this error are counted, not reported, until a copy succeeds"})
 
     def _corrupt(self, tier: str, job: str, step: int, exc: CheckpointCorrupt) -> None:
         if self.status is not None:
