@@ -79,11 +79,32 @@ class ApiSection:
     """File of bearer tokens (`token [read|admin]` per line); required when tcp is set."""
     unix_requires_token: bool = False
     """Local clients are gated by the socket's 0660 mode unless this is set."""
+    tls_cert: str = ""
+    """PEM certificate (chain) of this agent: the TCP API serves HTTPS with it, and the agent
+    presents it when it calls other agents (mutual TLS)."""
+    tls_key: str = ""
+    """PEM private key of ``tls_cert`` (empty: in the same file)."""
+    tls_ca: str = ""
+    """PEM CA bundle other agents' certificates must chain to: the agents this one calls are
+    verified against it, and with ``tls_client_auth`` the agents that call this one."""
+    tls_client_auth: bool = False
+    """Refuse TCP clients without a client certificate from ``tls_ca`` (mutual TLS between agents;
+    remote dashboards then need a certificate too)."""
+    allow_plaintext: bool = False
+    """Serve the TCP API without TLS: bearer tokens and checkpoint bytes cross the network in clear.
+    Only for loopback or a network nobody else reaches; the agent warns at every start."""
 
     def validate(self, key: str) -> None:
         _host_port(f"{key}.tcp", self.tcp, allow_empty=True)
         if self.tcp and not self.token_file:
             raise ConfigError(f"{key}.token_file", "required when api.tcp is set")
+        if self.tcp and not self.tls_cert and not self.allow_plaintext:
+            raise ConfigError(f"{key}.tls_cert", "required when api.tcp is set: bearer tokens and checkpoints must "
+                                                 "not cross the network in clear (or set api.allow_plaintext = true)")
+        if self.tls_client_auth and not self.tls_ca:
+            raise ConfigError(f"{key}.tls_ca", "required when api.tls_client_auth is true")
+        if (self.tls_key or self.tls_client_auth) and not self.tls_cert:
+            raise ConfigError(f"{key}.tls_cert", "required with api.tls_key / api.tls_client_auth")
 
 
 @dataclass

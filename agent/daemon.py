@@ -46,6 +46,7 @@ class Agent:
         """``nvml_module``: a stand-in for ``pynvml`` (tests pass a fake NVML); None: the real one."""
         self.cfg = cfg
         self.nvml_module = nvml_module
+        self._tls: tuple[Any, Any] | None = None
         self.config_path = config_path
         self.print_bpf = print_bpf
         self.paths = AgentPaths(cfg.agent.state_dir, cfg.agent.run_dir)
@@ -169,6 +170,7 @@ class Agent:
             token=self._peer_token(),
             emit=self._cluster_event,
             on_adopt=lambda job, when: self.recovery.note_failure(job, "node_lost", when),
+            tls=self._tls_contexts()[1],
         )
         self.blob_store = self.cluster.store
         if self.cluster.gangs is not None:
@@ -259,7 +261,13 @@ class Agent:
             tcp=cfg.tcp or None,
             token_file=Path(cfg.token_file) if cfg.token_file else None,
             unix_requires_token=cfg.unix_requires_token,
+            tls=self._tls_contexts()[0],
         )
+        if cfg.tcp and not cfg.tls_cert:
+            log.warning("api: the TCP API on %s serves plain HTTP (api.allow_plaintext = true): bearer tokens "
+                        "and checkpoint bytes cross the network in clear", cfg.tcp)
+            self.events.emit("api_plaintext", f"the TCP API on {cfg.tcp} serves plain HTTP (api.allow_plaintext)",
+                             severity="warning")
         self.api = ApiServer(api_cfg, self.control, on_auth_failure=self._on_auth_failure)
         self.api.start()
         tcp = self.api.tcp_address
@@ -268,6 +276,24 @@ class Agent:
         self.exporter.sources.append(self.cluster)
         self.cluster.start(f"{tcp[0]}:{tcp[1]}" if tcp else None, self.supervisor, self.plans)
         _write_whole(os.path.join(self.cfg.agent.run_dir, "api.addr"), f"{tcp[0]}:{tcp[1]}\n" if tcp else "\n")
+
+    def _tls_contexts(self) -> tuple[Any, Any]:
+        """(server, client) SSL contexts of the TCP API from ``[api] tls_*`` (None, None without a
+        certificate); a missing or bad file refuses the start with a ConfigError naming the key."""
+        if self._tls is None:
+            from trainguard.agent.api.tls import TlsConfigError, TlsFiles, client_context, server_context
+
+            cfg = self.cfg.api
+            files = TlsFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.tls_client_auth)
+            if not files.enabled:
+                self._tls = (None, None)
+            else:
+                try:
+                    self._tls = (server_context(files), client_context(files))
+                except TlsConfigError as exc:
+                    key, _, why = str(exc).partition(": ")
+                    raise ConfigError(key, why) from None
+        return self._tls
 
     def _on_auth_failure(self, remote: str, path: str) -> None:
         self.events.emit("api_auth_failed", f"API request without a valid token from {remote}", severity="warning", remote=remote, path=path)

@@ -121,7 +121,7 @@ def test_tcp_api_needs_token(agent_factory, tmp_path) -> None:
     token_file = tmp_path / "tokens"
     token_file.write_text("s3cret-0123456789abcdef admin\nviewer-0123456789abcdef read\n")
     os.chmod(token_file, 0o600)
-    port_cfg = f'[api]\ntcp = "127.0.0.1:0"\ntoken_file = "{token_file}"\n'
+    port_cfg = f'[api]\ntcp = "127.0.0.1:0"\ntoken_file = "{token_file}"\nallow_plaintext = true\n'
     agent = agent_factory(config=port_cfg)
     local = agent.client()
     # Find the bound TCP port from the agent's own status of its API.

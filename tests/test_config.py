@@ -46,7 +46,7 @@ def test_defaults_need_no_file(tmp_path) -> None:
 
 def test_good_file_is_typed(tmp_path) -> None:
     path = tmp_path / "agent.toml"
-    path.write_text('[agent]\ninterval_s = 2\nnode = "n1"\n[api]\ntcp = "127.0.0.1:0"\ntoken_file = "/x"\n')
+    path.write_text('[agent]\ninterval_s = 2\nnode = "n1"\n[api]\ntcp = "127.0.0.1:0"\ntoken_file = "/x"\nallow_plaintext = true\n')
     cfg = load_config(str(path), must_exist=True)
     assert cfg.agent.interval_s == 2.0 and isinstance(cfg.agent.interval_s, float)
     assert cfg.agent.node == "n1"

@@ -71,7 +71,7 @@ def token_files(tmp_path: Path) -> tuple[Path, Path, Path]:
 @pytest.mark.asyncio
 async def test_navigation_filter_sort_and_actions(agent_factory, tmp_path: Path) -> None:
     tokens, viewer, bad = token_files(tmp_path)
-    agent = agent_factory(config=f'[api]\ntcp = "127.0.0.1:0"\ntoken_file = "{tokens}"\n')
+    agent = agent_factory(config=f'[api]\ntcp = "127.0.0.1:0"\ntoken_file = "{tokens}"\nallow_plaintext = true\n')
     client = agent.client()
     start_job(client)
     app = app_for(client)

@@ -20,7 +20,14 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", help="talk to the agent whose files are under DIR")
     p.add_argument("--agent", metavar="HOST:PORT", help="talk to a remote agent over TCP")
     p.add_argument("--token-file", help="bearer token file for --agent")
+    _add_tls(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _add_tls(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", metavar="PEM", help="CA bundle the remote agent's certificate must chain to (HTTPS)")
+    p.add_argument("--tls-cert", metavar="PEM", help="client certificate for an agent that requires one (mutual TLS)")
+    p.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--state-dir", help="the agent whose files are under DIR")
     r.add_argument("--agent", metavar="HOST:PORT", help="a remote agent over TCP")
     r.add_argument("--token-file", help="bearer token file for --agent")
+    _add_tls(r)
     r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
 
     for name, help_text in (("status", "agent, jobs and ranks"), ("events", "the event log"), ("checkpoints", "checkpoints per tier")):
@@ -138,6 +146,17 @@ def cmd_agent(args: argparse.Namespace) -> int:
         return _fail(f"agent could not start: {exc}")
 
 
+def tls_from_args(args: argparse.Namespace) -> Any:
+    """The SSL context of ``--tls-ca/--tls-cert/--tls-key`` (None: plain HTTP); ValueError on a bad file."""
+    from trainguard.agent.api.tls import TlsConfigError, context_for_cli
+
+    try:
+        return context_for_cli(getattr(args, "tls_ca", None), getattr(args, "tls_cert", None),
+                               getattr(args, "tls_key", None))
+    except TlsConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def make_client(args: argparse.Namespace) -> Any:
     from trainguard.agent.api.client import ApiClient
     from trainguard.agent.paths import AgentPaths
@@ -146,7 +165,7 @@ def make_client(args: argparse.Namespace) -> Any:
         host, _, port = args.agent.rpartition(":")
         if not args.token_file:
             raise ValueError("--agent needs --token-file")
-        return ApiClient.remote(host or "127.0.0.1", int(port), args.token_file)
+        return ApiClient.remote(host or "127.0.0.1", int(port), args.token_file, tls=tls_from_args(args))
     return ApiClient.local(AgentPaths.for_state_dir(args.state_dir).control_socket)
 
 

@@ -22,6 +22,7 @@ from textual.app import App
 from textual.screen import Screen
 
 from trainguard.agent.api.client import ApiClientError
+from trainguard.agent.api.tls import context_for_cli
 from trainguard.tui.screens.main import MainScreen
 from trainguard.tui.source import ApiDataSource, DataSource, clients_from_args
 
@@ -69,7 +70,9 @@ def run_dashboard(args: argparse.Namespace) -> int:
     """Entry point of `trainguard top` (args: state_dir, agent, token_file, json)."""
     try:
         clients = clients_from_args(getattr(args, "state_dir", None), getattr(args, "agent", None),
-                                    getattr(args, "token_file", None))
+                                    getattr(args, "token_file", None),
+                                    context_for_cli(getattr(args, "tls_ca", None), getattr(args, "tls_cert", None),
+                                                    getattr(args, "tls_key", None)))
     except (ValueError, ApiClientError) as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return 2

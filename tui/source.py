@@ -13,6 +13,7 @@ lacks the right; 501: the agent does not offer it), so the UI can explain them i
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -132,9 +133,9 @@ class ApiDataSource:
 
 
 def clients_from_args(state_dir: str | None, agents: str | Sequence[str] | None,
-                      token_file: str | None) -> list[ApiClient]:
+                      token_file: str | None, tls: ssl.SSLContext | None = None) -> list[ApiClient]:
     """Clients for ``trainguard top``: the local agent (``--state-dir``), or each ``--agent HOST:PORT``
-    (several as a comma-separated list), all with the same token file."""
+    (several as a comma-separated list), all with the same token file and TLS context."""
     from trainguard.agent.paths import AgentPaths
 
     if not agents:
@@ -148,5 +149,5 @@ def clients_from_args(state_dir: str | None, agents: str | Sequence[str] | None,
         host, _, port = target.rpartition(":")
         if not port.isdigit():
             raise ValueError(f"--agent {target!r}: want HOST:PORT")
-        clients.append(ApiClient.remote(host or "127.0.0.1", int(port), token_file, timeout=TIMEOUT_S))
+        clients.append(ApiClient.remote(host or "127.0.0.1", int(port), token_file, timeout=TIMEOUT_S, tls=tls))
     return clients

@@ -19,6 +19,7 @@ import json
 import os
 import select
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -97,12 +98,17 @@ class ApiClient:
 
     @classmethod
     def remote(cls, host: str, port: int, token_file: Path | str | None = None, *,
-               token: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> ApiClient:
+               token: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+               tls: ssl.SSLContext | None = None) -> ApiClient:
+        """A TCP client; ``tls``: talk HTTPS with this context (``agent.api.tls.client_context``)."""
         if token is None and token_file is not None:
             try:
                 token = read_client_token(Path(token_file))
             except TokenFileError as e:
                 raise ApiClientError(0, str(e)) from None
+        if tls is not None:
+            return cls(lambda: http.client.HTTPSConnection(host, port, timeout=timeout, context=tls),
+                       f"https://{host}:{port}", token, unix=False)
         return cls(lambda: http.client.HTTPConnection(host, port, timeout=timeout),
                    f"{host}:{port}", token, unix=False)
 
@@ -207,13 +213,16 @@ class ApiClient:
                 raw: bytes | BinaryIO, size: int) -> None:
         headers["Content-Type"] = "application/octet-stream"
         headers["Content-Length"] = str(size)
-        # Ask first: a refusal (401, 403, 413) then costs one round trip, not a multi-GB send.
-        headers["Expect"] = "100-continue"
+        # Ask first: a refusal (401, 403, 413) then costs one round trip, not a multi-GB send. Not
+        # over TLS: the answer cannot be peeked at under the TLS layer, so the body goes at once.
+        tls = isinstance(conn, http.client.HTTPSConnection)
+        if not tls:
+            headers["Expect"] = "100-continue"
         conn.putrequest(method, url, skip_accept_encoding=True)
         for k, v in headers.items():
             conn.putheader(k, v)
         conn.endheaders()
-        if not _continue_or_final(conn, timeout=_CONTINUE_WAIT_S):
+        if not tls and not _continue_or_final(conn, timeout=_CONTINUE_WAIT_S):
             return  # a final answer came instead of 100 Continue: getresponse() reads it
         try:
             _send_body(conn, raw, size)
@@ -249,6 +258,11 @@ class ApiClient:
                                         "of the socket's group") from None
             except TimeoutError:
                 raise ApiClientError(0, f"agent at {self.where} did not answer in time") from None
+            except ssl.SSLCertVerificationError as e:
+                raise ApiClientError(0, f"agent at {self.where} is not trusted: {e.verify_message} "
+                                        "(check the CA file and the name or IP in its certificate)") from None
+            except ssl.SSLError as e:
+                raise ApiClientError(0, f"TLS with the agent at {self.where} failed: {e.reason or e}") from None
             except (OSError, http.client.HTTPException) as e:
                 raise ApiClientError(0, f"lost the connection to the agent at {self.where}: "
                                         f"{type(e).__name__}: {e}") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,13 @@ class ApiConfig:
 
     max_connections: int = 64
     """Connections served at once per listener (unix, TCP); more get 503 instead of piling up threads."""
+
+    tls: ssl.SSLContext | None = None
+    """Server context for the TCP listener (``agent.api.tls.server_context``); None: plain TCP,
+    which the agent's config allows only with ``api.allow_plaintext``."""
+
+    handshake_timeout_s: float = 10.0
+    """A TLS client must finish its handshake within this (in the connection's own thread)."""
 
     def __post_init__(self) -> None:
         if self.unix_socket is not None:

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import socket
+import ssl
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
@@ -103,7 +104,8 @@ def _linger_close(sock: socket.socket, max_s: float = 2.0, max_bytes: int = 64 <
     sent (a 413, a 401) before the client reads it.
     """
     try:
-        sock.shutdown(socket.SHUT_WR)
+        if not isinstance(sock, ssl.SSLSocket):  # a TLS half-close would drop the TLS layer first
+            sock.shutdown(socket.SHUT_WR)
         deadline = time.monotonic() + max_s
         total = 0
         while total < max_bytes:

@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import socketserver
+import ssl
 import stat
 import struct
 import threading
@@ -100,6 +101,8 @@ class _Listener(socketserver.ThreadingMixIn):
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
+            if isinstance(request, ssl.SSLSocket) and not self.api._handshake(request, self.remote_of(request, client_address)):
+                return
             super().process_request_thread(request, client_address)
         finally:
             self.api._release(self)
@@ -107,6 +110,15 @@ class _Listener(socketserver.ThreadingMixIn):
 
 class _TcpListener(_Listener, socketserver.TCPServer):
     allow_reuse_address = True
+
+    def get_request(self) -> tuple[Any, Any]:
+        sock, addr = super().get_request()
+        ctx = self.api.config.tls
+        if ctx is not None:
+            # The handshake runs in the connection's thread: a slow or silent client must not
+            # hold up the accept loop.
+            sock = ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, addr
 
 
 class _UnixListener(_Listener, socketserver.UnixStreamServer):
@@ -140,11 +152,11 @@ class ApiStats:
 
     def snapshot(self) -> dict[str, Any]:
         """``{"requests_total", "auth_failures_total", "auth_failures_unreported_total",
-        "handler_errors_total", "busy_rejected_total", "responses_total": {status: n}}``."""
+        "handler_errors_total", "busy_rejected_total", "tls_refused_total", "responses_total": {status: n}}``."""
         with self._lock:
             out: dict[str, Any] = {k: self._counts.get(k, 0) for k in (
                 "requests_total", "auth_failures_total", "auth_failures_unreported_total",
-                "handler_errors_total", "busy_rejected_total")}
+                "handler_errors_total", "busy_rejected_total", "tls_refused_total")}
             out["responses_total"] = dict(self._by_status)
             return out
 
@@ -253,6 +265,29 @@ class ApiServer:
                 self._on_auth_failure(remote, path)
             except Exception:
                 log.exception("api: on_auth_failure callback failed")
+
+    def _handshake(self, sock: ssl.SSLSocket, remote: str) -> bool:
+        """Finish a TLS handshake; False (connection closed, counted, reported rate-limited) when
+        the client spoke plain HTTP, had no certificate where one is required, or one we do not trust."""
+        try:
+            sock.settimeout(self.config.handshake_timeout_s)
+            sock.do_handshake()
+            return True
+        except (ssl.SSLError, OSError) as exc:
+            self.stats.incr("tls_refused_total")
+            reason = getattr(exc, "reason", None) or type(exc).__name__
+            if self._auth_reports.take():
+                log.warning("api: TLS handshake with %s failed: %s", remote, reason)
+                if self._on_auth_failure is not None:
+                    try:
+                        self._on_auth_failure(remote, f"(TLS handshake: {reason})")
+                    except Exception:
+                        log.exception("api: on_auth_failure callback failed")
+            try:
+                sock.close()
+            except OSError:
+                pass
+            return False
 
     def _admit(self, listener: object) -> bool:
         with self._active_lock:

@@ -29,6 +29,11 @@ class ClusterConfig:
     """Full re-read interval while watching (a missed event costs at most this much latency)."""
     etcd_timeout_s: float = 1.0
     """Per-request timeout; a failed refresh is retried until the TTL, never counted as loss."""
+    etcd_ca: str = ""
+    """PEM CA bundle etcd's server certificate must chain to; set, etcd is spoken to over HTTPS."""
+    etcd_cert: str = ""
+    """PEM client certificate for etcd (its ``--client-cert-auth``); with ``etcd_key``."""
+    etcd_key: str = ""
     advertise: str = ""
     """``HOST:PORT`` peers use to reach this agent's TCP API; empty: the API's bound address."""
     slots: int = 0
@@ -89,7 +94,9 @@ class ClusterConfig:
                 raise ValueError(f"cluster.{key}: must be a positive integer, got {value!r}")
         if self.peer and not _NAME.match(self.peer):
             raise ValueError(f"cluster.peer: not a node name: {self.peer!r}")
-        for key in ("peer_token_file", "blob_root"):
+        if bool(self.etcd_cert) != bool(self.etcd_key):
+            raise ValueError("cluster.etcd_cert: etcd_cert and etcd_key go together")
+        for key in ("peer_token_file", "blob_root", "etcd_ca", "etcd_cert", "etcd_key"):
             value = getattr(self, key)
             if value and not os.path.isabs(value):
                 raise ValueError(f"cluster.{key}: must be an absolute path, got {value!r}")

@@ -24,10 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.agent.api.client import ApiClient
+from trainguard.agent.api.tls import TlsFiles, client_context
 from trainguard.agent.cluster.etcdserver import LocalEtcd
 from trainguard.agent.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (agent/ resolved through the link)
+
+
+def _tls_lines(tls: TlsFiles | None) -> str:
+    if tls is None:
+        return "allow_plaintext = true\n"  # loopback only: nothing crosses a network
+    return (f'tls_cert = "{tls.cert}"\ntls_key = "{tls.key}"\ntls_ca = "{tls.ca}"\n'
+            f'tls_client_auth = {"true" if tls.client_auth else "false"}\n')
 
 
 class ClusterNode:
@@ -36,9 +44,11 @@ class ClusterNode:
 
     def __init__(self, root: Path, name: str, endpoints: list[str], token: str, *, cluster: str, slots: int,
                  memory_every: int = 4, ttl: int = 3, peer_interval: int | None = None, object_url: str = "",
-                 object_every: int = 2000) -> None:
+                 object_every: int = 2000, tls: TlsFiles | None = None, etcd_tls: bool = False) -> None:
         """``peer_interval``: steps between peer-tier copies (default: every memory checkpoint);
-        ``object_url``: an object tier (``file://...``) every ``object_every`` steps."""
+        ``object_url``: an object tier (``file://...``) every ``object_every`` steps; ``tls``: this
+        node's certificate and the cluster's CA (mutual TLS), else plain HTTP on loopback;
+        ``etcd_tls``: etcd speaks HTTPS too (same CA, this node's certificate)."""
         self.name = name
         self.root = root
         root.mkdir(parents=True)
@@ -48,14 +58,15 @@ class ClusterNode:
         self.shm = Path("/dev/shm") / f"tg-cluster-{os.getpid()}-{secrets.token_hex(4)}-{name}"
         (root / "agent.toml").write_text(
             f'[agent]\nnode = "{name}"\ninterval_s = 0.25\n'
-            f'[api]\ntcp = "127.0.0.1:0"\ntoken_file = "{self.token_file}"\n'
-            f'[collectors]\nebpf = false\ngpu = false\n'
+            f'[api]\ntcp = "127.0.0.1:0"\ntoken_file = "{self.token_file}"\n' + _tls_lines(tls)
+            + f'[collectors]\nebpf = false\ngpu = false\n'
             f'[checkpoint]\nmemory_root = "{self.shm}"\nmemory_every = {memory_every}\nmemory_keep = 3\n'
             f'disk_every = 100000\nobject_every = {object_every}\n'
             + (f'[checkpoint.object]\nurl = "{object_url}"\n' if object_url else '')
             + f'[cluster]\nname = "{cluster}"\netcd_endpoints = {json.dumps(endpoints)}\n'
             f'lease_ttl_s = {ttl}\npoll_s = 0.2\netcd_timeout_s = 0.5\nslots = {slots}\n'
             f'peer_interval = {peer_interval or memory_every}\npeer_keep = 2\n'
+            + (f'etcd_ca = "{tls.ca}"\netcd_cert = "{tls.cert}"\netcd_key = "{tls.key}"\n' if tls and etcd_tls else '')
         )
         self.log_path = root / "agent.log"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -70,7 +81,8 @@ class ClusterNode:
             raise RuntimeError(f"agent {name} exited:\n{self.log()}")
         host, port = addr_file.read_text().strip().rsplit(":", 1)
         self.api = f"{host}:{port}"
-        self.client = ApiClient.remote(host, int(port), token=token, timeout=30)
+        self.client = ApiClient.remote(host, int(port), token=token, timeout=30,
+                                       tls=client_context(tls) if tls is not None else None)
 
     def metric(self, name: str) -> float | None:
         """One unlabelled sample from this agent's /metrics."""

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import requests
 from etcd3gw import exceptions as etcd_exc
 from etcd3gw.client import Etcd3Client
 
@@ -85,13 +86,32 @@ def parse_endpoint(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _session(ca: str, cert: str, key: str) -> requests.Session | None:
+    """The HTTPS session for etcd: its CA and client certificate, and no environment. requests lets
+    ``REQUESTS_CA_BUNDLE`` (set on many hosts to the system bundle) override a session's own CA,
+    which then fails to verify etcd's private CA."""
+    if not (ca or cert):
+        return None
+    session = requests.Session()
+    session.trust_env = False
+    if ca:
+        session.verify = ca
+    if cert:
+        session.cert = (cert, key) if key else cert
+    return session
+
+
 class EtcdClient:
     """Thread-safe; each call goes to the endpoint that answered last, then fails over in order."""
 
-    def __init__(self, endpoints: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, endpoints: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 ca: str = "", cert: str = "", key: str = "") -> None:
+        """``ca``: speak HTTPS, verifying etcd against this bundle; ``cert``/``key``: a client certificate."""
         if not endpoints:
             raise ValueError("at least one etcd endpoint is needed")
-        self._clients = [Etcd3Client(h, p, api_path="/v3/", timeout=timeout_s)
+        self._tls = (ca, cert, key)
+        self._clients = [Etcd3Client(h, p, protocol="https" if ca or cert else "http", api_path="/v3/",
+                                     timeout=timeout_s, session=_session(ca, cert, key))
                          for h, p in (parse_endpoint(e) for e in endpoints)]
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
@@ -100,10 +120,19 @@ class EtcdClient:
         # requests.Session is not safe for concurrent use: one call at a time per client.
         self._call_lock = threading.Lock()
 
+    @property
+    def scheme(self) -> str:
+        return "https" if self._tls[0] or self._tls[1] else "http"
+
+    def new_session(self) -> requests.Session:
+        """A session of its own (a watch stream) with this client's TLS settings."""
+        return _session(*self._tls) or requests.Session()
+
     def clone(self) -> EtcdClient:
         """A client with its own HTTP session: lease refreshes use one, so they never queue behind
         a slow read or write of another thread (calls on one client are serialised)."""
-        return EtcdClient(self.endpoints, timeout_s=self.timeout_s)
+        ca, cert, key = self._tls
+        return EtcdClient(self.endpoints, timeout_s=self.timeout_s, ca=ca, cert=cert, key=key)
 
     # -- transport -------------------------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -272,16 +301,14 @@ class PrefixWatch:
             self._thread.join(0.2)  # a blocked read ends within idle_s; the thread is a daemon
 
     def _run(self) -> None:
-        import requests
-
         body = {"create_request": {"key": _b64(self.prefix), "range_end": prefix_end(self.prefix)}}
         n = 0
         while not self._stop.is_set():
             endpoint = self.client.endpoints[n % len(self.client.endpoints)]
             host, port = parse_endpoint(endpoint)
-            url = f"http://{host}:{port}/v3/watch"
+            url = f"{self.client.scheme}://{host}:{port}/v3/watch"
             try:
-                with requests.Session() as session, session.post(
+                with self.client.new_session() as session, session.post(
                         url, json=body, stream=True, timeout=(self.client.timeout_s, self.idle_s)) as resp:
                     if resp.status_code != 200:
                         raise ConnectionError(f"watch: HTTP {resp.status_code}")

@@ -72,6 +72,10 @@ class LocalEtcd:
     size: int = 1
     binary: str = ETCD_BINARY
     members: list[EtcdMember] = field(default_factory=list)
+    tls: tuple[str, str, str] | None = None
+    """(cert, key, ca) PEM files: clients speak HTTPS and must present a certificate from ca."""
+    client_tls: tuple[str, str] | None = None
+    """(cert, key) this helper's own readiness probe presents when ``tls`` is set."""
 
     @property
     def endpoints(self) -> list[str]:
@@ -88,10 +92,11 @@ class LocalEtcd:
         ]
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         token = f"tg-{os.getpid()}-{self.members[0].client_port}"  # one per cluster, shared by members
+        scheme = "https" if self.tls else "http"
         for m in self.members:
             args = [
                 exe, "--name", m.name, "--data-dir", str(m.data_dir),
-                "--listen-client-urls", f"http://{m.endpoint}", "--advertise-client-urls", f"http://{m.endpoint}",
+                "--listen-client-urls", f"{scheme}://{m.endpoint}", "--advertise-client-urls", f"{scheme}://{m.endpoint}",
                 "--listen-peer-urls", m.peer_url, "--initial-advertise-peer-urls", m.peer_url,
                 "--initial-cluster", initial, "--initial-cluster-state", "new",
                 "--initial-cluster-token", token,
@@ -99,6 +104,9 @@ class LocalEtcd:
                 "--heartbeat-interval", "50", "--election-timeout", "500",
                 "--snapshot-count", "10000", "--quota-backend-bytes", str(256 << 20),
             ]
+            if self.tls is not None:
+                cert, key, ca = self.tls
+                args += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth"]
             with open(m.log_path, "ab") as log:
                 m.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.wait_ready(timeout)
@@ -106,7 +114,7 @@ class LocalEtcd:
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
-        client = EtcdClient(self.endpoints, timeout_s=0.5)
+        client = self.client(timeout_s=0.5)
         while True:
             for m in self.members:
                 if m.proc is not None and m.proc.poll() is not None:
@@ -119,13 +127,21 @@ class LocalEtcd:
                     raise RuntimeError("etcd did not become ready") from None
                 time.sleep(0.1)
 
+    def client(self, timeout_s: float = 1.0, endpoints: list[str] | None = None) -> EtcdClient:
+        """A client of this cluster (with the probe's certificate when it speaks TLS)."""
+        eps = endpoints or self.endpoints
+        if self.tls is None:
+            return EtcdClient(eps, timeout_s=timeout_s)
+        cert, key = self.client_tls or ("", "")
+        return EtcdClient(eps, timeout_s=timeout_s, ca=self.tls[2], cert=cert, key=key)
+
     def leader(self) -> EtcdMember | None:
         """The member that is raft leader now (by asking each live one)."""
         for m in self.members:
             if not m.alive():
                 continue
             try:
-                client = EtcdClient([m.endpoint], timeout_s=0.5)
+                client = self.client(timeout_s=0.5, endpoints=[m.endpoint])
                 status = client._post("/maintenance/status", {})
             except Exception:  # noqa: BLE001
                 continue

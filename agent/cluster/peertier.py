@@ -24,6 +24,7 @@ import builtins
 import json
 import logging
 import os
+import ssl
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,10 +72,11 @@ class PeerRef:
 ClientFactory = Callable[[PeerRef], ApiClient]
 
 
-def token_client_factory(token: str | None, timeout: float) -> ClientFactory:
+def token_client_factory(token: str | None, timeout: float, tls: ssl.SSLContext | None = None) -> ClientFactory:
+    """Clients for peer agents: the cluster's token, and TLS with ``tls`` (the agent's client context)."""
     def make(peer: PeerRef) -> ApiClient:
         host, port = parse_endpoint(peer.api)
-        return ApiClient.remote(host, port, token=token, timeout=timeout)
+        return ApiClient.remote(host, port, token=token, timeout=timeout, tls=tls)
 
     return make
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -69,9 +70,11 @@ def _noop(kind: str, message: str, fields: dict[str, Any]) -> None:
 class ClusterService:
     def __init__(self, cfg: ClusterConfig, *, node: str, memory_root: str, token: str | None = None,
                  emit: EmitFn = _noop, clock: Callable[[], float] = time.time,
-                 on_adopt: Callable[[str, float], None] | None = None, scratch: str = "") -> None:
+                 on_adopt: Callable[[str, float], None] | None = None, scratch: str = "",
+                 tls: ssl.SSLContext | None = None) -> None:
         """``on_adopt(job, when)``: a job of a lost node is started here (the daemon passes
-        ``recovery.note_failure``-like so the recovery clock runs and ``job_resumed`` follows)."""
+        ``recovery.note_failure``-like so the recovery clock runs and ``job_resumed`` follows);
+        ``tls``: the client context other agents' APIs are called with (None: plain HTTP)."""
         self.cfg = cfg
         self.on_adopt = on_adopt
         self.node = node
@@ -79,16 +82,18 @@ class ClusterService:
         self._clock = clock
         self.store = BlobStore(cfg.blob_root or os.path.join(memory_root, ".peer-held"),
                                own_node=node, own_root=memory_root)
-        self.client = None if cfg.solo else EtcdClient(cfg.etcd_endpoints, timeout_s=cfg.etcd_timeout_s)
+        self.client = None if cfg.solo else EtcdClient(cfg.etcd_endpoints, timeout_s=cfg.etcd_timeout_s,
+                                                       ca=cfg.etcd_ca, cert=cfg.etcd_cert, key=cfg.etcd_key)
         self.peer_tier: PeerTier | None = None
+        peers = token_client_factory(token, cfg.peer_timeout_s, tls)
         if self.client is not None:
-            self.peer_tier = PeerTier(node, self.store, self.peer, token_client_factory(token, cfg.peer_timeout_s))
+            self.peer_tier = PeerTier(node, self.store, self.peer, peers)
         self.membership: Membership | None = None
         self.jobs = JobTable(self.client, f"/trainguard/{cfg.name}/") if self.client is not None else None
         self.gangs: GangCoordinator | None = None
         if self.jobs is not None:
             self.gangs = GangCoordinator(
-                node, self.jobs, self.store, token_client_factory(token, cfg.peer_timeout_s),
+                node, self.jobs, self.store, peers,
                 scratch=scratch or os.path.join(memory_root, ".assembled"), emit=emit,
                 is_leader=lambda: self.is_leader, members=self.members, wake=self._wake, on_restart=on_adopt,
                 clock=clock, rejoin=cfg.rejoin)
