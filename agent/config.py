@@ -171,9 +171,20 @@ class LauncherSection:
     master_addr: str = "127.0.0.1"
     stop_grace_s: float = 10.0
     """SIGTERM -> SIGKILL grace period when stopping ranks."""
+    cgroups: Literal["auto", "on", "off"] = "auto"
+    """A cgroup per job (``trainguard/<job>``; v2, or the v1 cpu/cpuacct/memory/pids controllers):
+    "auto" when the agent may make them (root), "on" refuses to start without, "off" never."""
+    job_cpus: float = 0.0
+    """Default CPU quota of a job's cgroup, in CPUs (0: none; a job's ``cpus`` overrides it)."""
+    job_memory_max: int = 0
+    """Default memory ceiling of a job's cgroup in bytes (0: none; a job's ``memory_max`` overrides it)."""
 
     def validate(self, key: str) -> None:
         _positive(f"{key}.stop_grace_s", self.stop_grace_s)
+        if self.job_cpus < 0:
+            raise ConfigError(f"{key}.job_cpus", f"must be >= 0, got {self.job_cpus}")
+        if self.job_memory_max != 0 and self.job_memory_max < 16 << 20:
+            raise ConfigError(f"{key}.job_memory_max", f"bytes, at least 16 MiB (or 0), got {self.job_memory_max}")
 
 
 @dataclass

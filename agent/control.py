@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import time
@@ -121,6 +122,14 @@ class AgentControl:
 
     def get_job(self, job: str) -> dict[str, Any]:
         result: dict[str, Any] = self._job(job).to_dict()
+        launcher = self.agent.supervisor.launcher
+        cg = getattr(launcher, "job_cgroups", {}).get(job)
+        if cg is not None:
+            use = cg.usage()
+            result["cgroup"] = {"paths": [str(p) for p in cg.paths], "limits": dict(cg.limits),
+                                "cpu_s": _finite_or_none(use.cpu_s), "memory_bytes": _finite_or_none(use.memory_bytes),
+                                "memory_peak_bytes": _finite_or_none(use.memory_peak_bytes),
+                                "oom_kills": use.oom_kills, "processes": use.processes}
         return result
 
     def stop_job(self, job: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -248,6 +257,10 @@ class AgentControl:
             raise ApiError(404, "no such blob")
         result: dict[str, Any] = store.delete(namespace, path)
         return result
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _plan_dict(plan: Any) -> dict[str, Any]:

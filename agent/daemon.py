@@ -47,6 +47,8 @@ class Agent:
         self.cfg = cfg
         self.nvml_module = nvml_module
         self._tls: tuple[Any, Any] | None = None
+        self.cgroups_reason = ""
+        self._oom_seen: dict[str, int] = {}
         self.config_path = config_path
         self.print_bpf = print_bpf
         self.paths = AgentPaths(cfg.agent.state_dir, cfg.agent.run_dir)
@@ -88,7 +90,7 @@ class Agent:
         self.supervisor = Supervisor(
             self.events,
             self.plans,
-            Launcher(mode="warm" if cfg.recovery.warm_launcher else "cold"),
+            Launcher(mode="warm" if cfg.recovery.warm_launcher else "cold", cgroups=self._job_cgroups()),
             self._launch_context,
             stop_grace_s=cfg.launcher.stop_grace_s,
             on_ranks_changed=self._ranks_changed,
@@ -277,6 +279,37 @@ class Agent:
         self.cluster.start(f"{tcp[0]}:{tcp[1]}" if tcp else None, self.supervisor, self.plans)
         _write_whole(os.path.join(self.cfg.agent.run_dir, "api.addr"), f"{tcp[0]}:{tcp[1]}\n" if tcp else "\n")
 
+    def _job_cgroups(self) -> Any:
+        """Where job cgroups are made (None: launcher.cgroups is off, or auto and not possible here)."""
+        from trainguard.agent.lifecycle.cgroups import CgroupError, JobCgroups
+
+        mode = self.cfg.launcher.cgroups
+        if mode == "off":
+            self.cgroups_reason = "off in config (launcher.cgroups)"
+            return None
+        try:
+            found = JobCgroups.detect()
+        except CgroupError as exc:
+            if mode == "on":
+                raise ConfigError("launcher.cgroups", f"on, but {exc}") from None
+            self.cgroups_reason = f"not available: {exc}"
+            log.warning("job cgroups off: %s", exc)
+            return None
+        self.cgroups_reason = f"cgroup {found.version}"
+        return found
+
+    def _watch_cgroups(self) -> None:
+        """An OOM kill in a job's cgroup becomes an event of that job (also without eBPF)."""
+        for job, use in self.supervisor.launcher.cgroup_usage().items():
+            seen = self._oom_seen.get(job, 0)
+            if use.oom_kills > seen:
+                self.events.emit(
+                    "job_oom_kill", f"job {job}: the kernel's OOM killer ended {use.oom_kills - seen} of its "
+                    f"processes (peak {use.memory_peak_bytes / 2**20:.0f} MiB)", severity="error", job=job,
+                    cause="oom_kill", oom_kills=use.oom_kills, memory_peak_bytes=use.memory_peak_bytes,
+                    memory_limit_bytes=self.supervisor.launcher.limits(job).get("memory_max", 0.0))
+            self._oom_seen[job] = use.oom_kills
+
     def _tls_contexts(self) -> tuple[Any, Any]:
         """(server, client) SSL contexts of the TCP API from ``[api] tls_*`` (None, None without a
         certificate); a missing or bad file refuses the start with a ConfigError naming the key."""
@@ -376,6 +409,8 @@ class Agent:
         for job in self.supervisor.forget_finished(self.cfg.agent.job_retention_s, now):
             self.table.forget_job(job)
             self.plans.forget(job)
+            self.supervisor.launcher.forget(job)
+            self._oom_seen.pop(job, None)
             self.events.emit("job_forgotten", f"job {job} ended more than {self.cfg.agent.job_retention_s:g}s ago: "
                              "removed from status and metrics", job=job)
 
@@ -439,6 +474,8 @@ class Agent:
             user=self.cfg.launcher.user,
             extra_env={"TRAINGUARD_STATE_DIR": self.cfg.agent.state_dir, "TRAINGUARD_JSON": "1"},
             gpus=self._healthy_gpus(),
+            cpus=self.cfg.launcher.job_cpus,
+            memory_max=self.cfg.launcher.job_memory_max,
         )
 
     def _healthy_gpus(self) -> tuple[int, ...] | None:
@@ -458,6 +495,7 @@ class Agent:
             if steps:
                 self.supervisor.note_progress(job, max(steps))
         self._track_external(snapshot, now)
+        self._watch_cgroups()
         self._forget_finished(now)
         for hook in list(self.tick_hooks):
             try:
@@ -525,6 +563,11 @@ class Agent:
             if self.cfg.agent.on_stop == "stop_ranks":
                 sup.stop_all("agent shutdown")
             sup.close()
+            launcher = sup.launcher
+            if self.cfg.agent.on_stop == "stop_ranks" and getattr(launcher, "cgroups", None) is not None:
+                for job in list(launcher.job_cgroups):
+                    launcher.close_job(job)  # no stray left, no cgroup left (left ranks keep theirs)
+                launcher.cgroups.close()
         for part in ("api", "telemetry", "checkpoints"):
             obj = getattr(self, part, None)
             if obj is not None:

@@ -98,6 +98,9 @@ class CpuCgroup:
                 pass  # the process is gone
         for _ in range(50):  # a process that just exited leaves the group a moment later
             try:
+                # Groups made inside this one (an agent under test nests its job cgroups in its own) first.
+                for child in sorted((d for d in self.path.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+                    child.rmdir()
                 self.path.rmdir()
                 return
             except FileNotFoundError:

@@ -40,6 +40,10 @@ class JobSpec:
     hang_timeout_s: float = 0.0
     """A command job is hung when none of its ranks used the CPU for this long (0: hangs of a job
     that does not report steps are never judged; see ``agent.recovery.activity``)."""
+    cpus: float = 0.0
+    """CPU quota of the job's cgroup, in CPUs (0: the agent's ``launcher.job_cpus``)."""
+    memory_max: int = 0
+    """Memory ceiling of the job's cgroup in bytes (0: the agent's ``launcher.job_memory_max``)."""
 
     @property
     def is_command(self) -> bool:
@@ -51,7 +55,7 @@ class JobSpec:
         if not isinstance(body, dict):
             raise JobSpecError("job", "spec must be an object")
         known = {"job", "nproc", "trainer", "command", "env", "faults", "max_restarts", "nodes", "cwd",
-                 "hang_timeout_s"}
+                 "hang_timeout_s", "cpus", "memory_max"}
         for key in body:
             if key not in known:
                 raise JobSpecError(key, "unknown key")
@@ -85,7 +89,15 @@ class JobSpec:
         hang = body.get("hang_timeout_s", 0.0)
         if isinstance(hang, bool) or not isinstance(hang, int | float) or not (0 <= hang <= 7 * 86400):
             raise JobSpecError("hang_timeout_s", "seconds in [0, 604800] (0: off)")
-        return cls(job, nproc, trainer, command, env, faults, max_restarts, nodes, cwd, float(hang))
+        cpus = body.get("cpus", 0.0)
+        if isinstance(cpus, bool) or not isinstance(cpus, int | float) or not (0 <= cpus <= 4096):
+            raise JobSpecError("cpus", "a number of CPUs in [0, 4096] (0: the agent's default)")
+        memory_max = body.get("memory_max", 0)
+        if isinstance(memory_max, bool) or not isinstance(memory_max, int) or not (
+                memory_max == 0 or memory_max >= 16 << 20):
+            raise JobSpecError("memory_max", "bytes, at least 16 MiB (0: the agent's default)")
+        return cls(job, nproc, trainer, command, env, faults, max_restarts, nodes, cwd, float(hang),
+                   float(cpus), memory_max)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -99,6 +111,8 @@ class JobSpec:
             "nodes": self.nodes,
             "cwd": self.cwd,
             "hang_timeout_s": self.hang_timeout_s,
+            "cpus": self.cpus,
+            "memory_max": self.memory_max,
         }
 
 

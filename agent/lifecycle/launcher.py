@@ -10,6 +10,7 @@ run as a configured user, or through ``setpriv`` with every capability set clear
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pwd
 import shutil
@@ -22,9 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from trainguard.agent.lifecycle.cgroups import JOIN_SCRIPT, CgroupError, JobCgroup, JobCgroups, JobUsage
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.zygote_client import Zygote, ZygoteError
 from trainguard.agent.wire import ENV_JOB, ENV_JOB_SPEC, ENV_PLAN, ENV_SOCKET
+
+log = logging.getLogger("trainguard.agent.launcher")
 
 # The directory that holds the ``trainguard`` package (the checkout, or site-packages).
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,6 +83,10 @@ class LaunchContext:
     python: str = ""
     user: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
+    cpus: float = 0.0
+    """CPU quota of the job's cgroup in CPUs (0: none)."""
+    memory_max: int = 0
+    """Memory ceiling of the job's cgroup in bytes (0: none)."""
     gpus: tuple[int, ...] | None = None
     """GPUs the job's ranks may use, in order (``CUDA_VISIBLE_DEVICES``, local rank i on the i-th);
     None leaves the environment's choice alone (nothing on the node has failed)."""
@@ -168,12 +176,57 @@ class Launcher:
     """Cold mode starts each rank as a fresh interpreter; warm mode forks ranks from a per-job
     zygote that already imported torch and the trainer (restart in ~1 s instead of ~10 s)."""
 
-    def __init__(self, mode: Literal["warm", "cold"] = "warm", clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, mode: Literal["warm", "cold"] = "warm", clock: Callable[[], float] = time.monotonic,
+                 cgroups: JobCgroups | None = None) -> None:
+        """``cgroups``: give each job a cgroup of its own (None: ranks stay in the agent's)."""
         self.mode = mode
         self.clock = clock
         self.zygotes: dict[str, Zygote] = {}
         self.warm_failures = 0
+        self.cgroups = cgroups
+        self.job_cgroups: dict[str, JobCgroup] = {}
+        self.final_usage: dict[str, JobUsage] = {}
+        """What a job's cgroup had used when the job ended (kept until ``forget``)."""
+        self.final_limits: dict[str, dict[str, float]] = {}
 
+    def job_cgroup(self, spec: JobSpec, ctx: LaunchContext) -> JobCgroup | None:
+        """The job's cgroup with its limits applied; leftovers of a previous attempt (but the
+        warm launcher's zygote) killed. Raises CgroupError: the launch fails, saying why."""
+        if self.cgroups is None:
+            return None
+        cg = self.job_cgroups.get(spec.job)
+        if cg is None:
+            cg = self.job_cgroups[spec.job] = self.cgroups.for_job(spec.job)
+        cg.limit(spec.cpus or ctx.cpus, spec.memory_max or ctx.memory_max)
+        zygote = self.zygotes.get(spec.job)
+        strays = cg.kill_all(spare={zygote.proc.pid} if zygote is not None and zygote.alive else ())
+        if strays:
+            log.warning("job %s: killed %d process(es) the previous attempt left in its cgroup", spec.job, len(strays))
+        return cg
+
+    def reattach_cgroup(self, spec: JobSpec) -> None:
+        """An adopted job: the cgroup the previous agent made for it (nothing in it is killed)."""
+        if self.cgroups is None or spec.job in self.job_cgroups:
+            return
+        try:
+            self.job_cgroups[spec.job] = self.cgroups.for_job(spec.job)
+        except CgroupError as exc:
+            log.warning("job %s: its cgroup cannot be found again: %s", spec.job, exc)
+
+    def cgroup_usage(self) -> dict[str, JobUsage]:
+        """Each job's use: live for running jobs, the last reading for ended ones."""
+        out = dict(self.final_usage)
+        for job, cg in list(self.job_cgroups.items()):
+            out[job] = cg.usage()
+        return out
+
+    def limits(self, job: str) -> dict[str, float]:
+        cg = self.job_cgroups.get(job)
+        return dict(cg.limits) if cg is not None else dict(self.final_limits.get(job, {}))
+
+    def forget(self, job: str) -> None:
+        self.final_usage.pop(job, None)
+        self.final_limits.pop(job, None)
     def _zygote(self, spec: JobSpec, ctx: LaunchContext, argv_prefix: list[str], env: dict[str, str],
                 cwd: str) -> Zygote | None:
         zygote = self.zygotes.get(spec.job)
@@ -210,9 +263,19 @@ class Launcher:
         return None
 
     def close_job(self, job: str) -> None:
+        """The job ended: its warm launcher goes, then everything left in its cgroup, then the cgroup."""
         zygote = self.zygotes.pop(job, None)
         if zygote is not None:
             zygote.close()
+        cg = self.job_cgroups.get(job)
+        if cg is not None:
+            self.final_usage[job] = cg.usage()  # read before the cgroup goes (an OOM kill at the end)
+            self.final_limits[job] = dict(cg.limits)
+            self.job_cgroups.pop(job, None)
+            strays = cg.kill_all()
+            if strays:
+                log.warning("job %s ended: killed %d process(es) left in its cgroup: %s", job, len(strays), strays)
+            cg.remove()
 
     @staticmethod
     def rank_cwd(spec: JobSpec, ctx: LaunchContext) -> str:
@@ -233,6 +296,11 @@ class Launcher:
         if block is None:
             block = RankBlock(0, spec.nproc, spec.nproc, ctx.master_addr, free_port(ctx.master_addr))
         prefix, popen_kwargs = _privilege_wrapper(ctx.user)
+        cg = self.job_cgroup(spec, ctx)
+        if cg is not None:
+            # Joined before the privilege drop (the cgroup is root's) and before anything can fork.
+            files = cg.procs_files()
+            prefix = ["/bin/sh", "-c", JOIN_SCRIPT, "sh", str(len(files)), *files, *prefix]
         argv = prefix + self.rank_command(spec, ctx)
         base_env = dict(os.environ)
         # Ranks must not inherit the agent's systemd plumbing.

@@ -258,6 +258,9 @@ class Supervisor:
                                             AdoptedProcess(r, functools.partial(self._adopted_status, record),
                                                            expect_hint=self.exit_events),
                                             self.launcher.clock(), r.log_path) for r in old.ranks]
+                reattach = getattr(self.launcher, "reattach_cgroup", None)
+                if reattach is not None:
+                    reattach(spec)  # its usage counts on, and it is cleaned up when the job ends
                 self._persist(record)
                 self.events.emit("job_adopted", f"job {job}: adopted its {len(alive)} running ranks "
                                  f"(attempt {old.attempt}) from the previous agent", severity="warning", job=job,

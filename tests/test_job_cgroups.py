@@ -1,0 +1,159 @@
+"""Each job in a cgroup of its own (agent/lifecycle/cgroups.py): the logic on fake v1 and v2
+trees, and for real on this machine's cgroups (root): a stray process that left the rank's session
+dies with the job, usage is the job's own, a memory ceiling ends in an OOM kill the agent pins on
+the job, and the cgroup is gone afterwards."""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainguard.agent.lifecycle.cgroups import CgroupError, JobCgroups
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _fake_v1(root: Path) -> Path:
+    for name in ("cpu", "cpuacct", "memory", "pids", "freezer"):
+        (root / name).mkdir(parents=True)
+        (root / name / "cgroup.procs").write_text("")
+    return root
+
+
+def _proc_cgroup(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "proc-self-cgroup"
+    path.write_text(text)
+    return path
+
+
+def test_v1_tree_one_directory_per_controller_under_the_agents_own_limits_and_usage(tmp_path: Path) -> None:
+    root = _fake_v1(tmp_path / "fs")
+    (root / "memory" / "box").mkdir()
+    own = _proc_cgroup(tmp_path, "5:memory:/box\n4:cpu:/\n3:cpuacct:/\n2:pids:/\n1:name=systemd:/x\n0::/\n")
+    groups = JobCgroups.detect(root, own)
+    assert groups.version == "v1" and set(groups.bases) == {"cpu", "cpuacct", "memory", "pids"}
+    cg = groups.for_job("train")
+    # Inside the agent's own memory cgroup (a container's limit is never escaped), at the root elsewhere.
+    assert cg.dirs["memory"] == root / "memory" / "box" / "trainguard" / "train"
+    assert cg.dirs["cpu"] == root / "cpu" / "trainguard" / "train"
+    assert len(cg.procs_files()) == 4
+    cg.limit(cpus=1.5, memory_max=1 << 30)
+    assert (cg.dirs["cpu"] / "cpu.cfs_quota_us").read_text() == "150000\n"
+    assert (cg.dirs["memory"] / "memory.limit_in_bytes").read_text() == f"{1 << 30}\n"
+    cg.limit()  # back to no limits
+    assert (cg.dirs["cpu"] / "cpu.cfs_quota_us").read_text() == "-1\n"
+    (cg.dirs["cpuacct"] / "cpuacct.usage").write_text("2500000000\n")
+    (cg.dirs["memory"] / "memory.usage_in_bytes").write_text("1048576\n")
+    (cg.dirs["memory"] / "memory.max_usage_in_bytes").write_text("2097152\n")
+    (cg.dirs["memory"] / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
+    (cg.dirs["memory"] / "cgroup.procs").write_text("11\n12\n")
+    use = cg.usage()
+    assert (use.cpu_s, use.memory_bytes, use.memory_peak_bytes, use.oom_kills) == (2.5, 1 << 20, 2 << 20, 2)
+    assert use.processes == 2 and cg.pids() == {11, 12}
+
+
+def test_v2_tree_a_leaf_for_the_agent_and_controllers_enabled_below_its_cgroup(tmp_path: Path) -> None:
+    root = tmp_path / "fs"
+    home = root / "system.slice" / "trainguard-agent.service"
+    home.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (home / "cgroup.controllers").write_text("cpu memory pids\n")
+    (home / "cgroup.procs").write_text("4242\n")
+    groups = JobCgroups.detect(root, _proc_cgroup(tmp_path, "0::/system.slice/trainguard-agent.service\n"))
+    assert groups.version == "v2"
+    assert (home / "agent" / "cgroup.procs").read_text() == "4242\n"  # the agent moved into a leaf
+    assert (home / "cgroup.subtree_control").read_text() == "+cpu +memory +pids\n"
+    assert (home / "trainguard" / "cgroup.subtree_control").read_text() == "+cpu +memory +pids\n"
+    cg = groups.for_job("j")
+    assert cg.paths == [home / "trainguard" / "j"]
+    cg.limit(cpus=0.5, memory_max=256 << 20)
+    assert (cg.paths[0] / "cpu.max").read_text() == "50000 100000\n"
+    assert (cg.paths[0] / "memory.max").read_text() == f"{256 << 20}\n"
+    (cg.paths[0] / "cpu.stat").write_text("usage_usec 1500000\nuser_usec 1000000\n")
+    (cg.paths[0] / "memory.current").write_text("4096\n")
+    (cg.paths[0] / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    use = cg.usage()
+    assert use.cpu_s == 1.5 and use.memory_bytes == 4096 and use.oom_kills == 1
+    assert use.memory_peak_bytes != use.memory_peak_bytes  # NaN: memory.peak absent (kernel < 5.19)
+
+
+def test_no_cgroup_filesystem_says_why(tmp_path: Path) -> None:
+    with pytest.raises(CgroupError, match="no cgroup v2 and no v1 cpu and memory controllers"):
+        JobCgroups.detect(tmp_path)
+
+
+# --- for real --------------------------------------------------------------------------------
+
+needs_cgroups = pytest.mark.skipif(
+    os.geteuid() != 0 or not ((CGROUP_ROOT / "memory" / "cgroup.procs").exists()
+                              or (CGROUP_ROOT / "cgroup.controllers").exists()),
+    reason="needs root and a cgroup filesystem (the fake-tree tests above cover the logic)")
+
+
+def _wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@needs_cgroups
+@pytest.mark.slow
+def test_a_stopped_job_takes_its_strays_with_it_and_its_usage_is_its_own(agent_factory: Any) -> None:
+    agent = agent_factory(config="[collectors]\nebpf = false\ngpu = false\n")
+    client = agent.client()
+    # The rank starts a helper in a session of its own (killpg of the rank cannot reach it), then works.
+    script = "setsid sleep 600 & python3 -c 'x = bytearray(40 << 20)\nimport time\nwhile True: sum(range(10**5))'"
+    client.submit_job({"job": "cg", "nproc": 1, "command": ["/bin/sh", "-c", script], "cpus": 0.5})
+    job = _wait(lambda: (j := client.job("cg")).get("cgroup") and j["cgroup"]["processes"] >= 3 and j, 30, "cgroup")
+    cg = job["cgroup"]
+    assert cg["limits"]["cpus"] == 0.5 and all("trainguard/cg" in p for p in cg["paths"])
+    pids = {int(p) for path in cg["paths"] for p in Path(path, "cgroup.procs").read_text().split()}
+    stray = next(p for p in pids if _cmdline(p).startswith("sleep 600"))
+    rank = job["ranks"][0]["pid"]
+    assert rank in pids and os.getsid(stray) != os.getsid(rank)
+    time.sleep(2)
+    use = client.job("cg")["cgroup"]
+    assert use["cpu_s"] > 0.3 and use["memory_bytes"] > 30 << 20
+    assert use["cpu_s"] < 2 * 0.5 * 4  # the half-CPU quota holds (about 1 s of CPU in ~2-3 s)
+    with urllib.request.urlopen(agent.metrics_url(), timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'trainguard_job_cpu_seconds_total{job="cg"}' in text and 'trainguard_job_memory_bytes{job="cg"}' in text
+
+    client.stop_job("cg")
+    _wait(lambda: client.job("cg")["state"] == "stopped", 30, "job stopped")
+    _wait(lambda: not os.path.exists(f"/proc/{stray}") or _cmdline(stray) == "", 10, "the stray killed")
+    _wait(lambda: not any(Path(p).exists() for p in cg["paths"]), 10, "the cgroup removed")
+
+
+@needs_cgroups
+@pytest.mark.slow
+def test_a_memory_ceiling_ends_in_an_oom_kill_pinned_on_the_job(agent_factory: Any) -> None:
+    agent = agent_factory(config="[collectors]\nebpf = false\ngpu = false\n")
+    client = agent.client()
+    hog = "import time\nx = []\nwhile True:\n    x.append(bytearray(8 << 20)); time.sleep(0.01)"
+    client.submit_job({"job": "oom", "nproc": 1, "command": ["python3", "-c", hog], "memory_max": 64 << 20,
+                       "max_restarts": 0})
+    ev = _wait(lambda: [e for e in client.events(since=0, limit=1000, kind="job_oom_kill")["events"]
+                        if e.get("job") == "oom"], 60, "job_oom_kill")
+    f = ev[0]["fields"]
+    assert f["oom_kills"] >= 1 and f["memory_limit_bytes"] == 64 << 20 and f["memory_peak_bytes"] >= 60 << 20
+    _wait(lambda: client.job("oom")["state"] == "failed", 30, "the job failed (no restarts allowed)")
+    exits = client.job("oom")["ranks"]
+    assert exits[0]["exit_signal"] == 9
