@@ -174,6 +174,9 @@ class LauncherSection:
     cgroups: Literal["auto", "on", "off"] = "auto"
     """A cgroup per job (``trainguard/<job>``; v2, or the v1 cpu/cpuacct/memory/pids controllers):
     "auto" when the agent may make them (root), "on" refuses to start without, "off" never."""
+    systemd_units: Literal["auto", "on", "off"] = "auto"
+    """Ranks as transient systemd units (outside the agent's sandbox and cgroup): "auto" when the
+    agent runs as a systemd service; the warm launcher is not used then."""
     job_cpus: float = 0.0
     """Default CPU quota of a job's cgroup, in CPUs (0: none; a job's ``cpus`` overrides it)."""
     job_memory_max: int = 0

@@ -90,7 +90,7 @@ class Agent:
         self.supervisor = Supervisor(
             self.events,
             self.plans,
-            Launcher(mode="warm" if cfg.recovery.warm_launcher else "cold", cgroups=self._job_cgroups()),
+            self._make_launcher(),
             self._launch_context,
             stop_grace_s=cfg.launcher.stop_grace_s,
             on_ranks_changed=self._ranks_changed,
@@ -278,6 +278,20 @@ class Agent:
         self.exporter.sources.append(self.cluster)
         self.cluster.start(f"{tcp[0]}:{tcp[1]}" if tcp else None, self.supervisor, self.plans)
         _write_whole(os.path.join(self.cfg.agent.run_dir, "api.addr"), f"{tcp[0]}:{tcp[1]}\n" if tcp else "\n")
+
+    def _make_launcher(self) -> Launcher:
+        from trainguard.agent.lifecycle.units import under_systemd
+
+        cfg = self.cfg
+        mode = cfg.launcher.systemd_units
+        units = mode == "on" or (mode == "auto" and under_systemd())
+        if mode == "on" and not under_systemd():
+            raise ConfigError("launcher.systemd_units", "on, but the agent does not run as a systemd service")
+        if units:
+            self.cgroups_reason = "systemd units (a slice per job)"
+            log.info("ranks run as transient systemd units, outside the agent's sandbox (warm launcher off)")
+            return Launcher(mode="cold", units=True)
+        return Launcher(mode="warm" if cfg.recovery.warm_launcher else "cold", cgroups=self._job_cgroups())
 
     def _job_cgroups(self) -> Any:
         """Where job cgroups are made (None: launcher.cgroups is off, or auto and not possible here)."""

@@ -44,6 +44,9 @@ class JobSpec:
     """CPU quota of the job's cgroup, in CPUs (0: the agent's ``launcher.job_cpus``)."""
     memory_max: int = 0
     """Memory ceiling of the job's cgroup in bytes (0: the agent's ``launcher.job_memory_max``)."""
+    unit_properties: list[str] = field(default_factory=list)
+    """When ranks run as systemd units: properties of their units, the job's own sandbox
+    (``["ProtectHome=read-only", "ReadWritePaths=/data"]``); none by default."""
 
     @property
     def is_command(self) -> bool:
@@ -55,7 +58,7 @@ class JobSpec:
         if not isinstance(body, dict):
             raise JobSpecError("job", "spec must be an object")
         known = {"job", "nproc", "trainer", "command", "env", "faults", "max_restarts", "nodes", "cwd",
-                 "hang_timeout_s", "cpus", "memory_max"}
+                 "hang_timeout_s", "cpus", "memory_max", "unit_properties"}
         for key in body:
             if key not in known:
                 raise JobSpecError(key, "unknown key")
@@ -96,8 +99,11 @@ class JobSpec:
         if isinstance(memory_max, bool) or not isinstance(memory_max, int) or not (
                 memory_max == 0 or memory_max >= 16 << 20):
             raise JobSpecError("memory_max", "bytes, at least 16 MiB (0: the agent's default)")
+        props = body.get("unit_properties", [])
+        if not isinstance(props, list) or not all(isinstance(p, str) and "=" in p and "\n" not in p for p in props):
+            raise JobSpecError("unit_properties", 'a list of systemd properties like "ReadWritePaths=/data"')
         return cls(job, nproc, trainer, command, env, faults, max_restarts, nodes, cwd, float(hang),
-                   float(cpus), memory_max)
+                   float(cpus), memory_max, list(props))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,6 +119,7 @@ class JobSpec:
             "hang_timeout_s": self.hang_timeout_s,
             "cpus": self.cpus,
             "memory_max": self.memory_max,
+            "unit_properties": self.unit_properties,
         }
 
 

@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol
 
 from trainguard.agent.lifecycle.cgroups import JOIN_SCRIPT, CgroupError, JobCgroup, JobCgroups, JobUsage
 from trainguard.agent.lifecycle.jobs import JobSpec
+from trainguard.agent.lifecycle.units import UnitProcess, run_prefix, set_slice_limits, slice_usage, unit_name
 from trainguard.agent.lifecycle.zygote_client import Zygote, ZygoteError
 from trainguard.agent.wire import ENV_JOB, ENV_JOB_SPEC, ENV_PLAN, ENV_SOCKET
 
@@ -41,9 +42,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ProcessHandle(Protocol):
-    """What the supervisor needs of a rank process: a Popen, or a rank forked by the zygote."""
+    """What the supervisor needs of a rank process: a Popen, a rank forked by the zygote, a unit."""
 
-    pid: int
+    @property
+    def pid(self) -> int: ...
 
     def poll(self) -> int | None: ...
 
@@ -177,8 +179,12 @@ class Launcher:
     zygote that already imported torch and the trainer (restart in ~1 s instead of ~10 s)."""
 
     def __init__(self, mode: Literal["warm", "cold"] = "warm", clock: Callable[[], float] = time.monotonic,
-                 cgroups: JobCgroups | None = None) -> None:
-        """``cgroups``: give each job a cgroup of its own (None: ranks stay in the agent's)."""
+                 cgroups: JobCgroups | None = None, units: bool = False) -> None:
+        """``cgroups``: give each job a cgroup of its own (None: ranks stay in the agent's);
+        ``units``: start each rank as a transient systemd unit (``agent.lifecycle.units``)."""
+        self.units = units
+        if units:
+            mode, cgroups = "cold", None  # systemd makes each rank's cgroup; a zygote would pin them in one
         self.mode = mode
         self.clock = clock
         self.zygotes: dict[str, Zygote] = {}
@@ -188,6 +194,7 @@ class Launcher:
         self.final_usage: dict[str, JobUsage] = {}
         """What a job's cgroup had used when the job ended (kept until ``forget``)."""
         self.final_limits: dict[str, dict[str, float]] = {}
+        self.unit_jobs: set[str] = set()
 
     def job_cgroup(self, spec: JobSpec, ctx: LaunchContext) -> JobCgroup | None:
         """The job's cgroup with its limits applied; leftovers of a previous attempt (but the
@@ -216,6 +223,9 @@ class Launcher:
     def cgroup_usage(self) -> dict[str, JobUsage]:
         """Each job's use: live for running jobs, the last reading for ended ones."""
         out = dict(self.final_usage)
+        for job in list(self.unit_jobs):
+            use = slice_usage(job)
+            out[job] = JobUsage(use["cpu_s"], use["memory_bytes"], float("nan"), 0, 0)
         for job, cg in list(self.job_cgroups.items()):
             out[job] = cg.usage()
         return out
@@ -225,6 +235,7 @@ class Launcher:
         return dict(cg.limits) if cg is not None else dict(self.final_limits.get(job, {}))
 
     def forget(self, job: str) -> None:
+        self.unit_jobs.discard(job)
         self.final_usage.pop(job, None)
         self.final_limits.pop(job, None)
     def _zygote(self, spec: JobSpec, ctx: LaunchContext, argv_prefix: list[str], env: dict[str, str],
@@ -358,6 +369,9 @@ class Launcher:
                 child = zygote.spawn(rank, env, log_path, cwd, warm_target[0], warm_target[1])
                 ranks.append(RankProcess(rank, local, child, self.clock(), log_path, gpu=_nth(gpus, local)))
                 continue
+            if self.units:
+                ranks.append(self._start_unit(spec, ctx, attempt, rank, local, env, cwd, log_path, gpus))
+                continue
             log = open(log_path, "ab")
             try:
                 popen = subprocess.Popen(  # type: ignore[call-overload]
@@ -374,6 +388,20 @@ class Launcher:
                 log.close()
             ranks.append(RankProcess(rank, local, popen, self.clock(), log_path, gpu=_nth(gpus, local)))
         return ranks
+
+    def _start_unit(self, spec: JobSpec, ctx: LaunchContext, attempt: int, rank: int, local: int, env: dict[str, str],
+                    cwd: str, log_path: str, gpus: tuple[int, ...] | None) -> RankProcess:
+        """One rank as a transient systemd unit in the job's slice (see agent/lifecycle/units.py)."""
+        if spec.job not in self.unit_jobs:
+            set_slice_limits(spec.job, spec.cpus or ctx.cpus, spec.memory_max or ctx.memory_max)
+            self.unit_jobs.add(spec.job)
+        unit = unit_name(spec.job, attempt, rank)
+        argv = run_prefix(unit, spec.job, log_path=log_path, cwd=cwd, env=env, user=ctx.user,
+                          properties=spec.unit_properties) + self.rank_command(spec, ctx)
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return RankProcess(rank, local, UnitProcess(popen, unit), self.clock(), log_path, gpu=_nth(gpus, local))
 
     def reap(self, ranks: list[RankProcess]) -> list[RankProcess]:
         """Collect exit statuses without blocking; returns the ranks that ended since the last call."""
@@ -413,4 +441,7 @@ class Launcher:
                 except ProcessLookupError:
                     pass
                 r.popen.wait()
+        for r in ranks:
+            if isinstance(r.popen, UnitProcess):
+                r.popen.stop_unit()  # whatever else the rank left in its unit
         self.reap(ranks)

@@ -1,0 +1,100 @@
+#!/bin/bash
+# Runs inside a container booted with systemd as PID 1 (tests/test_systemd_service.py), as the
+# unit tg-steps.service: installs trainguard-agent.service the way the README says and checks it
+# under a real service manager. One "key=value" line per finding in /res/results.txt; the test on
+# the host judges them. The checkout is bound read-only at its own path, /usr/local/bin is a
+# writable bind (the rest of /usr is the host's, read-only).
+set -u
+REPO="$1"
+R=/res/results.txt
+: > "$R"
+say() { printf '%s=%s\n' "$1" "$2" >> "$R"; }
+unit=trainguard-agent
+prop() { systemctl show -p "$1" --value "$unit"; }
+wait_for() {  # wait_for SECONDS CMD...: until CMD succeeds
+    local n=$(( $1 * 4 )); shift
+    while [ "$n" -gt 0 ]; do "$@" && return 0; sleep 0.25; n=$((n - 1)); done
+    return 1
+}
+active() { [ "$(prop ActiveState)" = active ]; }
+job_state() { trainguard status --json 2>/dev/null | python3 -c "import json,sys; d=json.load(sys.stdin); print({j['job']: j['state'] for j in d['jobs']}.get('$1',''))" 2>/dev/null; }
+
+# A booted host has tracefs mounted by systemd (sys-kernel-tracing.mount); a container skips that
+# unit, so mount it as the host's boot would (the agent's unit has no CAP_SYS_ADMIN to do it).
+mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing 2>/res/tracefs.err
+say tracefs "$(mountpoint -q /sys/kernel/tracing && echo mounted || cat /res/tracefs.err)"
+
+# --- the README's install steps (the checkout and its .venv exist already) --------------------
+ln -sf "$REPO/.venv/bin/trainguard" /usr/local/bin/trainguard
+install -m 0644 "$REPO/agent/systemd/trainguard-agent.service" /etc/systemd/system/
+mkdir -p /etc/trainguard
+cat > /etc/trainguard/agent.toml <<'EOF'
+[agent]
+interval_s = 0.5
+[checkpoint]
+memory_every = 5
+disk_every = 10
+EOF
+trainguard agent --check-config /etc/trainguard/agent.toml > /res/check-config.txt 2>&1
+say check_config $?
+# Test-only drop-in: a short watchdog, so a stalled loop is caught within seconds.
+mkdir -p /etc/systemd/system/$unit.service.d
+printf '[Service]\nWatchdogSec=4\n' > /etc/systemd/system/$unit.service.d/10-test.conf
+systemctl daemon-reload && systemctl enable --now $unit > /res/enable.txt 2>&1
+say enable $?
+wait_for 60 active
+say active "$(prop ActiveState)"
+wait_for 10 sh -c "[ -n \"\$(systemctl show -p StatusText --value $unit)\" ]"
+say status_text "$(prop StatusText)"
+say main_pid_1 "$(prop MainPID)"
+
+# --- collectors under the unit's capability set ------------------------------------------------
+trainguard status --json > /res/status.json 2>/res/status.err
+say status_rc $?
+
+# --- a job runs and writes its checkpoints and outputs ----------------------------------------
+mkdir -p /srv/tg-out
+chmod 0777 /srv/tg-out
+trainguard run --detach --job svc --nproc 2 -- "$REPO/.venv/bin/python" "$REPO/examples/ddp_api.py" \
+    --steps 30 --out /srv/tg-out/model.pt > /res/run.txt 2>&1
+say run_rc $?
+wait_for 180 sh -c "[ \"\$(trainguard status --json | python3 -c \"import json,sys; print({j['job']: j['state'] for j in json.load(sys.stdin)['jobs']}.get('svc',''))\")\" = succeeded ] || [ \"\$(trainguard status --json | python3 -c \"import json,sys; print({j['job']: j['state'] for j in json.load(sys.stdin)['jobs']}.get('svc',''))\")\" = failed ]"
+say job_state "$(job_state svc)"
+trainguard checkpoints --json > /res/checkpoints.json 2>&1
+say output_written "$([ -s /srv/tg-out/model.pt ] && echo yes || echo no)"
+cp /var/lib/trainguard/jobs/svc/rank0.log /res/rank0.log 2>/dev/null
+
+# --- reload --------------------------------------------------------------------------------
+systemctl reload $unit
+say reload_rc $?
+wait_for 10 sh -c "trainguard events --json 2>/dev/null | grep -q config_reloaded"
+say reloaded "$(trainguard events --json 2>/dev/null | grep -c config_reloaded)"
+
+# --- a stalled main loop: the watchdog kills it, Restart= brings it back -----------------------
+pid1=$(prop MainPID)
+kill -STOP "$pid1"
+wait_for 30 sh -c "[ \"\$(systemctl show -p NRestarts --value $unit)\" -ge 1 ] && [ \"\$(systemctl show -p ActiveState --value $unit)\" = active ]"
+say n_restarts "$(prop NRestarts)"
+say main_pid_2 "$(prop MainPID)"
+journalctl -u $unit --no-pager -o cat 2>/dev/null | grep -i -m3 "watchdog" > /res/watchdog.txt
+say watchdog_logged "$(grep -ci watchdog /res/watchdog.txt)"
+wait_for 30 active
+
+# --- stop with a job running: its ranks go too ---------------------------------------------
+trainguard run --detach --job long --nproc 2 -- "$REPO/.venv/bin/python" "$REPO/examples/ddp_api.py" \
+    --steps 100000 --step-sleep 0.05 > /res/run-long.txt 2>&1
+wait_for 60 sh -c "[ \"\$(trainguard status --json | python3 -c \"import json,sys; print({j['job']: j['state'] for j in json.load(sys.stdin)['jobs']}.get('long',''))\")\" = running ]"
+pids=$(trainguard status --json | python3 -c "import json,sys; print(' '.join(str(r['pid']) for j in json.load(sys.stdin)['jobs'] if j['job']=='long' for r in j['ranks']))")
+say long_pids "$pids"
+# Each rank is a transient unit of its own in the job's slice, outside the agent's cgroup.
+say rank_units "$(systemctl list-units --plain --no-legend 'trainguard-long-*' | grep -c running)"
+first=$(echo $pids | cut -d' ' -f1)
+say rank_cgroup "$(grep '^0::' /proc/$first/cgroup | cut -d: -f3)"
+systemctl stop $unit
+say stop_rc $?
+left=0
+for p in $pids; do [ -d "/proc/$p" ] && left=$((left + 1)); done
+say ranks_left "$left"
+journalctl -u $unit --no-pager -o cat > /res/journal.txt 2>&1
+say done yes
+systemctl poweroff
