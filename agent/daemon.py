@@ -27,7 +27,7 @@ from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.records import RecordStore
 from trainguard.agent.lifecycle.supervisor import Supervisor
-from trainguard.agent.paths import AgentPaths
+from trainguard.agent.paths import AgentPaths, agent_tag
 from trainguard.agent.recovery.activity import descends_from
 from trainguard.agent.sdnotify import Notifier
 
@@ -302,7 +302,7 @@ class Agent:
             self.cgroups_reason = "off in config (launcher.cgroups)"
             return None
         try:
-            found = JobCgroups.detect()
+            found = JobCgroups.detect(parent=f"trainguard-{agent_tag(self.cfg.agent.state_dir)}")
         except CgroupError as exc:
             if mode == "on":
                 raise ConfigError("launcher.cgroups", f"on, but {exc}") from None

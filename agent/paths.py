@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 
 from trainguard.agent.config import DEFAULT_RUN_DIR, DEFAULT_STATE_DIR
+
+
+def agent_tag(state_dir: str) -> str:
+    """A short name of this agent on its host, from its state dir: agents side by side (tests,
+    simulated nodes) never share a memory tier or a cgroup."""
+    return hashlib.sha1(os.path.abspath(state_dir).encode()).hexdigest()[:10]
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ def test_a_stopped_job_takes_its_strays_with_it_and_its_usage_is_its_own(agent_f
     client.submit_job({"job": "cg", "nproc": 1, "command": ["/bin/sh", "-c", script], "cpus": 0.5})
     job = _wait(lambda: (j := client.job("cg")).get("cgroup") and j["cgroup"]["processes"] >= 3 and j, 30, "cgroup")
     cg = job["cgroup"]
-    assert cg["limits"]["cpus"] == 0.5 and all("trainguard/cg" in p for p in cg["paths"])
+    assert cg["limits"]["cpus"] == 0.5 and all("/trainguard-" in p and p.endswith("/cg") for p in cg["paths"])
     pids = {int(p) for path in cg["paths"] for p in Path(path, "cgroup.procs").read_text().split()}
     stray = next(p for p in pids if _cmdline(p).startswith("sleep 600"))
     rank = job["ranks"][0]["pid"]

@@ -224,11 +224,14 @@ class JobCgroups:
         """controller -> the ``trainguard`` parent directory in its hierarchy."""
 
     @classmethod
-    def detect(cls, root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> JobCgroups:
-        """The hierarchy here; raises CgroupError saying why none can be used (no root, no mount)."""
+    def detect(cls, root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup"),
+               parent: str = PARENT) -> JobCgroups:
+        """The hierarchy here; raises CgroupError saying why none can be used (no root, no mount).
+        ``parent``: the directory the job cgroups go in (one per agent: agents side by side on
+        one host must not kill each other's ranks when a job of the same name ends)."""
         own = own_cgroups(proc_cgroup)
         if (root / "cgroup.controllers").exists():
-            return cls._detect_v2(root, own.get("unified", "/"))
+            return cls._detect_v2(root, own.get("unified", "/"), parent)
         bases: dict[str, Path] = {}
         if root.is_dir():
             for d in sorted(root.iterdir()):
@@ -236,7 +239,7 @@ class JobCgroups:
                     continue
                 for c in d.name.split(","):
                     if c in CONTROLLERS and c not in bases:
-                        bases[c] = d / own.get(c, "/").lstrip("/") / PARENT
+                        bases[c] = d / own.get(c, "/").lstrip("/") / parent
         if "memory" not in bases or "cpu" not in bases:
             raise CgroupError(f"no cgroup v2 and no v1 cpu and memory controllers under {root}")
         try:
@@ -247,11 +250,11 @@ class JobCgroups:
         return cls("v1", bases)
 
     @classmethod
-    def _detect_v2(cls, root: Path, own: str) -> JobCgroups:
+    def _detect_v2(cls, root: Path, own: str, parent: str) -> JobCgroups:
         home = root / own.lstrip("/")
         available = set((_read(home / "cgroup.controllers") or "").split())
         wanted = [c for c in ("cpu", "memory", "pids") if c in available]
-        base = home / PARENT
+        base = home / parent
         try:
             if own != "/" and (_read(home / "cgroup.procs") or "").split():
                 # v2 allows no processes in a cgroup whose controllers its children use: the agent

@@ -28,6 +28,7 @@ from trainguard.agent.checkpoint import CheckpointManager, CheckpointSettings, O
 from trainguard.agent.config import AgentConfig
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
 from trainguard.agent.metricspec import MetricSpec
+from trainguard.agent.paths import agent_tag
 from trainguard.agent.recovery.activity import ActivityProbe, descends_from
 from trainguard.agent.recovery.detectors import Finding, HangDetector, LossDetector
 from trainguard.agent.recovery.stacks import probe_all
@@ -56,11 +57,7 @@ ENV_RESTORE = "TRAINGUARD_RESTORE"
 def memory_root_for(cfg: AgentConfig) -> str:
     if cfg.checkpoint.memory_root:
         return cfg.checkpoint.memory_root
-    # One memory tier per agent state dir, so agents side by side (tests, simulated nodes) never share.
-    import hashlib
-
-    tag = hashlib.sha1(os.path.abspath(cfg.agent.state_dir).encode()).hexdigest()[:10]
-    return f"/dev/shm/trainguard-{tag}"
+    return f"/dev/shm/trainguard-{agent_tag(cfg.agent.state_dir)}"
 
 
 def checkpoint_settings(cfg: AgentConfig) -> CheckpointSettings:
