@@ -44,6 +44,13 @@ systemctl daemon-reload && systemctl enable --now $unit > /res/enable.txt 2>&1
 say enable $?
 wait_for 60 active
 say active "$(prop ActiveState)"
+if [ "$(prop ActiveState)" != active ]; then  # nothing below can work: say why and end
+    journalctl -u $unit --no-pager -o cat > /res/journal.txt 2>&1
+    systemctl status $unit --no-pager > /res/unit-status.txt 2>&1
+    say done no
+    systemctl poweroff
+    exit 1
+fi
 wait_for 10 sh -c "[ -n \"\$(systemctl show -p StatusText --value $unit)\" ]"
 say status_text "$(prop StatusText)"
 say main_pid_1 "$(prop MainPID)"
