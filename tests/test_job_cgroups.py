@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from trainguard.agent.lifecycle.cgroups import CgroupError, JobCgroups
+from trainguard.agent.waiting import wait_for
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -96,16 +96,6 @@ needs_cgroups = pytest.mark.skipif(
     reason="needs root and a cgroup filesystem (the fake-tree tests above cover the logic)")
 
 
-def _wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -121,7 +111,7 @@ def test_a_stopped_job_takes_its_strays_with_it_and_its_usage_is_its_own(agent_f
     # The rank starts a helper in a session of its own (killpg of the rank cannot reach it), then works.
     script = "setsid sleep 600 & python3 -c 'x = bytearray(40 << 20)\nimport time\nwhile True: sum(range(10**5))'"
     client.submit_job({"job": "cg", "nproc": 1, "command": ["/bin/sh", "-c", script], "cpus": 0.5})
-    job = _wait(lambda: (j := client.job("cg")).get("cgroup") and j["cgroup"]["processes"] >= 3 and j, 30, "cgroup")
+    job = wait_for(lambda: (j := client.job("cg")).get("cgroup") and j["cgroup"]["processes"] >= 3 and j, 30, "cgroup")
     cg = job["cgroup"]
     assert cg["limits"]["cpus"] == 0.5 and all("/trainguard-" in p and p.endswith("/cg") for p in cg["paths"])
     pids = {int(p) for path in cg["paths"] for p in Path(path, "cgroup.procs").read_text().split()}
@@ -137,9 +127,9 @@ def test_a_stopped_job_takes_its_strays_with_it_and_its_usage_is_its_own(agent_f
     assert 'trainguard_job_cpu_seconds_total{job="cg"}' in text and 'trainguard_job_memory_bytes{job="cg"}' in text
 
     client.stop_job("cg")
-    _wait(lambda: client.job("cg")["state"] == "stopped", 30, "job stopped")
-    _wait(lambda: not os.path.exists(f"/proc/{stray}") or _cmdline(stray) == "", 10, "the stray killed")
-    _wait(lambda: not any(Path(p).exists() for p in cg["paths"]), 10, "the cgroup removed")
+    wait_for(lambda: client.job("cg")["state"] == "stopped", 30, "job stopped")
+    wait_for(lambda: not os.path.exists(f"/proc/{stray}") or _cmdline(stray) == "", 10, "the stray killed")
+    wait_for(lambda: not any(Path(p).exists() for p in cg["paths"]), 10, "the cgroup removed")
 
 
 @needs_cgroups
@@ -150,10 +140,10 @@ def test_a_memory_ceiling_ends_in_an_oom_kill_pinned_on_the_job(agent_factory: A
     hog = "import time\nx = []\nwhile True:\n    x.append(bytearray(8 << 20)); time.sleep(0.01)"
     client.submit_job({"job": "oom", "nproc": 1, "command": ["python3", "-c", hog], "memory_max": 64 << 20,
                        "max_restarts": 0})
-    ev = _wait(lambda: [e for e in client.events(since=0, limit=1000, kind="job_oom_kill")["events"]
+    ev = wait_for(lambda: [e for e in client.events(since=0, limit=1000, kind="job_oom_kill")["events"]
                         if e.get("job") == "oom"], 60, "job_oom_kill")
     f = ev[0]["fields"]
     assert f["oom_kills"] >= 1 and f["memory_limit_bytes"] == 64 << 20 and f["memory_peak_bytes"] >= 60 << 20
-    _wait(lambda: client.job("oom")["state"] == "failed", 30, "the job failed (no restarts allowed)")
+    wait_for(lambda: client.job("oom")["state"] == "failed", 30, "the job failed (no restarts allowed)")
     exits = client.job("oom")["ranks"]
     assert exits[0]["exit_signal"] == 9
