@@ -227,6 +227,10 @@ def test_run_delay_per_step_is_a_median_over_ticks(tmp_path: Path) -> None:
         _fake_proc(tmp_path, 5, d * 1_000_000, "0::/\n")
         ev.observe("j", 0, 5, step=10 * i, now=float(i))
     assert ev.run_delay_per_step("j", 0, now=5.0, span_s=5.0) == pytest.approx(0.001)
+    # Only ticks that began at or after from_step (a restart's start-up stays out): the last one.
+    assert ev.run_delay_per_step("j", 0, now=5.0, span_s=5.0, from_step=40) == pytest.approx(0.001)
+    assert ev.run_delay_per_step("j", 0, now=5.0, span_s=5.0, from_step=30) == pytest.approx((0.050 + 0.001) / 2)
+    assert ev.run_delay_per_step("j", 0, now=5.0, span_s=5.0, from_step=50) == 0.0
     e = ev.evidence("j", 0, span_steps=20)
     # Evidence for causes is a sum over the ticks covering the span (here the last two).
     assert e.run_delay_source == "schedstat" and e.run_delay_s == pytest.approx(0.510 / 20)

@@ -52,6 +52,7 @@ def _boot(tmp_path: Path) -> tuple[dict[str, str], Path, str]:
     return found, res, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
+@pytest.mark.timeout(900)  # a minute here; CI's loaded machine took past pytest's default 300 s
 def test_the_agent_as_a_systemd_service(tmp_path: Path) -> None:
     assert shutil.which("systemd-nspawn"), "systemd-nspawn missing: `make setup` installs systemd-container"
     found, res, boot = _boot(tmp_path)
@@ -77,5 +78,9 @@ def test_the_agent_as_a_systemd_service(tmp_path: Path) -> None:
     assert found["rank_units"] == "2" and "trainguard-long.slice" in found["rank_cgroup"], why
     # eBPF under the unit's capabilities (CAP_BPF, CAP_PERFMON, ...): its programs load and attach.
     assert collectors["ebpf"].get("up") is True, collectors
+    # The agent SIGKILLed with a job running: its ranks (units of their own) train on, systemd
+    # restarts the agent, and the new one adopts the same processes.
+    assert int(found["adopted"]) >= 1, why
+    assert found["adopt_pids_before"].strip() and found["adopt_pids_after"] == found["adopt_pids_before"], why
     # systemctl stop with a job running: on_stop = "stop_ranks" takes the ranks with it.
     assert found["stop_rc"] == "0" and found["long_pids"].strip() and found["ranks_left"] == "0", why

@@ -84,6 +84,8 @@ class ProcReader:
 class _Tick:
     at: float
     steps: int
+    first_step: int = 0
+    """The rank's step when the tick began (ticks of the warm-up after a restart are left out)."""
     run_delay: float = math.nan
     throttled: float = math.nan
     ebpf_runq: float = math.nan
@@ -132,7 +134,7 @@ class RankEvidence:
         if last is None or last.pid != pid or step < last.step:
             self._ticks.pop(key, None)  # a new process: its counters start again
             return
-        tick = _Tick(at=now, steps=step - last.step, run_delay=_delta(delay, last.run_delay),
+        tick = _Tick(at=now, steps=step - last.step, first_step=last.step, run_delay=_delta(delay, last.run_delay),
                      throttled=_delta(throttled, last.throttled))
         if ebpf is not None:
             tick.ebpf_runq = float(ebpf.runq_total_s)
@@ -163,13 +165,15 @@ class RankEvidence:
             return math.nan
         return sum(v for v, _ in vals) / steps
 
-    def run_delay_per_step(self, job: str, rank: int, now: float, span_s: float) -> float:
+    def run_delay_per_step(self, job: str, rank: int, now: float, span_s: float, from_step: int = 0) -> float:
         """Median over the ticks of the last ``span_s`` seconds of the main thread's run delay per
-        step (0 when unknown).
+        step (0 when unknown), counting only ticks that began at or after ``from_step``.
 
         A median over ticks rather than a sum: a short burst of load from elsewhere on the node
-        moves one or two ticks, a rank that shares its core for good moves all of them."""
-        recent = [t for t in self._ticks.get((job, rank), ()) if t.at >= now - span_s]
+        moves one or two ticks, a rank that shares its core for good moves all of them. The step
+        bound keeps a restart's start-up (imports, the restore, every rank starting at once) out:
+        CI saw a healthy restarted rank flagged with 200 ms of run delay per step from it."""
+        recent = [t for t in self._ticks.get((job, rank), ()) if t.at >= now - span_s and t.first_step >= from_step]
         values = sorted(t.run_delay / t.steps for t in recent if t.steps > 0 and not math.isnan(t.run_delay))
         if not values:
             return 0.0

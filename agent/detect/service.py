@@ -232,7 +232,8 @@ class StragglerService:
             if rank in local:
                 stats = ebpf.rank_stats(job, rank) if ebpf is not None else None
                 self.evidence.observe(job, rank, view.pid, view.step, now, stats)
-                delay = self.evidence.run_delay_per_step(job, rank, now, cfg.delay_window_s)
+                delay = self.evidence.run_delay_per_step(job, rank, now, cfg.delay_window_s,
+                                                         from_step=st.detector.judged_from(rank))
             else:
                 # Another node's rank: its pid means nothing in this node's /proc.
                 remote = self._fresh_remote(job, rank, now)

@@ -272,6 +272,11 @@ class StragglerDetector:
     def ranks(self) -> list[int]:
         return sorted(self._tracks)
 
+    def judged_from(self, rank: int) -> int:
+        """The first step of ``rank`` that counts (its warm-up after a start or restart excluded)."""
+        t = self._tracks.get(rank)
+        return (t.base_step or 0) + self.config.warmup_steps if t is not None else self.config.warmup_steps
+
     def forget(self, rank: int) -> None:
         self._tracks.pop(rank, None)
 

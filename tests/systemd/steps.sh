@@ -87,11 +87,25 @@ journalctl -u $unit --no-pager -o cat 2>/dev/null | grep -i -m3 "watchdog" > /re
 say watchdog_logged "$(grep -ci watchdog /res/watchdog.txt)"
 wait_for 30 active
 
+# --- the agent SIGKILLed with a job running: Restart= brings it back, it adopts the ranks ------
+trainguard run --detach --job adopt --nproc 2 -- "$REPO/.venv/bin/python" "$REPO/examples/ddp_api.py" \
+    --steps 100000 --step-sleep 0.05 > /res/run-adopt.txt 2>&1
+wait_for 60 sh -c "[ \"\$(trainguard status --json | python3 -c \"import json,sys; print({j['job']: j['state'] for j in json.load(sys.stdin)['jobs']}.get('adopt',''))\")\" = running ]"
+rank_pids() { trainguard status --json | python3 -c "import json,sys; print(' '.join(str(r['pid']) for j in json.load(sys.stdin)['jobs'] if j['job']=='$1' for r in j['ranks']))"; }
+before=$(rank_pids adopt)
+restarts=$(prop NRestarts)
+kill -KILL "$(prop MainPID)"
+wait_for 30 sh -c "[ \"\$(systemctl show -p NRestarts --value $unit)\" -gt $restarts ] && [ \"\$(systemctl show -p ActiveState --value $unit)\" = active ]"
+wait_for 30 sh -c "trainguard events --json 2>/dev/null | grep -q job_adopted"
+say adopted "$(trainguard events --json 2>/dev/null | grep -c job_adopted)"
+say adopt_pids_before "$before"
+say adopt_pids_after "$(rank_pids adopt)"
+
 # --- stop with a job running: its ranks go too ---------------------------------------------
 trainguard run --detach --job long --nproc 2 -- "$REPO/.venv/bin/python" "$REPO/examples/ddp_api.py" \
     --steps 100000 --step-sleep 0.05 > /res/run-long.txt 2>&1
 wait_for 60 sh -c "[ \"\$(trainguard status --json | python3 -c \"import json,sys; print({j['job']: j['state'] for j in json.load(sys.stdin)['jobs']}.get('long',''))\")\" = running ]"
-pids=$(trainguard status --json | python3 -c "import json,sys; print(' '.join(str(r['pid']) for j in json.load(sys.stdin)['jobs'] if j['job']=='long' for r in j['ranks']))")
+pids="$(rank_pids long) $(rank_pids adopt)"
 say long_pids "$pids"
 # Each rank is a transient unit of its own in the job's slice, outside the agent's cgroup.
 say rank_units "$(systemctl list-units --plain --no-legend 'trainguard-long-*' | grep -c running)"
