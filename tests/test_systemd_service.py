@@ -19,9 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import CPU_ISOLATION
+
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.slow
+# It boots a container and runs three jobs: kept apart from the tests that judge timing.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(CPU_ISOLATION)]
 
 
 def _boot(tmp_path: Path) -> tuple[dict[str, str], Path, str]:
