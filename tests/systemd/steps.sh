@@ -40,6 +40,9 @@ say check_config $?
 # Test-only drop-in: a short watchdog, so a stalled loop is caught within seconds.
 mkdir -p /etc/systemd/system/$unit.service.d
 printf '[Service]\nWatchdogSec=4\n' > /etc/systemd/system/$unit.service.d/10-test.conf
+# A checkout under /tmp (CI clones there) is hidden by the unit's PrivateTmp=; a real install is
+# /opt/trainguard. Bind it into the unit's namespace, read-only, for the test.
+case "$REPO" in /tmp/*) printf 'BindReadOnlyPaths=%s\n' "$REPO" >> /etc/systemd/system/$unit.service.d/10-test.conf ;; esac
 systemctl daemon-reload && systemctl enable --now $unit > /res/enable.txt 2>&1
 say enable $?
 wait_for 60 active
