@@ -58,3 +58,13 @@ def test_shell_wrapper_runs_the_helper(tmp_path: Path) -> None:
     rc, lines = _run(["bash", "bench/gpu_check.sh", "--no-train", "--rounds", "1"], env)
     assert rc == 1 and _result(lines) == (0, 0)
     assert any("collector did not start" in ln and "HINT" in ln for ln in lines), lines
+
+
+def test_compute_clock_check_smallest_configuration_on_the_cpu() -> None:
+    """bench/gpu_clock_check.py --device cpu --quick: the step path it checks on a GPU, with a host
+    clock and a host sleep standing in for CUDA events and the all-reduce wait."""
+    rc, lines = _run([sys.executable, "bench/gpu_clock_check.py", "--device", "cpu", "--quick"])
+    [line] = [ln for ln in lines if ln.startswith("CLOCK ")]
+    fields = dict(kv.split("=", 1) for kv in line.split()[1:])
+    assert rc == 0 and fields["ok"] == "True", lines
+    assert float(fields["clocked_vs_wall_ratio"]) < 0.5 and float(fields["wall_ms"]) >= float(fields["wait_ms"])
