@@ -314,7 +314,8 @@ class Agent:
 
     def _watch_cgroups(self) -> None:
         """An OOM kill in a job's cgroup becomes an event of that job (also without eBPF)."""
-        for job, use in self.supervisor.launcher.cgroup_usage().items():
+        # Every tick: only the agent's own cgroups (file reads), not a systemctl call per unit job.
+        for job, use in self.supervisor.launcher.cgroup_usage(units=False).items():
             seen = self._oom_seen.get(job, 0)
             if use.oom_kills > seen:
                 self.events.emit(

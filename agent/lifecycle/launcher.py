@@ -220,10 +220,11 @@ class Launcher:
         except CgroupError as exc:
             log.warning("job %s: its cgroup cannot be found again: %s", spec.job, exc)
 
-    def cgroup_usage(self) -> dict[str, JobUsage]:
-        """Each job's use: live for running jobs, the last reading for ended ones."""
+    def cgroup_usage(self, units: bool = True) -> dict[str, JobUsage]:
+        """Each job's use: live for running jobs, the last reading for ended ones. ``units=False``
+        leaves out jobs whose ranks are systemd units (a ``systemctl show`` each, and no OOM count)."""
         out = dict(self.final_usage)
-        for job in list(self.unit_jobs):
+        for job in list(self.unit_jobs) if units else ():
             use = slice_usage(job)
             out[job] = JobUsage(use["cpu_s"], use["memory_bytes"], float("nan"), 0, 0)
         for job, cg in list(self.job_cgroups.items()):
