@@ -6,6 +6,7 @@ the job, and the cgroup is gone afterwards."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -13,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from trainguard.agent.lifecycle.cgroups import CgroupError, JobCgroups
+from trainguard.agent.lifecycle.cgroups import CgroupError, JobCgroup, JobCgroups
+from trainguard.agent.lifecycle.launcher import Launcher
 from trainguard.agent.waiting import wait_for
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -56,6 +58,41 @@ def test_v1_tree_one_directory_per_controller_under_the_agents_own_limits_and_us
     use = cg.usage()
     assert (use.cpu_s, use.memory_bytes, use.memory_peak_bytes, use.oom_kills) == (2.5, 1 << 20, 2 << 20, 2)
     assert use.processes == 2 and cg.pids() == {11, 12}
+
+
+class _SlowZygote:
+    """A warm launcher whose exit takes a while (CI under load), releasing when told."""
+
+    def __init__(self) -> None:
+        self.closing = threading.Event()
+        self.release = threading.Event()
+
+    def close(self) -> None:
+        self.closing.set()
+        self.release.wait(10)
+
+
+def test_a_job_forgotten_while_its_close_is_in_flight_leaves_no_reading_behind(tmp_path: Path, monkeypatch: Any) -> None:
+    # A fake tree's directories hold real files: rmdir would only wait out its timeout.
+    monkeypatch.setattr(JobCgroup, "remove", lambda self, timeout_s=5.0: True)
+    root = _fake_v1(tmp_path / "fs")
+    groups = JobCgroups.detect(root, _proc_cgroup(tmp_path, "4:memory:/\n3:cpu:/\n2:cpuacct:/\n1:pids:/\n"))
+    launcher = Launcher(mode="cold", cgroups=groups)
+    launcher.job_cgroups["done"] = cg = groups.for_job("done")
+    (cg.dirs["cpuacct"] / "cpuacct.usage").write_text("4000000000\n")
+    zygote = launcher.zygotes["done"] = _SlowZygote()  # type: ignore[assignment]
+    closer = threading.Thread(target=launcher.close_job, args=("done",))
+    closer.start()
+    assert zygote.closing.wait(5)
+    launcher.forget("done")  # the retention ran out before the close did
+    zygote.release.set()
+    closer.join(10)
+    assert "done" not in launcher.cgroup_usage()
+    # Without a forget the ended job's reading stays for /metrics until the retention ends.
+    launcher.job_cgroups["kept"] = kept = groups.for_job("kept")
+    (kept.dirs["cpuacct"] / "cpuacct.usage").write_text("1000000000\n")
+    launcher.close_job("kept")
+    assert launcher.cgroup_usage()["kept"].cpu_s == 1.0
 
 
 def test_v2_tree_a_leaf_for_the_agent_and_controllers_enabled_below_its_cgroup(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -195,6 +196,11 @@ class Launcher:
         """What a job's cgroup had used when the job ended (kept until ``forget``)."""
         self.final_limits: dict[str, dict[str, float]] = {}
         self.unit_jobs: set[str] = set()
+        # close_job runs on its own thread (a zygote's exit can take seconds under load) and may
+        # still be in flight when the job is forgotten: it must not record the job's use after that.
+        self._close_lock = threading.Lock()
+        self._closing: set[str] = set()
+        self._forgotten_while_closing: set[str] = set()
 
     def job_cgroup(self, spec: JobSpec, ctx: LaunchContext) -> JobCgroup | None:
         """The job's cgroup with its limits applied; leftovers of a previous attempt (but the
@@ -236,9 +242,12 @@ class Launcher:
         return dict(cg.limits) if cg is not None else dict(self.final_limits.get(job, {}))
 
     def forget(self, job: str) -> None:
-        self.unit_jobs.discard(job)
-        self.final_usage.pop(job, None)
-        self.final_limits.pop(job, None)
+        with self._close_lock:
+            if job in self._closing:
+                self._forgotten_while_closing.add(job)
+            self.unit_jobs.discard(job)
+            self.final_usage.pop(job, None)
+            self.final_limits.pop(job, None)
     def _zygote(self, spec: JobSpec, ctx: LaunchContext, argv_prefix: list[str], env: dict[str, str],
                 cwd: str) -> Zygote | None:
         zygote = self.zygotes.get(spec.job)
@@ -276,18 +285,28 @@ class Launcher:
 
     def close_job(self, job: str) -> None:
         """The job ended: its warm launcher goes, then everything left in its cgroup, then the cgroup."""
-        zygote = self.zygotes.pop(job, None)
-        if zygote is not None:
-            zygote.close()
-        cg = self.job_cgroups.get(job)
-        if cg is not None:
-            self.final_usage[job] = cg.usage()  # read before the cgroup goes (an OOM kill at the end)
-            self.final_limits[job] = dict(cg.limits)
-            self.job_cgroups.pop(job, None)
-            strays = cg.kill_all()
-            if strays:
-                log.warning("job %s ended: killed %d process(es) left in its cgroup: %s", job, len(strays), strays)
-            cg.remove()
+        with self._close_lock:
+            self._closing.add(job)
+        try:
+            zygote = self.zygotes.pop(job, None)
+            if zygote is not None:
+                zygote.close()
+            cg = self.job_cgroups.get(job)
+            if cg is not None:
+                use = cg.usage()  # read before the cgroup goes (an OOM kill at the end)
+                with self._close_lock:
+                    if job not in self._forgotten_while_closing:
+                        self.final_usage[job] = use
+                        self.final_limits[job] = dict(cg.limits)
+                    self.job_cgroups.pop(job, None)
+                strays = cg.kill_all()
+                if strays:
+                    log.warning("job %s ended: killed %d process(es) left in its cgroup: %s", job, len(strays), strays)
+                cg.remove()
+        finally:
+            with self._close_lock:
+                self._closing.discard(job)
+                self._forgotten_while_closing.discard(job)
 
     @staticmethod
     def rank_cwd(spec: JobSpec, ctx: LaunchContext) -> str:
