@@ -211,6 +211,12 @@ class CheckpointSection:
     memory_every: int = 100
     """Steps between memory-tier checkpoints (the ranks' only checkpoint stall)."""
     memory_keep: int = 2
+    snapshots: bool = True
+    """Per-step snapshots of every rank's state in shared memory (a rank crash loses at most the
+    step that was running; ``trainguard.snapshot``)."""
+    snapshot_every: int = 0
+    """Steps between snapshots; 0: chosen by each rank from its measured stall, the fewest steps
+    (1, 2, 4, ... 64) that keep snapshots within 1% of its step time."""
     disk_dir: str = ""
     """Disk tier directory (empty: <state_dir>/checkpoints)."""
     disk_every: int = 500
@@ -223,6 +229,8 @@ class CheckpointSection:
         for name in ("memory_every", "memory_keep", "disk_every", "disk_keep", "object_every", "object_keep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{key}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.snapshot_every < 0:
+            raise ConfigError(f"{key}.snapshot_every", f"must be >= 0 (0: automatic), got {self.snapshot_every}")
         for name in ("memory_root", "disk_dir"):
             value = getattr(self, name)
             if value and not os.path.isabs(value):

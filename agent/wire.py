@@ -73,6 +73,10 @@ _OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]]
     "world_size": ((int,), 1, 1 << 20),
     "compress_ratio": (_NUM, 0, None),
     "ckpt_failed": ((int,), 0, 1 << 53),
+    "snapshot_s": (_NUM, 0, None),
+    "proc_start": (_NUM, 0, None),
+    "restore_begin": (_NUM, 0, None),
+    "restore_end": (_NUM, 0, None),
 }
 # Free-text fields: name -> longest accepted length.
 _TEXT_FIELDS = {"ckpt_error": 300}
@@ -117,6 +121,14 @@ class Telemetry:
     """A checkpoint (of that many steps done) this rank could not write since its last message."""
     ckpt_error: str | None = None
     """Why (one line: the error of the first rank that failed)."""
+    snapshot_s: float | None = None
+    """Training time the last per-step snapshot took."""
+    proc_start: float | None = None
+    """When this rank's process started (Unix time), sent with the first steps of an attempt ..."""
+    restore_begin: float | None = None
+    """... with when its restore began ..."""
+    restore_end: float | None = None
+    """... and ended: the recovery timeline of the job_resumed event."""
     has_loss: bool = True
     """False when the sender reported no loss (``loss`` is then NaN and means nothing)."""
 

@@ -1,22 +1,29 @@
-"""Recovery benchmark: the same job, the same injected kills, three ways, side by side.
+"""Recovery benchmark: the same job, the same kills at random steps, side by side in one run.
 
-(a) trainguard: warm restart (ranks forked from a zygote) + memory-tier checkpoints;
-(b) trainguard: cold restart (fresh interpreters), same memory tier;
-(c) torchrun --max-restarts with the store workaround and DCP checkpoints to disk (what a user
-    runs today), checkpointing 5x less often (the spec's 100 vs 500 steps).
+Arms (same trainer, same model, same ranks, same kills; each kill fires once):
+(a) trainguard as shipped: the agent's warm restart and restore, per-step snapshots (interval
+    chosen from their measured stall), memory-tier DCP every 100 steps, disk every 500;
+(b) torchrun --max-restarts with DCP to disk every 500 steps (trainguard's disk interval: what a
+    user runs today);
+(c) torchrun with DCP to disk at the interval whose checkpoint overhead equals trainguard's
+    measured overhead (iso-overhead: same cost, how often can torchrun afford to save?).
 
-Per failure: detection latency, kill -> first resumed step, steps lost, lost time (downtime +
-recomputing the lost steps); per run: effective training time = useful step time / wall time.
-Also the memory-tier save stall against state bytes / measured memcpy bandwidth.
+Per failure: kill -> first resumed step (resume), steps lost (kill step - restored step), lost
+time (resume + recomputing the lost steps), trainguard's recovery timeline from its job_resumed
+event. Per run: checkpoint overhead (time between steps / wall), effective training time (useful
+step time / wall). Then the snapshot stall against a memcpy of the same bytes and against 1 % of
+the step, measured in-process on the bench's model and on a >= 200 MB one.
 
-    python bench/recovery.py [--quick]
+    python bench/recovery.py [--quick] [--seed N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import shutil
 import signal
 import socket
@@ -35,6 +42,8 @@ sys.path.insert(0, str(REPO))
 from trainguard.agent.api.client import ApiClient  # noqa: E402
 from trainguard.trainer.testing import tiny_config  # noqa: E402
 
+NAN = float("nan")
+
 
 @dataclass
 class Failure:
@@ -43,6 +52,7 @@ class Failure:
     resume_ts: float
     restored_step: int
     detect_s: float | None = None
+    timeline: dict[str, float] = field(default_factory=dict)
 
     @property
     def resume_s(self) -> float:
@@ -59,9 +69,13 @@ class RunResult:
     failures: list[Failure] = field(default_factory=list)
     median_step_s: float = 0.0
     effective: float = 0.0
+    overhead: float = 0.0
+    """Time between steps (checkpoints, telemetry, plan sync) over the run's healthy stretches, as a
+    fraction of their wall time."""
     wall_s: float = 0.0
     final_step: int = 0
-    stalls: list[tuple[int, float]] = field(default_factory=list)
+    ckpt_gaps: list[float] = field(default_factory=list)
+    plain_gap_s: float = 0.0
     ok: bool = True
     note: str = ""
 
@@ -70,7 +84,15 @@ class RunResult:
 
     @property
     def lost_per_failure(self) -> float:
-        return statistics.mean(self.lost_s(f) for f in self.failures) if self.failures else float("nan")
+        return statistics.mean(self.lost_s(f) for f in self.failures) if self.failures else NAN
+
+    @property
+    def resume_median(self) -> float:
+        return statistics.median(f.resume_s for f in self.failures) if self.failures else NAN
+
+    @property
+    def steps_lost_mean(self) -> float:
+        return statistics.mean(f.steps_lost for f in self.failures) if self.failures else NAN
 
 
 def free_port() -> int:
@@ -94,23 +116,31 @@ def parse_rows(lines: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def analyse(name: str, rows: list[dict[str, Any]], kills: list[int], every: int) -> RunResult:
-    """Failures are where the step sequence goes back (a restore) or restarts at 1."""
+def analyse(name: str, rows: list[dict[str, Any]], ckpt_every: int) -> RunResult:
+    """Failures are where the step sequence goes back (a restore) or restarts at 1; the time
+    between two consecutive steps beyond the step itself is overhead (a checkpoint's stall at the
+    ``ckpt_every`` steps)."""
     res = RunResult(name)
     if not rows:
         res.ok, res.note = False, "no step rows"
         return res
     healthy = [r["step_s"] for r in rows if r["step"] > 2]
     res.median_step_s = statistics.median(healthy) if healthy else 0.0
+    gaps: list[float] = []
+    spans = 0.0
     for prev, row in zip(rows, rows[1:], strict=False):
         if row["step"] <= prev["step"]:
             res.failures.append(Failure(prev["step"], prev["time"], row["time"], row["step"] - 1))
-    # Save stalls: the gap after a checkpoint step beyond a normal step.
-    by_step: dict[int, dict[str, Any]] = {}
-    for prev, row in zip(rows, rows[1:], strict=False):
-        if row["step"] == prev["step"] + 1 and prev["step"] % every == 0:
-            by_step[prev["step"]] = {"gap": row["time"] - prev["time"] - row["step_s"]}
-    res.stalls = [(s, v["gap"]) for s, v in sorted(by_step.items())]
+            continue
+        if row["step"] != prev["step"] + 1:
+            continue
+        gap = max(0.0, row["time"] - prev["time"] - row["step_s"])
+        spans += row["time"] - prev["time"]
+        if ckpt_every and prev["step"] % ckpt_every == 0:
+            res.ckpt_gaps.append(gap)
+        gaps.append(gap)
+    res.plain_gap_s = statistics.median(gaps) if gaps else 0.0
+    res.overhead = sum(gaps) / spans if spans else 0.0
     res.final_step = rows[-1]["step"]
     res.wall_s = rows[-1]["time"] - rows[0]["time"] + rows[0]["step_s"]
     res.effective = res.final_step * res.median_step_s / res.wall_s if res.wall_s > 0 else 0.0
@@ -127,14 +157,12 @@ def wait_for(pred, timeout: float, what: str):  # noqa: ANN001, ANN201
     raise TimeoutError(what)
 
 
-def run_trainguard(name: str, warm: bool, nproc: int, trainer: dict[str, Any], kills: list[int], mem_every: int, work: Path) -> RunResult:
+def run_trainguard(nproc: int, trainer: dict[str, Any], kills: list[int], work: Path) -> RunResult:
+    """The agent as shipped: only what a bench must set (no GPU collector, enough restarts)."""
+    name = "trainguard"
     state = work / f"agent-{name}"
     state.mkdir(parents=True)
-    (state / "agent.toml").write_text(
-        f"[checkpoint]\nmemory_every = {mem_every}\ndisk_every = 100000\n"
-        f"[recovery]\nwarm_launcher = {'true' if warm else 'false'}\nmax_restarts = {len(kills) + 2}\n"
-        "[collectors]\ngpu = false\n"
-    )
+    (state / "agent.toml").write_text(f"[recovery]\nmax_restarts = {len(kills) + 2}\n[collectors]\ngpu = false\n")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     agent = subprocess.Popen(
         [sys.executable, "-m", "trainguard", "agent", "--state-dir", str(state), "--config", str(state / "agent.toml"),
@@ -147,20 +175,22 @@ def run_trainguard(name: str, warm: bool, nproc: int, trainer: dict[str, Any], k
         client = ApiClient.local(str(sock), timeout=30)
         client.submit_job({"job": name, "nproc": nproc, "trainer": trainer, "faults": [f"kill:rank=1,step={k}" for k in kills],
                            "max_restarts": len(kills) + 2})
-        wait_for(lambda: client.job(name)["state"] in ("succeeded", "failed", "stopped"), 1800, "job end")
+        wait_for(lambda: client.job(name)["state"] in ("succeeded", "failed", "stopped"), 3600, "job end")
         job = client.job(name)
-        events = client.events(since=0, limit=10000)["events"]
-        log = state / "jobs" / name / "rank0.log"
-        rows = parse_rows(log.read_text(errors="replace").splitlines())
-        res = analyse(name, rows, kills, mem_every)
+        events = client.events(since=0, limit=20000)["events"]
+        rows = parse_rows((state / "jobs" / name / "rank0.log").read_text(errors="replace").splitlines())
+        res = analyse(name, rows, 100)
         res.ok = job["state"] == "succeeded"
-        # Detection: the supervisor's rank_exit event against the kernel's exit timestamp.
+        # Detection: the supervisor's rank_exit event against the kernel's exit timestamp (eBPF).
         seen = [e for e in events if e["kind"] == "process_exit_seen" and e.get("fields", {}).get("signal") == 9]
         exits = [e for e in events if e["kind"] == "rank_exit" and e["severity"] == "error"]
-        for f, ex in zip(res.failures, exits, strict=False):
+        resumed = [e for e in events if e["kind"] == "job_resumed"]
+        for i, (f, ex) in enumerate(zip(res.failures, exits, strict=False)):
             kernel = next((s for s in seen if s["fields"].get("pid") == ex["fields"].get("pid")), None)
             death = kernel["ts"] - kernel["fields"].get("latency_ms", 0) / 1000 if kernel else f.kill_ts
             f.detect_s = max(0.0, ex["ts"] - death)
+            if i < len(resumed):
+                f.timeline = dict(resumed[i]["fields"].get("timeline") or {})
         return res
     finally:
         agent.send_signal(signal.SIGTERM)
@@ -170,101 +200,163 @@ def run_trainguard(name: str, warm: bool, nproc: int, trainer: dict[str, Any], k
             agent.kill()
 
 
-def run_torchrun(nproc: int, trainer: dict[str, Any], kills: list[int], ckpt_every: int, work: Path) -> RunResult:
-    ckpt = work / "torchrun-ckpt"
+def run_torchrun(name: str, nproc: int, trainer: dict[str, Any], kills: list[int], ckpt_every: int, work: Path) -> RunResult:
+    """torchrun's own restarts (with the rendezvous-store workaround, FACTS pitfall 1) and the
+    trainer's DCP checkpoints to disk, resumed from the newest complete one."""
+    ckpt = work / f"{name}-ckpt"
     cfg = {**trainer, "ckpt_dir": str(ckpt), "ckpt_every": ckpt_every, "faults": [f"kill:rank=1,step={k}" for k in kills]}
     env = dict(os.environ, PYTHONPATH=str(REPO), TRAINGUARD_JOB_SPEC=json.dumps(cfg), TRAINGUARD_JSON="1",
-               TRAINGUARD_FAULT_MARKER_DIR=str(work / "torchrun-markers"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               TRAINGUARD_FAULT_MARKER_DIR=str(work / f"{name}-markers"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                OMP_NUM_THREADS="1")
     env.pop("TRAINGUARD_SOCKET", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={len(kills) + 1}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1", "-m", "trainguard.trainer.worker"]
     out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=3600)
-    (work / "torchrun.log").write_text(out.stdout + "\n---stderr---\n" + out.stderr)
-    rows = parse_rows(out.stdout.splitlines())
-    res = analyse("torchrun", rows, kills, ckpt_every)
+    (work / f"{name}.log").write_text(out.stdout + "\n---stderr---\n" + out.stderr)
+    res = analyse(name, parse_rows(out.stdout.splitlines()), ckpt_every)
     res.ok = out.returncode == 0
     if not res.ok:
         res.note = f"torchrun exit {out.returncode}"
     return res
 
 
-def memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
-    import numpy as np
+def save_stall(res: RunResult) -> float:
+    """A checkpoint's own stall: the median gap after a checkpoint step beyond a plain step's."""
+    if not res.ckpt_gaps:
+        return NAN
+    return max(0.0, statistics.median(res.ckpt_gaps) - res.plain_gap_s)
 
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        np.copyto(dst, src)
-    return 3 * nbytes / (time.perf_counter() - t0)
+
+def kill_steps(rng: random.Random, steps: int, count: int) -> list[int]:
+    """``count`` kills at random steps, one in each equal stretch of the run (after a warm-up)."""
+    start, stretch = 20, (steps - 40) // count
+    return sorted(start + i * stretch + rng.randrange(max(1, stretch)) for i in range(count))
+
+
+def stall_probe(model: dict[str, Any], cache: str, label: str) -> dict[str, float]:
+    """In a fresh single-rank process: the snapshot stall of the trainer's whole state against a
+    memcpy of the same bytes, and against the step time."""
+    code = r'''
+import json, os, statistics, sys, tempfile, time
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[3])
+import torch
+torch.set_num_threads(1)
+from trainguard.snapshot import SnapshotWriter
+from trainguard.trainer.parallel import RankEnv
+from trainguard.trainer.testing import tiny_config
+from trainguard.trainer.train import Trainer
+cfg = tiny_config(sys.argv[1], steps=1000, global_batch=8, parallel={"dp": 1}, model=json.loads(sys.argv[2]))
+t = Trainer(cfg, RankEnv.from_env(), sink=lambda r: None)
+t.setup()
+steps = []
+for _ in range(6):
+    t0 = time.perf_counter(); t.train_step(); steps.append(time.perf_counter() - t0)
+state, meta = t.checkpoint_state(), t.run_handle.checkpoint_meta()
+w = SnapshotWriter(tempfile.mkdtemp(dir="/dev/shm"), 0, 1, 0)
+w.take(1, state, meta)
+takes = [w.take(i, state, meta) for i in range(2, 22)]
+n = w.stats.state_bytes
+src = torch.ones(n, dtype=torch.uint8); dst = torch.empty_like(src); dst.copy_(src)
+copies = []
+for _ in range(10):
+    t0 = time.perf_counter(); dst.copy_(src); copies.append(time.perf_counter() - t0)
+print(json.dumps({"state_mb": n / 1e6, "stall_ms": statistics.median(takes) * 1e3,
+                  "memcpy_ms": statistics.median(copies) * 1e3, "step_ms": statistics.median(steps[2:]) * 1e3}))
+'''
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("TRAINGUARD_SOCKET", None)
+    out = subprocess.run([sys.executable, "-c", code, cache, json.dumps(model), str(free_port())], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        print(f"stall probe {label} failed: {out.stderr[-1500:]}")
+        return {"state_mb": NAN, "stall_ms": NAN, "memcpy_ms": NAN, "step_ms": NAN}
+    row: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return row
+
+
+def _fmt(x: float, spec: str = ".2f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="2 ranks, 70 steps, 2 kills (< 2 min)")
+    ap.add_argument("--quick", action="store_true", help="2 ranks, 160 steps, 2 kills, no large-state probe (~3 min)")
+    ap.add_argument("--seed", type=int, default=7, help="seed of the kill steps")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()
+    disk_every = 500  # trainguard's shipped disk interval (checkpoint.disk_every)
     if args.quick:
-        nproc, steps, kills, mem_every, disk_every = 2, 70, [27, 57], 10, 50
+        nproc, steps, n_kills = 2, 160, 2
     else:
-        nproc, steps, kills, mem_every, disk_every = 4, 600, [150, 330, 480], 100, 500
+        nproc, steps, n_kills = 4, 1800, 4  # ~30 s of training between kills at ~70 ms per step
+    kills = kill_steps(random.Random(args.seed), steps, n_kills)
     work = Path(tempfile.mkdtemp(prefix="tg-recovery-"))
     cache = str(work / "corpus")
-    trainer = tiny_config(cache, steps=steps, parallel={"dp": nproc}, model={"layers": 2, "d_model": 64, "heads": 4, "context": 64}).to_dict()
+    model = {"layers": 2, "d_model": 64, "heads": 4, "context": 64}
+    trainer = tiny_config(cache, steps=steps, parallel={"dp": nproc}, model=model).to_dict()
     # Build the corpus cache once so no run pays for it.
     from trainguard.trainer.data import build_corpus
 
     build_corpus(cache, trainer["data"]["max_bytes"])
-    print(f"recovery benchmark: {nproc} ranks, {steps} steps, kills at {kills}; memory tier every {mem_every}, torchrun DCP every {disk_every}")
-    results = [
-        run_trainguard("warm", True, nproc, trainer, kills, mem_every, work),
-        run_trainguard("cold", False, nproc, trainer, kills, mem_every, work),
-        run_torchrun(nproc, trainer, kills, disk_every, work),
-    ]
-    print()
-    print(f"{'run':<10} {'ok':<4} {'fail':>4} {'detect_s':>9} {'resume_s':>9} {'steps_lost':>10} {'lost_s/fail':>11} {'step_s':>7} {'effective':>9}")
+    print(f"recovery benchmark: {nproc} ranks, {steps} steps, kills after steps {kills} (seed {args.seed}); "
+          f"load average {os.getloadavg()[0]:.1f}")
+    torchrun = run_torchrun("torchrun", nproc, trainer, kills, disk_every, work)
+    ours = run_trainguard(nproc, trainer, kills, work)
+    # Iso-overhead: the disk interval at which torchrun's saves cost what trainguard's checkpointing
+    # costs per step (its own save stall measured in the run above; a short calibration when that
+    # run saved nothing).
+    stall = save_stall(torchrun)
+    if math.isnan(stall):
+        calib = run_torchrun("torchrun-calib", nproc, {**trainer, "steps": 60}, [], 10, work)
+        stall = save_stall(calib)
+    per_step = ours.overhead * ours.median_step_s / max(1e-9, 1 - ours.overhead)
+    iso_every = max(1, round(stall / per_step)) if per_step > 0 and not math.isnan(stall) else disk_every
+    iso = run_torchrun("torchrun-iso", nproc, trainer, kills, iso_every, work)
+    results = [ours, torchrun, iso]
+
+    print(f"\ntorchrun DCP-to-disk save stall {stall * 1000:.1f} ms; trainguard checkpoint overhead "
+          f"{ours.overhead * 100:.2f}% of step time -> iso-overhead torchrun interval: every {iso_every} steps")
+    print(f"\n{'run':<14} {'ok':<4} {'fail':>4} {'detect_s':>9} {'resume_s':>9} {'steps_lost':>10} {'lost_s/fail':>11} "
+          f"{'step_s':>7} {'overhead':>9} {'effective':>9}")
+    labels = {"trainguard": "trainguard", "torchrun": f"torchrun/{disk_every}", "torchrun-iso": f"torchrun/{iso_every}"}
     for r in results:
         det = [f.detect_s for f in r.failures if f.detect_s is not None]
-        print(
-            f"{r.name:<10} {'yes' if r.ok else 'NO':<4} {len(r.failures):>4} "
-            f"{(statistics.median(det) if det else float('nan')):>9.3f} "
-            f"{(statistics.median([f.resume_s for f in r.failures]) if r.failures else float('nan')):>9.2f} "
-            f"{(statistics.mean([f.steps_lost for f in r.failures]) if r.failures else float('nan')):>10.1f} "
-            f"{r.lost_per_failure:>11.2f} {r.median_step_s:>7.3f} {r.effective:>9.3f}  {r.note}"
-        )
-    warm, cold, torchrun = results
+        print(f"{labels[r.name]:<14} {'yes' if r.ok else 'NO':<4} {len(r.failures):>4} {_fmt(statistics.median(det) if det else NAN, '.3f'):>9} "
+              f"{_fmt(r.resume_median):>9} {_fmt(r.steps_lost_mean, '.1f'):>10} {_fmt(r.lost_per_failure):>11} "
+              f"{r.median_step_s:>7.3f} {r.overhead * 100:>8.2f}% {r.effective:>9.3f}  {r.note}")
     for r in results:
         for f in r.failures:
-            print(f"  {r.name:<9} kill after step {f.kill_step:>4}: restored step {f.restored_step:>4}, resumed {f.resume_s:6.2f}s later")
-    bw = memcpy_bandwidth()
-    state_bytes = 0
-    log = work / "agent-warm" / "events" / "events.jsonl"
-    if log.exists():
-        for line in log.read_text().splitlines():
-            e = json.loads(line)
-            if e["kind"] == "checkpoint_committed":
-                state_bytes = max(state_bytes, int(e.get("fields", {}).get("bytes", 0)))
-    stalls = [s for _, s in warm.stalls if s > 0]
-    stall = statistics.median(stalls) if stalls else float("nan")
-    ideal = state_bytes / bw if bw else float("nan")
-    print(f"\nmemory-tier save stall: median {stall * 1000:.1f} ms for {state_bytes / 1e6:.1f} MB of state; "
-          f"memcpy at {bw / 1e9:.2f} GB/s would take {ideal * 1000:.1f} ms (stall/memcpy = {stall / ideal if ideal else float('nan'):.1f}x)")
-    ratio = torchrun.lost_per_failure / warm.lost_per_failure if warm.failures and torchrun.failures else float("nan")
-    cold_ratio = cold.lost_per_failure / warm.lost_per_failure if warm.failures and cold.failures else float("nan")
-    print(f"lost time per failure: torchrun / trainguard-warm = {ratio:.1f}x; cold / warm = {cold_ratio:.1f}x")
-    det = [f.detect_s for f in warm.failures if f.detect_s is not None]
+            phases = ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in f.timeline.items())
+            print(f"  {labels[r.name]:<13} kill after step {f.kill_step:>4}: restored step {f.restored_step:>4}, "
+                  f"resumed {f.resume_s:6.2f}s later" + (f"  [{phases}]" if phases else ""))
+
+    probes = [("bench model", model, stall_probe(model, cache, "bench model"))]
+    if not args.quick:
+        big = {"layers": 2, "d_model": 1024, "heads": 8, "context": 64}
+        probes.append(("large model", big, stall_probe(big, cache, "large model")))
+    print()
+    for label, _, p in probes:
+        print(f"snapshot stall, {label}: {_fmt(p['stall_ms'], '.3f')} ms for {_fmt(p['state_mb'], '.1f')} MB of state; memcpy of "
+              f"those bytes {_fmt(p['memcpy_ms'], '.3f')} ms (stall/memcpy {_fmt(p['stall_ms'] / p['memcpy_ms'])}x); "
+              f"step {_fmt(p['step_ms'], '.1f')} ms (stall/step {_fmt(p['stall_ms'] / p['step_ms'] * 100)}%)")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     else:
         print(f"work directory kept: {work}")
+    det = [f.detect_s for f in ours.failures if f.detect_s is not None]
+    small, large = probes[0][2], probes[-1][2]
+    ratio_disk = torchrun.lost_per_failure / ours.lost_per_failure if ours.failures and torchrun.failures else NAN
+    ratio_iso = iso.lost_per_failure / ours.lost_per_failure if ours.failures and iso.failures else NAN
     print(
-        f"RESULT detect_s={statistics.median(det) if det else float('nan'):.3f} "
-        f"resume_s={statistics.median([f.resume_s for f in warm.failures]) if warm.failures else float('nan'):.2f} "
-        f"cold_resume_s={statistics.median([f.resume_s for f in cold.failures]) if cold.failures else float('nan'):.2f} "
-        f"torchrun_resume_s={statistics.median([f.resume_s for f in torchrun.failures]) if torchrun.failures else float('nan'):.2f} "
-        f"lost_time_ratio={ratio:.2f} effective_time={warm.effective:.3f} torchrun_effective_time={torchrun.effective:.3f}"
+        f"RESULT detect_s={statistics.median(det) if det else NAN:.3f} resume_s={ours.resume_median:.2f} "
+        f"steps_lost={ours.steps_lost_mean:.2f} torchrun_resume_s={torchrun.resume_median:.2f} "
+        f"iso_every={iso_every} lost_time_ratio={ratio_disk:.2f} iso_lost_time_ratio={ratio_iso:.2f} "
+        f"effective_time={ours.effective:.3f} torchrun_effective_time={torchrun.effective:.3f} "
+        f"iso_effective_time={iso.effective:.3f} overhead={ours.overhead:.4f} "
+        f"snapshot_memcpy_ratio={small['stall_ms'] / small['memcpy_ms']:.2f} "
+        f"large_snapshot_memcpy_ratio={large['stall_ms'] / large['memcpy_ms']:.2f} "
+        f"large_state_mb={large['state_mb']:.0f}"
     )
     return 0 if all(r.ok for r in results) else 1
 

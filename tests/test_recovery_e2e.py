@@ -38,19 +38,29 @@ def corpus_cache(tmp_path_factory) -> str:  # noqa: ANN001
     return str(tmp_path_factory.mktemp("corpus"))
 
 
-def test_sigkill_resumes_from_memory_tier_bit_exact(agent_factory, corpus_cache) -> None:
+def test_sigkill_resumes_from_the_killed_step_bit_exact(agent_factory, corpus_cache) -> None:
+    """The killed rank and its peer both snapshotted step 12 before the kill (at the top of the
+    13th step): nothing is lost, and the restored run ends bit-exact where the clean one does."""
     from trainguard.trainer.checkpoint import load_full_model_state
 
-    agent = agent_factory(config="[checkpoint]\nmemory_every = 5\nmemory_keep = 4\n")
+    # Every step (the tiny model's ~5 ms step would make the automatic interval 4 or 8).
+    agent = agent_factory(config="[checkpoint]\nmemory_every = 5\nmemory_keep = 4\nsnapshot_every = 1\n")
     client = agent.client()
     clean = run_job(client, "clean", corpus_cache, 20, [])
     assert clean["state"] == "succeeded"
     faulty = run_job(client, "faulty", corpus_cache, 20, ["kill:rank=1,step=12"])
     assert faulty["state"] == "succeeded" and faulty["restarts"] == 1
     selected = [e for e in events_of(client, "restore_selected") if e.get("job") == "faulty"]
-    assert selected and selected[-1]["fields"]["tier"] == "memory" and selected[-1]["fields"]["step"] == 10
+    assert selected and selected[-1]["fields"]["tier"] == "snapshot" and selected[-1]["fields"]["step"] == 12
+    assert selected[-1]["fields"]["fallback"] == {"tier": "memory", "step": 10}
+    log = (agent.state_dir / "jobs" / "faulty" / "rank0.log").read_text()
+    assert "restored step 12 from a snapshot" in log
     resumed = [e for e in events_of(client, "job_resumed") if e.get("job") == "faulty"]
     assert resumed, "no job_resumed event"
+    # Where the recovery time went, phase by phase, adding up to the whole.
+    timeline = resumed[-1]["fields"]["timeline"]
+    assert list(timeline) == ["teardown_s", "fork_s", "setup_s", "restore_s", "first_step_s"], timeline
+    assert abs(sum(timeline.values()) - resumed[-1]["fields"]["recovery_s"]) < 0.05, timeline
     # Restored parameters, optimizer, data position and RNG: the run ends exactly where the clean one does.
     a = load_full_model_state(memory_checkpoint(client, "clean", 20))
     b = load_full_model_state(memory_checkpoint(client, "faulty", 20))

@@ -130,14 +130,16 @@ def test_hang_timeout_finds_a_stopped_rank_by_cpu_activity(agent_factory: Any, t
     assert events(agent, "stopped", "job_restart")
 
 
-def test_api_script_resumes_from_the_memory_tier_bit_equal(agent_factory: Any, tmp_path: Path) -> None:
-    """The same script with the API: kill a rank, the job resumes at the newest memory checkpoint
-    the agent hands it, and ends with the parameters of an unfaulted run, bit for bit."""
+def test_api_script_resumes_from_its_snapshots_bit_equal(agent_factory: Any, tmp_path: Path) -> None:
+    """The same script with the API: kill a rank, the job resumes at the step of the ranks' newest
+    common snapshot the agent hands it (at least the memory checkpoint's), and ends with the
+    parameters of an unfaulted run, bit for bit."""
     import torch
 
     # No shard migration here: a neighbour's load on this 2-core machine is a real cause that moves
     # samples (CI saw it), and different per-rank batches give different, equally valid numbers.
-    agent = agent_factory(config=CONFIG + "[detection]\nmigrate = false\n")
+    agent = agent_factory(config=CONFIG.replace("[checkpoint]\n", "[checkpoint]\nsnapshot_every = 1\n")
+                          + "[detection]\nmigrate = false\n")
     clean, faulted = tmp_path / "clean.pt", tmp_path / "faulted.pt"
     args = ["--steps", "400", "--width", "256", "--step-sleep", "0.01"]
     ref = run_cli(agent, tmp_path, "--nproc", "2", "--job", "ref", "--", sys.executable, API, *args, "--out", str(clean))
@@ -150,7 +152,9 @@ def test_api_script_resumes_from_the_memory_tier_bit_equal(agent_factory: Any, t
     out, err = cli.communicate(timeout=180)
     assert cli.returncode == 0, err
     restored = events(agent, "api", "restore_selected")
-    assert restored and restored[0]["fields"]["tier"] == "memory" and restored[0]["fields"]["step"] >= 60
+    assert restored and restored[0]["fields"]["tier"] == "snapshot" and restored[0]["fields"]["step"] >= 60
+    assert restored[0]["fields"]["fallback"]["tier"] == "memory"
+    assert restored[0]["fields"]["step"] >= restored[0]["fields"]["fallback"]["step"]
     assert f"[rank0]:resumed at step {restored[0]['fields']['step']}" in out
     assert events(agent, "api", "job_resumed")
     a, b = torch.load(clean, weights_only=True), torch.load(faulted, weights_only=True)

@@ -108,9 +108,26 @@ class _SamplerState(Stateful):
         self.trainer.sampler.load_state(dict(state_dict))
 
 
-def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
-    stages = _Stages(trainer)
-    return {"model": _Half(stages, "model"), "optim": _Half(stages, "optim"), "sampler": _SamplerState(trainer)}
+class TrainerState(dict[str, Any]):
+    """The trainer's state by layout-independent name (for DCP, which reshards it), and, for the
+    per-step snapshots of the same layout, as the raw stages and optimizers (``snapshot_state``:
+    their own ``state_dict``s cost microseconds where DCP's ``get_state_dict`` costs milliseconds)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        stages = _Stages(trainer)
+        super().__init__(model=_Half(stages, "model"), optim=_Half(stages, "optim"), sampler=_SamplerState(trainer))
+        self.trainer = trainer
+
+    def snapshot_state(self) -> dict[str, Any]:
+        t = self.trainer
+        out: dict[str, Any] = {f"stage{i}": chunk for i, chunk in enumerate(t.chunks)}
+        out.update({f"optim{i}": opt for i, opt in enumerate(t.optimizers)})
+        out["sampler"] = self["sampler"]
+        return out
+
+
+def checkpoint_state(trainer: Trainer) -> TrainerState:
+    return TrainerState(trainer)
 
 
 def save_checkpoint(trainer: Trainer, path: str) -> str:

@@ -148,7 +148,9 @@ class Trainer:
         restored = self.run_handle.restore(self.checkpoint_state())
         if restored:
             self.step = restored
-            self._log(f"restored step {self.step} from {self.run_handle.env.restore_path or 'the memory tier'}")
+            handle = self.run_handle
+            where = "a snapshot" if handle.restored_from == "snapshot" else (handle.env.restore_path or "the memory tier")
+            self._log(f"restored step {self.step} from {where}")
         elif cfg.ckpt_dir and cfg.resume:
             from trainguard.trainer.checkpoint import latest_checkpoint, load_checkpoint
             latest = latest_checkpoint(cfg.ckpt_dir)

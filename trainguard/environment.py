@@ -29,6 +29,10 @@ ENV_MEMORY_EVERY = "TRAINGUARD_CKPT_MEMORY_EVERY"
 ENV_RESTORE = "TRAINGUARD_RESTORE"
 ENV_PART = "TRAINGUARD_CKPT_PART"
 ENV_PARTS = "TRAINGUARD_CKPT_PARTS"
+ENV_SNAPSHOT_DIR = "TRAINGUARD_SNAPSHOT_DIR"
+ENV_SNAPSHOT_EVERY = "TRAINGUARD_SNAPSHOT_EVERY"
+ENV_SNAPSHOT_STEP = "TRAINGUARD_SNAPSHOT_STEP"
+SNAPSHOT_AUTO = -1
 DISCOVERY_NAME = "agent.json"
 DEFAULT_RUN_DIR = "/run/trainguard"
 
@@ -55,6 +59,15 @@ def _int(environ: Mapping[str, str], key: str, default: int) -> int:
         return int(environ.get(key, "") or default)
     except ValueError:
         return default
+
+
+def _snapshot_every(text: str) -> int:
+    if text.strip().lower() == "auto":
+        return SNAPSHOT_AUTO
+    try:
+        return max(0, int(text or 0))
+    except ValueError:
+        return 0
 
 
 def _torchrun_job(environ: Mapping[str, str]) -> str:
@@ -90,6 +103,12 @@ class RunEnvironment:
     parts: tuple[str, ...]
     launched_by_agent: bool
     """True when a trainguard agent started this process (it restarts and restores the job)."""
+    snapshot_dir: str = ""
+    """Where this rank's per-step snapshots go ("" when none: ``trainguard.snapshot``)."""
+    snapshot_every: int = 0
+    """Steps between snapshots: 0 none, SNAPSHOT_AUTO chosen from the measured stall."""
+    snapshot_step: int = -1
+    """The snapshot the agent picked for this attempt (-1: none; ``restore_path`` is the fallback)."""
 
     @property
     def has_agent(self) -> bool:
@@ -111,7 +130,9 @@ class RunEnvironment:
                 attempt=attempt, socket=env.get(ENV_SOCKET, ""), plan_path=env.get(ENV_PLAN, ""),
                 memory_root=env.get(ENV_MEMORY_ROOT, ""), memory_every=max(1, _int(env, ENV_MEMORY_EVERY, 100)),
                 restore_path=env.get(ENV_RESTORE, ""), part=env.get(ENV_PART, ""),
-                parts=tuple(p for p in env.get(ENV_PARTS, "").split(",") if p), launched_by_agent=True)
+                parts=tuple(p for p in env.get(ENV_PARTS, "").split(",") if p), launched_by_agent=True,
+                snapshot_dir=env.get(ENV_SNAPSHOT_DIR, ""), snapshot_every=_snapshot_every(env.get(ENV_SNAPSHOT_EVERY, "")),
+                snapshot_step=_int(env, ENV_SNAPSHOT_STEP, -1))
         name = job or env.get(ENV_JOB) or (_torchrun_job(env) if "RANK" in env else "standalone")
         # What the environment names explicitly wins; the agent's discovery file fills the rest.
         found = read_discovery(discovery_path(env))

@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import Any
 
 from trainguard.agent.wire import Plan, Telemetry
-from trainguard.environment import RunEnvironment
+from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.link import PlanWatcher, TelemetrySender
 
 PHASES = ("data", "compute", "comm", "optim")
@@ -204,6 +204,16 @@ class Run:
         self.last_checkpoint: str | None = None
         self._failed_save: tuple[int, str] | None = None
         self._grad_clock: Any = None  # trainguard.computetime.GradientClock after watch_gradients()
+        self._snapshots: Any = None  # trainguard.snapshot.SnapshotWriter on first use
+        auto = env.snapshot_every == SNAPSHOT_AUTO
+        self.snapshot_every = (env.snapshot_every if env.snapshot_every > 0 else int(auto)) if env.snapshot_dir else 0
+        """Steps between snapshots now (0: none); tuned from the measured stall when automatic."""
+        self._stall_ratio: float | None = None
+        self._last_step_s = 0.0
+        self.restored_from = ""
+        """What ``restore`` loaded: "snapshot", "checkpoint" or "" (nothing)."""
+        self._restore_span: tuple[float, float] | None = None
+        self._timeline_sends = 5  # the first datagrams carry the attempt's start-up times (one may drop)
 
     # -- identity ----------------------------------------------------------------------------------
 
@@ -286,6 +296,7 @@ class Run:
 
     def _after_step(self, step: Step, step_s: float, step_cpu_s: float) -> None:
         self.last_step = step.step
+        self._last_step_s = step_s
         if self.telemetry.path:
             self._send(step, step_s, step_cpu_s)
         try:
@@ -315,12 +326,26 @@ class Run:
                 plan_version=self._plan.version, dp_rank=self.dp_rank, world_size=self.env.world_size,
                 has_loss=r.get("loss") is not None,
                 ckpt_failed=self._failed_save[0] if self._failed_save else None,
-                ckpt_error=self._failed_save[1] if self._failed_save else None, **optional)
+                ckpt_error=self._failed_save[1] if self._failed_save else None, **optional, **self._timeline())
         except (TypeError, ValueError):
             self.telemetry.stats.dropped += 1
             return
         if self.telemetry.send(msg):
             self._failed_save = None
+
+    def _timeline(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self._snapshots is not None and self._snapshots.stats.last_step == self.last_step + 1:
+            out["snapshot_s"] = self._snapshots.stats.last_stall_s
+        if self._timeline_sends <= 0:
+            return out
+        self._timeline_sends -= 1
+        started = _process_start()
+        if started is not None:
+            out["proc_start"] = started
+        if self._restore_span is not None:
+            out["restore_begin"], out["restore_end"] = self._restore_span
+        return out
 
     # -- steps -------------------------------------------------------------------------------------
 
@@ -362,12 +387,15 @@ class Run:
         return (step + 1) % self.env.memory_every == 0 or self._view.checkpoint_now
 
     def checkpoint(self, step: int, state: Mapping[str, Any]) -> bool:
-        """After step ``step`` (counting from 0) is done: save ``state`` into the memory tier when
-        it is due (every ``memory_every`` steps, or when the plan asks). Collective: every rank calls
-        it. Objects with ``state_dict``/``load_state_dict`` (models, optimizers, schedulers) and plain
-        values are saved; a failed save is skipped and reported, never raised. Returns True when saved."""
+        """After step ``step`` (counting from 0) is done: snapshot ``state`` into this rank's shared
+        memory when a snapshot is due (every step by default, ``trainguard.snapshot``: no collective),
+        and save it into the memory tier when that is due (every ``memory_every`` steps, or when the
+        plan asks; collective: every rank calls it). Objects with ``state_dict``/``load_state_dict``
+        (models, optimizers, schedulers) and plain values are saved; a failed save is skipped and
+        reported, never raised. Returns True when either was written."""
+        snapped = self._snapshot(step, state)
         if not self.checkpoint_due(step):
-            return False
+            return snapped
         writer = self._tier_writer()
         self._ckpt_id_seen = max(self._ckpt_id_seen, self._plan.checkpoint_id)
         self._view = self._make_view(self._plan)
@@ -376,9 +404,51 @@ class Run:
             self.checkpoint_failures += 1
             # The next step's telemetry tells the agent (checkpoint_write_failed, and its alert).
             self._failed_save = (step + 1, writer.stats.last_error[:300])
-            return False
+            return snapped
         self.last_checkpoint = path
         return True
+
+    def snapshot_due(self, step: int) -> bool:
+        return self.snapshot_every > 0 and (step + 1) % self.snapshot_every == 0
+
+    @property
+    def snapshot_stats(self) -> Any:
+        """``trainguard.snapshot.SnapshotStats`` of this rank (None before the first snapshot)."""
+        return self._snapshots.stats if self._snapshots is not None else None
+
+    def _snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
+        if not self.snapshot_due(step):
+            return False
+        # Imported here: torch is needed only by a run that checkpoints.
+        from trainguard.snapshot import SnapshotError, SnapshotWriter
+
+        try:
+            if self._snapshots is None:
+                self._snapshots = SnapshotWriter(self.env.snapshot_dir, self.env.rank, self.env.world_size,
+                                                 self.env.attempt)
+            stall = self._snapshots.take(step + 1, state, self.checkpoint_meta())
+            if self._snapshots.stats.taken == 1:
+                self._snapshots.check_restorable()
+                return True  # the first one maps and touches the slot's pages: not a typical stall
+        except (SnapshotError, OSError) as exc:
+            self.snapshot_every = 0
+            self._warn(f"per-step snapshots off for this attempt (DCP checkpoints go on): {exc}", any_rank=True)
+            return False
+        if self.env.snapshot_every == SNAPSHOT_AUTO:
+            self._tune_snapshots(stall)
+        return True
+
+    def _tune_snapshots(self, stall_s: float) -> None:
+        """The fewest steps between snapshots, a power of two (so that ranks tuning apart still
+        share steps), that keeps their stall within 1% of the step time."""
+        if self._last_step_s <= 0:
+            return
+        ratio = stall_s / self._last_step_s
+        self._stall_ratio = ratio if self._stall_ratio is None else 0.8 * self._stall_ratio + 0.2 * ratio
+        every = 1
+        while every < 64 and self._stall_ratio / every > 0.01:
+            every *= 2
+        self.snapshot_every = every
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """What a checkpoint carries besides the state: the plan in force (so a restarted job keeps
@@ -400,9 +470,22 @@ class Run:
         self._view = self._make_view(self._plan)
 
     def restore(self, state: Mapping[str, Any]) -> int:
-        """Load the checkpoint the agent picked for this attempt into ``state`` (in place; DCP
-        reshards when the data-parallel degree changed) and return the step to resume at (0 with
-        nothing to restore). Collective when there is something to restore."""
+        """Load what the agent picked for this attempt into ``state`` (in place) and return the step
+        to resume at (0 with nothing to restore): every rank's snapshot of the same step when the
+        world size is unchanged, else (or when any rank cannot load its snapshot) the memory-tier
+        checkpoint, which DCP reshards when the data-parallel degree changed. Collective when
+        there is something to restore."""
+        began = time.time()
+        try:
+            return self._restore(state)
+        finally:
+            self._restore_span = (began, time.time())
+
+    def _restore(self, state: Mapping[str, Any]) -> int:
+        if self.env.snapshot_step >= 0 and self.env.snapshot_dir:
+            step = self._restore_snapshot(state)
+            if step is not None:
+                return step
         from_env = self.env.restore_path
         path = from_env if from_env and os.path.isdir(from_env) else None
         if path is None and self.env.memory_root and not self.env.launched_by_agent:
@@ -416,12 +499,34 @@ class Run:
 
         meta = load(path, state, rank=self.env.rank)
         self.take_meta(meta)
+        self.restored_from = "checkpoint"
         return int(meta.get("step", 0))
+
+    def _restore_snapshot(self, state: Mapping[str, Any]) -> int | None:
+        from trainguard.snapshot import SnapshotError, load_snapshot
+
+        step = self.env.snapshot_step
+        meta: dict[str, Any] = {}
+        try:
+            meta = load_snapshot(self.env.snapshot_dir, self.env.rank, self.env.world_size, step, state)
+            ok = True
+        except (SnapshotError, OSError) as exc:
+            ok = False
+            self._warn(f"rank {self.env.rank} cannot restore the snapshot of step {step}: {exc}", any_rank=True)
+        if not _all_ranks_agree(ok, self.env.world_size):
+            self._warn(f"not every rank could restore the snapshot of step {step}: restoring the checkpoint instead")
+            return None
+        self.take_meta(meta)
+        self.restored_from = "snapshot"
+        return step
 
     # -- end ---------------------------------------------------------------------------------------
 
     def close(self) -> None:
         self.telemetry.close()
+        if self._snapshots is not None:
+            self._snapshots.close()
+            self._snapshots = None
         if self._grad_clock is not None:
             self._grad_clock.close()
             self._grad_clock = None
@@ -434,8 +539,8 @@ class Run:
 
     _warned: set[str] = set()
 
-    def _warn(self, text: str) -> None:
-        if text not in self._warned and self.env.rank == 0:
+    def _warn(self, text: str, any_rank: bool = False) -> None:
+        if text not in self._warned and (any_rank or self.env.rank == 0):
             self._warned.add(text)
             print(f"trainguard: {text}", file=sys.stderr, flush=True)
 
@@ -450,9 +555,32 @@ class _Disabled:
         return None
 
 
+def _all_ranks_agree(ok: bool, world_size: int) -> bool:
+    """True when every rank's ``ok`` is True (one all-reduce when torch.distributed is up)."""
+    dist = sys.modules.get("torch.distributed")
+    if world_size <= 1 or dist is None or not dist.is_available() or not dist.is_initialized():
+        return ok
+    torch = sys.modules["torch"]
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(int(flag.item()))
+
+
 def json_plan(plan: Plan) -> dict[str, Any]:
     body: dict[str, Any] = json.loads(plan.encode())
     return body
+
+
+def _process_start() -> float | None:
+    """When this process started (Unix time), from /proc (None where there is no /proc)."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        # Its age on the boot clock the start time counts on (btime is whole seconds: too coarse).
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - age
 
 
 def _rss_bytes() -> int:

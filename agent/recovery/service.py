@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.metrics_core import Metric
 
 from trainguard.agent.checkpoint import CheckpointManager, CheckpointSettings, ObjectStoreConfig, Restored
+from trainguard.agent.checkpoint.snapshots import SnapshotSet
 from trainguard.agent.config import AgentConfig
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
 from trainguard.agent.metricspec import MetricSpec
@@ -52,6 +53,9 @@ RECOVERY_SECONDS = MetricSpec(
 METRICS = (ACTIONS, DETECTIONS, RECOVERY_SECONDS)
 
 ENV_RESTORE = "TRAINGUARD_RESTORE"
+ENV_SNAPSHOT_DIR = "TRAINGUARD_SNAPSHOT_DIR"
+ENV_SNAPSHOT_EVERY = "TRAINGUARD_SNAPSHOT_EVERY"
+ENV_SNAPSHOT_STEP = "TRAINGUARD_SNAPSHOT_STEP"
 
 
 def memory_root_for(cfg: AgentConfig) -> str:
@@ -80,6 +84,30 @@ def checkpoint_settings(cfg: AgentConfig) -> CheckpointSettings:
     )
 
 
+def recovery_timeline(failed_at: float, launched_at: float | None, window: list[Any], first_step_at: float) -> dict[str, float]:
+    """Where the time from a failure to the first resumed step went, as the lead rank saw it:
+    teardown (the supervisor saw the exit -> the new ranks' launch: stopping the survivors, picking
+    the restore), fork (-> the rank's process exists), setup (-> its restore begins: interpreter or
+    fork, process-group rendezvous, model build), restore, first step. Phases a rank did not
+    report are left out."""
+    marks: dict[str, float] = {}
+    for msg in window:
+        for name in ("proc_start", "restore_begin", "restore_end"):
+            value = getattr(msg, name, None)
+            if value is not None:
+                marks.setdefault(name, value)
+    points = [("teardown_s", launched_at), ("fork_s", marks.get("proc_start")), ("setup_s", marks.get("restore_begin")),
+              ("restore_s", marks.get("restore_end")), ("first_step_s", first_step_at)]
+    out: dict[str, float] = {}
+    previous = failed_at
+    for name, at in points:
+        if at is None:
+            continue
+        out[name] = round(max(0.0, at - previous), 4)
+        previous = at
+    return out
+
+
 class RecoveryService:
     def __init__(self, agent: Agent, checkpoints: CheckpointManager) -> None:
         self.agent = agent
@@ -96,12 +124,14 @@ class RecoveryService:
         self.actions: dict[tuple[str, str, str], int] = {}
         self.detections: dict[tuple[str, str], int] = {}
         self._failure_at: dict[str, float] = {}
+        self._launch_at: dict[str, float] = {}
         self.last_recovery_s: dict[str, float] = {}
 
     # --- hooks the daemon installs --------------------------------------------------------------
     def launch_env(self, record: JobRecord) -> dict[str, str]:
         """Called by the supervisor before every start of a job's ranks."""
         job = record.job
+        self._launch_at[job] = time.time()
         old = self._restored.pop(job, None)
         if old is not None:
             old.release()
@@ -124,18 +154,42 @@ class RecoveryService:
                     parts=record.block.restore.get("parts", {}),
                 )
             return env
+        snapshots = SnapshotSet(self.checkpoints.settings.memory_root, job)
+        snap_step = None
+        if self.agent.cfg.checkpoint.snapshots:
+            every = self.agent.cfg.checkpoint.snapshot_every
+            env[ENV_SNAPSHOT_DIR] = str(snapshots.dir)
+            env[ENV_SNAPSHOT_EVERY] = str(every) if every > 0 else "auto"
+            # The same world size only: a snapshot is one rank's own state, not reshardable.
+            snap_step = snapshots.common_step(record.spec.nproc, max_step=record.restore_max_step)
         try:
             restored = self.checkpoints.restore(job, max_step=record.restore_max_step)
         except Exception as exc:  # noqa: BLE001 - no checkpoint is better than no job
             self.agent.events.emit("checkpoint_restore_failed", f"job {job}: cannot restore: {exc}", severity="error", job=job)
             restored = None
         record.restore_max_step = None
+        if restored is not None:
+            self._restored[job] = restored
+            env[ENV_RESTORE] = str(restored.path)
+        if snap_step is not None and (restored is None or snap_step >= restored.info.step):
+            snapshots.keep_only(snap_step)
+            env[ENV_SNAPSHOT_STEP] = str(snap_step)
+            fallback = {"tier": restored.tier, "step": restored.info.step} if restored is not None else None
+            record.restored_from = {"tier": "snapshot", "step": snap_step, "path": str(snapshots.dir), "fallback": fallback}
+            self.agent.events.emit(
+                "restore_selected",
+                f"job {job}: ranks restore step {snap_step} from their snapshots in shared memory"
+                + (f" (fallback: step {restored.info.step} from the {restored.tier} tier)" if restored is not None else ""),
+                job=job, tier="snapshot", step=snap_step, fallback=fallback,
+            )
+            return env
+        # The job goes on from an older checkpoint (or from scratch): no slot of the attempt that
+        # ended may be restored later, nor confuse which slot the new ranks overwrite.
+        snapshots.clear()
         if restored is None:
             record.restored_from = None
             return env
-        self._restored[job] = restored
         record.restored_from = {"tier": restored.tier, "step": restored.info.step, "path": str(restored.path)}
-        env[ENV_RESTORE] = str(restored.path)
         self.agent.events.emit(
             "restore_selected",
             f"job {job}: ranks restore step {restored.info.step} from the {restored.tier} tier",
@@ -235,16 +289,20 @@ class RecoveryService:
             # The first step of the new attempt by its own clock, not this tick's: ticks are coarse.
             pids = {v.pid for v in ranks}
             lead = min(ranks, key=lambda v: v.rank)
-            first = [t.wall_time for t in self.agent.table.window(job, lead.rank, 256) if t.pid in pids and t.step > restored_step]
-            took = (min(first) if first else time.time()) - started
+            window = [t for t in self.agent.table.window(job, lead.rank, 256) if t.pid in pids and t.step > restored_step]
+            first = min((t.wall_time for t in window), default=time.time())
+            took = first - started
             self.last_recovery_s[job] = took
             del self._failure_at[job]
+            timeline = recovery_timeline(started, self._launch_at.get(job), window, first)
             self.agent.events.emit(
                 "job_resumed",
-                f"job {job} training again at step {max(v.step for v in ranks)}, {took:.2f}s after the failure",
+                f"job {job} training again at step {max(v.step for v in ranks)}, {took:.2f}s after the failure"
+                + (" (" + ", ".join(f"{k.removesuffix('_s')} {v:.3f}s" for k, v in timeline.items()) + ")" if timeline else ""),
                 job=job,
                 recovery_s=round(took, 3),
                 restored_from=record.restored_from,
+                timeline=timeline,
             )
             restored = self._restored.pop(job, None)
             if restored is not None:
@@ -260,6 +318,7 @@ class RecoveryService:
         restored = self._restored.pop(job, None)
         if restored is not None:
             restored.release()
+        SnapshotSet(self.checkpoints.settings.memory_root, job).remove()
         self.hangs.forget(job)
         self.losses.forget(job)
         self.activity.forget(job)

@@ -1,0 +1,177 @@
+"""Per-step snapshots (trainguard/snapshot.py, agent/checkpoint/snapshots.py): a round trip of a
+model, its optimizer, plain values and the RNG; two slots so a copy cut short leaves the previous
+snapshot; the agent's choice of the newest step every rank holds; a full tmpfs and a state that
+snapshots cannot carry are clear errors, never a SIGBUS or a half-restored state."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from trainguard.agent.checkpoint.snapshots import (
+    DONE,
+    WRITING,
+    SnapshotSet,
+    read_header,
+    slot_path,
+    snapshot_dir,
+)
+from trainguard.snapshot import SnapshotError, SnapshotWriter, load_snapshot
+
+
+def _trained(seed: int = 0, steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(5, 8)).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def test_round_trip_restores_parameters_optimizer_plain_values_and_rng(tmp_path: Path) -> None:
+    model, opt = _trained()
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0)
+    state = {"model": model, "optim": opt, "epoch": 3, "cursor": [7, 9]}
+    torch.manual_seed(123)
+    writer.take(4, state, {"plan": {"version": 2}})
+    writer.check_restorable()
+    expected_rand = torch.rand(3)
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    exp_avg = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    writer.close()
+
+    fresh, fresh_opt = _trained(seed=1, steps=0)  # no optimizer state yet: it is made on load
+    restored = {"model": fresh, "optim": fresh_opt, "epoch": 0, "cursor": []}
+    meta = load_snapshot(str(tmp_path), 0, 1, 4, restored)
+    assert meta == {"plan": {"version": 2}}
+    assert restored["epoch"] == 3 and restored["cursor"] == [7, 9]
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, params[name]), name
+    assert all(torch.equal(fresh_opt.state[p]["exp_avg"], e) for p, e in zip(fresh.parameters(), exp_avg, strict=True))
+    assert torch.equal(torch.rand(3), expected_rand)
+    # Training goes on from the restored optimizer exactly as from the original.
+    x = torch.randn(5, 8)
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        o.zero_grad()
+        m(x).pow(2).mean().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+
+
+def test_a_copy_cut_short_leaves_the_previous_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = _trained()
+    state = {"model": model, "optim": opt}
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0)
+    writer.take(1, state, {})
+    writer.take(2, state, {})
+
+    def killed(*_: object) -> None:
+        raise KeyboardInterrupt("the rank dies in the middle of the copy")
+
+    monkeypatch.setattr(torch, "_foreach_copy_", killed)
+    with pytest.raises(KeyboardInterrupt):
+        writer.take(3, state, {})
+    headers = {s: read_header(slot_path(tmp_path, 0, s)) for s in ("a", "b")}
+    assert sorted((h.state, h.step) for h in headers.values() if h) == [(WRITING, 3), (DONE, 2)]
+    assert SnapshotSet(tmp_path.parent, tmp_path.name).common_step(1) is None  # not the layout SnapshotSet reads
+    monkeypatch.undo()
+    writer.close()
+    # A new writer (the restarted rank) overwrites the unfinished slot, not step 2's.
+    again = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=1)
+    again.take(3, state, {})
+    assert sorted(h.step for s in ("a", "b") if (h := read_header(slot_path(tmp_path, 0, s)))) == [2, 3]
+    again.close()
+
+
+def test_the_agent_picks_the_newest_step_every_rank_holds(tmp_path: Path) -> None:
+    model, opt = _trained()
+    state = {"model": model, "optim": opt}
+    root, job = tmp_path / "shm", "job"
+    directory = str(snapshot_dir(root, job))
+    writers = [SnapshotWriter(directory, rank=r, world_size=3, attempt=0) for r in range(3)]
+    for step in (4, 5):
+        for w in writers:
+            w.take(step, state, {})
+    writers[0].take(6, state, {})  # rank 0 got one step further; the others died in step 6
+    writers[1].take(6, state, {})
+    snaps = SnapshotSet(root, job)
+    assert snaps.common_step(3) == 5
+    assert snaps.common_step(3, max_step=4) is None  # rank 0 holds 5 and 6 only
+    assert snaps.common_step(3, max_step=5) == 5
+    assert snaps.common_step(2) is None  # another world size: never a snapshot
+    snaps.keep_only(5)
+    assert [sorted(snaps.done_steps(r, 3)) for r in range(3)] == [[5], [5], [5]]
+    for w in writers:
+        w.close()
+    # The restarted ranks write on from step 5 and keep it until step 6 is done.
+    again = SnapshotWriter(directory, rank=0, world_size=3, attempt=1)
+    again.take(6, state, {})
+    assert sorted(snaps.done_steps(0, 3)) == [5, 6]
+    again.close()
+    snaps.clear()
+    assert snaps.common_step(3) is None
+
+
+class Opaque:
+    """A user's object with no state_dict: snapshots carry tensors and plain Python data only."""
+
+
+def test_a_state_snapshots_cannot_carry_is_named(tmp_path: Path) -> None:
+    class Local:
+        pass
+
+    model, _ = _trained(steps=0)
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0)
+    with pytest.raises(SnapshotError, match="Local"):
+        writer.take(1, {"model": model, "thing": Local()}, {})
+    writer.take(1, {"model": model, "thing": Opaque()}, {})  # picklable, but not by the restricted reader
+    with pytest.raises(SnapshotError, match="Opaque"):
+        writer.check_restorable()
+    writer.close()
+
+
+def test_a_snapshot_of_another_layout_is_refused_not_half_loaded(tmp_path: Path) -> None:
+    model, opt = _trained()
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0)
+    writer.take(1, {"model": model}, {})
+    writer.close()
+    with pytest.raises(SnapshotError, match="optim"):
+        load_snapshot(str(tmp_path), 0, 1, 1, {"model": model, "optim": opt})
+    with pytest.raises(SnapshotError, match="no complete snapshot of step 2"):
+        load_snapshot(str(tmp_path), 0, 1, 2, {"model": model})
+    bigger = nn.Sequential(nn.Linear(8, 32))
+    with pytest.raises(SnapshotError, match="model"):
+        load_snapshot(str(tmp_path), 0, 1, 1, {"model": bigger})
+
+
+def test_a_full_tmpfs_is_a_clear_error_not_a_sigbus(tiny_tmpfs: Path) -> None:
+    big = nn.Linear(1024, 1024)  # 4 MiB of weights: more than the 1 MiB tmpfs holds
+    writer = SnapshotWriter(str(tiny_tmpfs / "snap"), rank=0, world_size=1, attempt=0)
+    with pytest.raises(SnapshotError, match="no room"):
+        writer.take(1, {"model": big}, {})
+    writer.close()
+    assert os.path.isdir(tiny_tmpfs)
+
+
+def test_a_replaced_parameter_or_new_optimizer_state_is_seen_by_the_next_snapshot(tmp_path: Path) -> None:
+    model, opt = _trained(steps=0)  # no optimizer state yet
+    state = {"model": model, "optim": opt}
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0)
+    writer.take(1, state, {})
+    opt.zero_grad()
+    model(torch.randn(5, 8)).pow(2).mean().backward()
+    opt.step()  # the optimizer's state appears
+    with torch.no_grad():
+        model[0].weight = nn.Parameter(torch.full_like(model[0].weight, 0.5))  # a new object, same name
+    writer.take(2, state, {})
+    writer.close()
+    fresh, fresh_opt = _trained(seed=1, steps=0)
+    load_snapshot(str(tmp_path), 0, 1, 2, {"model": fresh, "optim": fresh_opt})
+    assert torch.equal(fresh[0].weight, torch.full_like(fresh[0].weight, 0.5))
+    assert len(fresh_opt.state) == len(list(model.parameters())) - 0  # every parameter's Adam state came back

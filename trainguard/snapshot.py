@@ -1,0 +1,499 @@
+"""Per-step snapshots of a rank's state into pre-faulted shared memory, and their restore.
+
+The file format and the agent's side are in ``trainguard.agent.checkpoint.snapshots``. Here a
+snapshot is: the state's ``state_dict()``s walked into a list of tensors and a skeleton (the
+structure with a placeholder per tensor), the tensors copied with one ``torch._foreach_copy_`` into
+views of a mapped slot file whose layout is kept while the tensors' shapes stay the same, and the
+skeleton pickled behind them. The training thread is blocked for that copy and the walk, nothing
+else: no collective, no planning, no file creation after the first snapshot.
+
+``state`` is what ``Run.checkpoint`` takes. A mapping with a ``snapshot_state()`` method gives the
+snapshot that instead: the same state as raw modules and optimizers (the embedded trainer's
+checkpoint state is built for DCP resharding, whose ``state_dict`` costs milliseconds).
+
+A restore reads the slot into fresh memory and loads it into the same objects; the skeleton is
+read by an unpickler that admits plain values and tensor placeholders only.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+import struct
+import time
+import zlib
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainguard.agent.checkpoint.snapshots import (
+    DONE,
+    HEADER_BYTES,
+    SLOTS,
+    WRITING,
+    SlotHeader,
+    read_done,
+    read_header,
+    slot_path,
+)
+
+_ALIGN = 64
+_SKELETON_RESERVE = 64 << 10
+_PARTS = struct.Struct("<III")  # lengths of the skeleton's parts: tensor specs, static tree, per-step values
+_SAFE_BUILTINS = frozenset({"dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "bool",
+                            "str", "bytes", "bytearray", "slice", "range", "NoneType"})
+
+
+class SnapshotError(Exception):
+    """A snapshot that cannot be taken or restored (the caller falls back to DCP checkpoints)."""
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    index: int
+    dtensor: bool = False
+    """The tensor was this rank's shard of a DTensor (restored through the live object's mesh)."""
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """A DTensor's local shard as loaded, until the live object it goes into says its layout."""
+
+    local: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in _SAFE_BUILTINS:
+            return super().find_class(module, name)
+        if module == __name__ and name in ("TensorRef", "TensorSpec"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a snapshot skeleton may not hold {module}.{name}")
+
+
+def _loads(raw: bytes) -> Any:
+    return _SkeletonUnpickler(io.BytesIO(raw)).load()
+
+
+def _read_skeleton(raw: bytes) -> tuple[list[TensorSpec], dict[str, Any], dict[str, Any]]:
+    """(tensor specs, static tree, per-step values) of a slot's skeleton."""
+    if len(raw) < _PARTS.size:
+        raise pickle.UnpicklingError("skeleton too short")
+    lengths = _PARTS.unpack_from(raw)
+    if _PARTS.size + sum(lengths) != len(raw):
+        raise pickle.UnpicklingError("skeleton parts do not add up")
+    out, at = [], _PARTS.size
+    for n in lengths:
+        out.append(_loads(raw[at:at + n]))
+        at += n
+    return out[0], out[1], out[2]
+
+
+def snapshot_view(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    fast = getattr(state, "snapshot_state", None)
+    return fast() if callable(fast) else state
+
+
+def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with every tensor replaced by a TensorRef into ``tensors``."""
+    if isinstance(value, torch.Tensor):
+        return _ref(value, tensors)
+    if isinstance(value, dict):
+        return {k: _strip(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strip(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_strip(v, tensors) for v in value)
+    return value
+
+
+def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, TensorRef):
+        return _Shard(tensors[value.index]) if value.dtensor else tensors[value.index]
+    if isinstance(value, dict):
+        return {k: _fill(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fill(v, tensors) for v in value)
+    return value
+
+
+def _as_dtensor(shard: Any, like: Any, where: str) -> Any:
+    if not isinstance(shard, _Shard):
+        return shard
+    if not isinstance(like, DTensor) or tuple(like.to_local().shape) != tuple(shard.local.shape):
+        raise SnapshotError(f"{where}: a DTensor shard with no DTensor of its layout to go into")
+    return DTensor.from_local(shard.local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def _with_layouts(target: Any, loaded: Any, key: str) -> Any:
+    """``loaded`` with every DTensor shard made a DTensor again, on the layout of the live
+    module's parameters (an optimizer's state: of the parameter it belongs to)."""
+    if isinstance(target, nn.Module) and isinstance(loaded, dict):
+        live = target.state_dict()
+        return {k: _as_dtensor(v, live.get(k), f"{key}.{k}") for k, v in loaded.items()}
+    if isinstance(target, torch.optim.Optimizer) and isinstance(loaded, dict):
+        params = [p for group in target.param_groups for p in group["params"]]
+        state = {}
+        for idx, entry in loaded.get("state", {}).items():
+            param = params[idx] if isinstance(idx, int) and 0 <= idx < len(params) else None
+            state[idx] = {n: _as_dtensor(v, param, f"{key}.state.{idx}.{n}") for n, v in entry.items()}
+        return {**loaded, "state": state}
+    if _holds_shard(loaded):
+        raise SnapshotError(f"{key}: holds DTensor shards, restorable only into modules and optimizers")
+    return loaded
+
+
+def _holds_shard(value: Any) -> bool:
+    if isinstance(value, _Shard):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_shard(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_shard(v) for v in value)
+    return False
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
+
+
+def _ref(tensor: torch.Tensor, tensors: list[torch.Tensor]) -> TensorRef:
+    if isinstance(tensor, DTensor):
+        tensors.append(tensor.to_local())
+        return TensorRef(len(tensors) - 1, dtensor=True)
+    tensors.append(tensor)
+    return TensorRef(len(tensors) - 1)
+
+
+def _owners(module: nn.Module) -> dict[int, tuple[dict[str, Any], str]]:
+    """Where each parameter and buffer object of ``module`` is held (its submodule's dict, name)."""
+    out: dict[int, tuple[dict[str, Any], str]] = {}
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    out[id(t)] = (table, name)
+    return out
+
+
+class _Plan:
+    """What a snapshot of one state copies, worked out once and kept while it still holds.
+
+    Modules and optimizers keep their tensor objects from step to step (an optimizer updates its
+    state in place): their tensors are found once, and each later snapshot only checks that the
+    same objects are still in place (a dictionary lookup each) before copying from them. What
+    changes every step is read every step: optimizer hyperparameters (the LR), other
+    ``state_dict()``s (a sampler's position), plain values, the RNG.
+    """
+
+    def __init__(self, view: Mapping[str, Any]) -> None:
+        self.objects = dict(view)
+        self.tensors: list[torch.Tensor] = []
+        self.static: dict[str, Any] = {}
+        self.dynamic_keys: list[str] = []
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._checks: list[tuple[dict[Any, Any], Any, Any]] = []
+        self._state_sizes: list[tuple[torch.optim.Optimizer, int]] = []
+        for key, value in view.items():
+            if isinstance(value, nn.Module) and self._module(key, value):
+                continue
+            if isinstance(value, torch.optim.Optimizer) and self._optimizer(key, value):
+                continue
+            self.dynamic_keys.append(key)
+        self.static_bytes = pickle.dumps(self.static, protocol=5)
+        self.signature = _signature(self.tensors)
+
+    def _module(self, key: str, module: nn.Module) -> bool:
+        entries = module.state_dict(keep_vars=True)
+        owners = _owners(module)
+        if not all(isinstance(t, torch.Tensor) and id(t) in owners for t in entries.values()):
+            return False  # extra state of its own making: its state_dict every time
+        self.static[key] = ("module", {name: _ref(t, self.tensors) for name, t in entries.items()})
+        self._checks += [(*owners[id(t)], t) for t in entries.values()]
+        return True
+
+    def _optimizer(self, key: str, optim: torch.optim.Optimizer) -> bool:
+        params = [p for group in optim.param_groups for p in group["params"]]
+        state: dict[int, dict[str, TensorRef]] = {}
+        for index, param in enumerate(params):
+            entry = optim.state.get(param)
+            if entry is None:
+                continue
+            if not all(isinstance(v, torch.Tensor) for v in entry.values()):
+                return False
+            state[index] = {name: _ref(v, self.tensors) for name, v in entry.items()}
+            self._checks += [(entry, name, v) for name, v in entry.items()]
+        groups, start = [], 0
+        for group in optim.param_groups:
+            groups.append(list(range(start, start + len(group["params"]))))
+            start += len(group["params"])
+        self.static[key] = ("optimizer", state, groups)
+        self.optimizers[key] = optim
+        self._state_sizes.append((optim, len(optim.state)))
+        return True
+
+    def holds(self, view: Mapping[str, Any]) -> bool:
+        if len(view) != len(self.objects) or any(self.objects.get(k) is not v for k, v in view.items()):
+            return False
+        if any(len(optim.state) != n for optim, n in self._state_sizes):
+            return False
+        return all(table.get(name) is t for table, name, t in self._checks)
+
+    def dynamic(self, view: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, optim in self.optimizers.items():
+            out[key] = [{k: v for k, v in group.items() if k != "params"} for group in optim.param_groups]
+        for key in self.dynamic_keys:
+            value = view[key]
+            to_dict = getattr(value, "state_dict", None)
+            out[key] = to_dict() if callable(to_dict) and not isinstance(value, type) else value
+        return out
+
+
+def _assemble(static: dict[str, Any], dynamic: dict[str, Any]) -> dict[str, Any]:
+    """Each key's ``state_dict`` (or plain value) as its object's ``load_state_dict`` takes it."""
+    out: dict[str, Any] = {}
+    for key, entry in static.items():
+        if entry[0] == "module":
+            out[key] = entry[1]
+        else:
+            _, state, groups = entry
+            out[key] = {"state": state, "param_groups": [{**hyper, "params": params}
+                                                         for hyper, params in zip(dynamic[key], groups, strict=True)]}
+    for key, value in dynamic.items():
+        out.setdefault(key, value)
+    return out
+
+
+def _signature(tensors: list[torch.Tensor]) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
+    return tuple((t.dtype, tuple(t.shape)) for t in tensors)
+
+
+class _Slot:
+    """One mapped slot file; the destination views stay while the tensors keep their layout."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        self.mm: mmap.mmap | None = None
+        self.buf: torch.Tensor | None = None
+        self.signature: tuple[tuple[torch.dtype, tuple[int, ...]], ...] | None = None
+        self.dsts: list[torch.Tensor] = []
+        self.specs: list[TensorSpec] = []
+        self.specs_bytes = b""
+        self.payload_bytes = 0
+        header = read_header(path)
+        self.step = header.step if header is not None and header.state == DONE else -1
+
+    def _map(self, size: int) -> None:
+        """Grow the file to ``size`` with its pages allocated and touched now (a full tmpfs fails
+        here with ENOSPC, not later as a SIGBUS in the middle of a copy)."""
+        self.close_map()
+        os.posix_fallocate(self.fd, 0, size)
+        if os.fstat(self.fd).st_size > size:
+            os.ftruncate(self.fd, size)
+        self.mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.buf[HEADER_BYTES:].zero_()  # fault the mapping's pages in once
+
+    def layout(self, tensors: list[torch.Tensor], skeleton_hint: int,
+               signature: tuple[tuple[torch.dtype, tuple[int, ...]], ...] | None = None) -> None:
+        signature = signature if signature is not None else _signature(tensors)
+        if signature == self.signature and self.mm is not None and self._room(skeleton_hint):
+            return
+        specs, offset = [], 0
+        for t in tensors:
+            specs.append(TensorSpec(offset, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+            offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        need = HEADER_BYTES + offset + max(_SKELETON_RESERVE, 2 * skeleton_hint)
+        if self.mm is None or len(self.mm) < need:
+            self._map(need)
+        assert self.buf is not None
+        self.dsts = [self.buf.narrow(0, HEADER_BYTES + s.offset, t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+                     for s, t in zip(specs, tensors, strict=True)]
+        self.specs, self.signature, self.payload_bytes = specs, signature, offset
+        self.specs_bytes = pickle.dumps(specs, protocol=5)
+
+    def _room(self, skeleton_bytes: int) -> bool:
+        return self.mm is not None and HEADER_BYTES + self.payload_bytes + skeleton_bytes <= len(self.mm)
+
+    def write_header(self, header: SlotHeader) -> None:
+        assert self.mm is not None
+        raw = header.pack()
+        self.mm[0:len(raw)] = raw
+
+    def close_map(self) -> None:
+        self.dsts, self.buf, self.signature = [], None, None
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:
+                pass  # a view still alive: the mapping goes with it
+            self.mm = None
+
+    def close(self) -> None:
+        self.close_map()
+        os.close(self.fd)
+
+
+@dataclass
+class SnapshotStats:
+    taken: int = 0
+    last_step: int = -1
+    last_stall_s: float = 0.0
+    total_stall_s: float = 0.0
+    state_bytes: int = 0
+
+
+class SnapshotWriter:
+    """One rank's snapshots (see the module docstring)."""
+
+    def __init__(self, directory: str, rank: int, world_size: int, attempt: int) -> None:
+        self.directory = directory
+        self.rank, self.world_size, self.attempt = rank, world_size, attempt
+        self.stats = SnapshotStats()
+        os.makedirs(directory, exist_ok=True)
+        self._slots = [_Slot(str(slot_path(directory, rank, s))) for s in SLOTS]
+        self._last_skeleton = 0
+        self._plan: _Plan | None = None
+
+    def _target(self) -> _Slot:
+        """The slot not holding the newest complete snapshot."""
+        newest = max(self._slots, key=lambda s: s.step)
+        return self._slots[1] if newest is self._slots[0] else self._slots[0]
+
+    def take(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> float:
+        """Snapshot ``state`` as of ``step`` steps done; returns the seconds training was blocked.
+        Raises SnapshotError (nothing newer was recorded, the previous snapshot stays)."""
+        t0 = time.perf_counter()
+        view = snapshot_view(state)
+        if self._plan is None or not self._plan.holds(view):
+            self._plan = _Plan(view)
+        plan = self._plan
+        tensors = list(plan.tensors)
+        try:
+            dynamic = pickle.dumps(_strip({"dynamic": plan.dynamic(view), "rng": _rng_state(), "meta": dict(meta)},
+                                          tensors), protocol=5)
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            self._plan = None
+            raise SnapshotError(f"the state holds something snapshots cannot carry: {exc}") from exc
+        slot = self._target()
+        skeleton_hint = max(self._last_skeleton, len(plan.static_bytes) + len(dynamic) + 4096)
+        signature = plan.signature + _signature(tensors[len(plan.tensors):])
+        try:
+            slot.layout(tensors, skeleton_hint, signature)
+        except OSError as exc:
+            raise SnapshotError(f"no room for a snapshot of {sum(t.numel() * t.element_size() for t in tensors)} "
+                                f"bytes in {self.directory}: {exc}") from exc
+        parts = (slot.specs_bytes, plan.static_bytes, dynamic)
+        skeleton = _PARTS.pack(*map(len, parts)) + b"".join(parts)
+        if not slot._room(len(skeleton)):
+            slot.layout(tensors, 2 * len(skeleton))  # a skeleton that outgrew its reserve: a new layout
+            parts = (slot.specs_bytes, plan.static_bytes, dynamic)
+            skeleton = _PARTS.pack(*map(len, parts)) + b"".join(parts)
+        slot.write_header(SlotHeader(WRITING, step, self.attempt, self.world_size, self.rank, 0, 0, 0))
+        with torch.no_grad():
+            torch._foreach_copy_(slot.dsts, tensors)
+        assert slot.mm is not None
+        start = HEADER_BYTES + slot.payload_bytes
+        slot.mm[start:start + len(skeleton)] = skeleton
+        slot.write_header(SlotHeader(DONE, step, self.attempt, self.world_size, self.rank, slot.payload_bytes,
+                                     len(skeleton), zlib.crc32(skeleton)))
+        slot.step = step
+        self._last_skeleton = len(skeleton)
+        stall = time.perf_counter() - t0
+        st = self.stats
+        st.taken += 1
+        st.last_step, st.last_stall_s = step, stall
+        st.total_stall_s += stall
+        st.state_bytes = slot.payload_bytes
+        return stall
+
+    def check_restorable(self) -> None:
+        """Raise SnapshotError when the newest snapshot's skeleton could not be read back (the
+        state holds values other than tensors and plain Python data)."""
+        newest = max(self._slots, key=lambda s: s.step)
+        found = read_done(newest.path)
+        if found is None:
+            raise SnapshotError("the snapshot just written cannot be read back")
+        try:
+            _read_skeleton(found[1])
+        except (pickle.UnpicklingError, AttributeError, ImportError) as exc:
+            raise SnapshotError(f"the state holds something snapshots cannot carry: {exc}") from exc
+
+    def close(self) -> None:
+        for slot in self._slots:
+            slot.close()
+
+
+def load_snapshot(directory: str, rank: int, world_size: int, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
+    """Load this rank's snapshot of ``step`` into ``state`` (in place; plain values are written back
+    into the mapping) and set the RNG; returns the meta saved with it. Raises SnapshotError."""
+    for name in SLOTS:
+        path = slot_path(directory, rank, name)
+        found = read_done(path)
+        if found is not None and found[0].step == step:
+            break
+    else:
+        raise SnapshotError(f"rank {rank} has no complete snapshot of step {step} in {directory}")
+    header, raw = found
+    if header.world_size != world_size or header.rank != rank:
+        raise SnapshotError(f"the snapshot of step {step} is of rank {header.rank} of {header.world_size}, "
+                            f"not rank {rank} of {world_size}")
+    try:
+        specs, static, per_step = _read_skeleton(raw)
+    except (pickle.UnpicklingError, AttributeError, ImportError, EOFError) as exc:
+        raise SnapshotError(f"snapshot skeleton unreadable: {exc}") from exc
+    payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
+    with open(path, "rb") as fh:
+        fh.seek(HEADER_BYTES)
+        if fh.readinto(payload.numpy().data) != header.payload_bytes:
+            raise SnapshotError(f"snapshot of step {step} is short")
+    tensors = [payload.narrow(0, s.offset, _nbytes(s)).view(getattr(torch, s.dtype)).view(s.shape) for s in specs]
+    tree = {"state": _assemble(_fill(static, tensors), _fill(per_step["dynamic"], tensors)),
+            "rng": _fill(per_step["rng"], tensors)}
+    view = snapshot_view(state)
+    missing = sorted(set(view) - set(tree["state"]))
+    if missing:
+        raise SnapshotError(f"the snapshot lacks {', '.join(missing)} (the script's state changed)")
+    for key, target in view.items():
+        loaded = _with_layouts(target, tree["state"][key], key)
+        load_into = getattr(target, "load_state_dict", None)
+        if callable(load_into) and not isinstance(target, type):
+            try:
+                load_into(loaded)
+            except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+                raise SnapshotError(f"{key}: {exc}") from exc
+        elif isinstance(state, MutableMapping) and key in state:
+            state[key] = loaded
+    rng = tree["rng"]
+    # A view at an offset into the payload crashes set_rng_state (it reads the storage): a copy.
+    torch.set_rng_state(rng["torch"].clone())
+    if rng.get("cuda") is not None and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(rng["cuda"].clone())
+    meta: dict[str, Any] = dict(per_step["meta"])
+    return meta
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    n = 1
+    for d in spec.shape:
+        n *= d
+    return n * torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
