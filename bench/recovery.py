@@ -177,20 +177,33 @@ def run_trainguard(nproc: int, trainer: dict[str, Any], kills: list[int], work: 
                            "max_restarts": len(kills) + 2})
         wait_for(lambda: client.job(name)["state"] in ("succeeded", "failed", "stopped"), 3600, "job end")
         job = client.job(name)
-        events = client.events(since=0, limit=20000)["events"]
+        events = client.events(since=0, limit=10000)["events"]
         rows = parse_rows((state / "jobs" / name / "rank0.log").read_text(errors="replace").splitlines())
         res = analyse(name, rows, 100)
         res.ok = job["state"] == "succeeded"
-        # Detection: the supervisor's rank_exit event against the kernel's exit timestamp (eBPF).
+        snaps = [r["snapshot_s"] for r in rows if r.get("snapshot_s") is not None]
+        every = [r["snapshot_every"] for r in rows if r.get("snapshot_every") is not None]
+        if snaps:
+            res.note = (f"snapshots: stall median {statistics.median(snaps) * 1000:.2f} ms, every "
+                        f"{statistics.median(every):g} step(s) (median over the run)")
+        # Failures from the agent's events, not the step sequence: a restore of the very step the
+        # kill interrupted continues it without a step going back. Detection: the supervisor's
+        # rank_exit event against the kernel's exit timestamp (eBPF).
         seen = [e for e in events if e["kind"] == "process_exit_seen" and e.get("fields", {}).get("signal") == 9]
         exits = [e for e in events if e["kind"] == "rank_exit" and e["severity"] == "error"]
         resumed = [e for e in events if e["kind"] == "job_resumed"]
-        for i, (f, ex) in enumerate(zip(res.failures, exits, strict=False)):
+        res.failures = []
+        for i, ex in enumerate(exits):
             kernel = next((s for s in seen if s["fields"].get("pid") == ex["fields"].get("pid")), None)
-            death = kernel["ts"] - kernel["fields"].get("latency_ms", 0) / 1000 if kernel else f.kill_ts
-            f.detect_s = max(0.0, ex["ts"] - death)
-            if i < len(resumed):
-                f.timeline = dict(resumed[i]["fields"].get("timeline") or {})
+            death = kernel["ts"] - kernel["fields"].get("latency_ms", 0) / 1000 if kernel else ex["ts"]
+            before = [r for r in rows if r["time"] <= death]
+            after = [r for r in rows if r["time"] > death]
+            if not before or not after or i >= len(resumed):
+                continue
+            restored = int((resumed[i]["fields"].get("restored_from") or {}).get("step", after[0]["step"] - 1))
+            res.failures.append(Failure(before[-1]["step"], before[-1]["time"], after[0]["time"], restored,
+                                        detect_s=max(0.0, ex["ts"] - death),
+                                        timeline=dict(resumed[i]["fields"].get("timeline") or {})))
         return res
     finally:
         agent.send_signal(signal.SIGTERM)

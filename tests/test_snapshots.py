@@ -175,3 +175,25 @@ def test_a_replaced_parameter_or_new_optimizer_state_is_seen_by_the_next_snapsho
     load_snapshot(str(tmp_path), 0, 1, 2, {"model": fresh, "optim": fresh_opt})
     assert torch.equal(fresh[0].weight, torch.full_like(fresh[0].weight, 0.5))
     assert len(fresh_opt.state) == len(list(model.parameters())) - 0  # every parameter's Adam state came back
+
+
+def test_a_state_mapping_built_anew_each_step_keeps_the_worked_out_copy(tmp_path: Path) -> None:
+    """Only modules and optimizers must stay the same objects: a per-step wrapper of a sampler (the
+    embedded trainer's) does not make every snapshot walk the model again."""
+
+    class Position:
+        def __init__(self, cursor: int) -> None:
+            self.cursor = cursor
+
+        def state_dict(self) -> dict[str, int]:
+            return {"cursor": self.cursor}
+
+    model, opt = _trained()
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0)
+    writer.take(1, {"model": model, "optim": opt, "pos": Position(1)}, {})
+    plan = writer._plan
+    writer.take(2, {"model": model, "optim": opt, "pos": Position(2)}, {})
+    assert writer._plan is plan
+    writer.take(3, {"model": model, "optim": opt}, {})  # another set of keys: worked out again
+    assert writer._plan is not plan
+    writer.close()

@@ -113,3 +113,21 @@ def test_a_peers_exit_1_does_not_hide_the_failing_ranks_status(tmp_path) -> None
     record = sup.jobs["peer-job"]
     assert record.exit_code == 3, (record.exit_codes, [e["message"] for e in events.since(0)])
     sup.close()
+
+
+def test_warm_ranks_start_with_their_imports_and_the_corpus_listing_done(tmp_path) -> None:
+    """What every rank would do before its first step (importing the API's checkpoint and snapshot
+    modules, walking the stdlib for the corpus key: ~0.5 s of a restart) is done once in the zygote."""
+    sup, _ = make_supervisor(tmp_path, "warm")
+    script = tmp_path / "probe.py"
+    script.write_text("import sys\n"
+                      "warm = [m for m in ('trainguard.snapshot', 'trainguard.checkpointing', 'trainguard.trainer.train')"
+                      " if m in sys.modules]\n"
+                      "from trainguard.trainer.data import stdlib_digest\n"
+                      "print('WARM', ','.join(warm), stdlib_digest.cache_info().currsize, flush=True)\n")
+    sup.submit(JobSpec("warm-job", 1, command=[sys.executable, str(script)]))
+    assert wait_state(sup, "warm-job", {JobState.SUCCEEDED, JobState.FAILED}) == JobState.SUCCEEDED
+    log = (tmp_path / "jobs" / "warm-job" / "rank0.log").read_text()
+    assert "WARM trainguard.snapshot,trainguard.checkpointing,trainguard.trainer.train 1" in log, log
+    sup.launcher.close_job("warm-job")
+    sup.close()

@@ -13,6 +13,7 @@ takes its contiguous slice, so changing the per-rank split never skips or repeat
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -33,10 +34,24 @@ def cache_root(configured: str = "") -> Path:
     return Path(env) if env else Path.home() / ".cache" / "trainguard"
 
 
-def stdlib_files() -> list[Path]:
+@functools.cache
+def stdlib_files() -> tuple[Path, ...]:
+    """The corpus's source files. Walking the stdlib takes ~0.45 s here, which every restarted rank
+    paid before its first step: kept per process, and walked once in the warm launcher before it
+    forks (``trainguard.trainer.zygote``)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
+
+
+@functools.cache
+def stdlib_digest() -> str:
+    """A digest of the corpus's file list (part of the cache key: a changed stdlib, a new corpus)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    fp = hashlib.sha256()
+    for f in stdlib_files():
+        fp.update(f.relative_to(root).as_posix().encode())
+    return fp.hexdigest()
 
 
 def _is_val(rel: str) -> bool:
@@ -57,11 +72,7 @@ def build_corpus(cache_dir: str = "", max_bytes: int = 0) -> tuple[Path, Path]:
     """
     root = Path(sysconfig.get_paths()["stdlib"])
     files = stdlib_files()
-    fp = hashlib.sha256()
-    fp.update(f"{sys.version}|{root}|{max_bytes}".encode())
-    for f in files:
-        fp.update(f.relative_to(root).as_posix().encode())
-    key = fp.hexdigest()[:16]
+    key = hashlib.sha256(f"{sys.version}|{root}|{max_bytes}|{stdlib_digest()}".encode()).hexdigest()[:16]
     out = cache_root(cache_dir)
     train_path, val_path = out / f"stdlib-{key}.train.u8", out / f"stdlib-{key}.val.u8"
     if train_path.exists() and val_path.exists():

@@ -418,6 +418,11 @@ class Trainer:
                 "time": round(now, 4)}
             if r.val_loss is not None:
                 row["val_loss"] = r.val_loss
+            handle = self.run_handle
+            snap = handle.snapshot_stats if handle is not None else None
+            if handle is not None and snap is not None:  # the previous step's (this step's comes after the row)
+                row["snapshot_s"] = round(snap.last_stall_s, 6)
+                row["snapshot_every"] = handle.snapshot_every
             if ratio is not None:
                 row["comm_bytes"] = comm_b
                 row["compress_ratio"] = ratio

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -208,7 +209,7 @@ class Run:
         auto = env.snapshot_every == SNAPSHOT_AUTO
         self.snapshot_every = (env.snapshot_every if env.snapshot_every > 0 else int(auto)) if env.snapshot_dir else 0
         """Steps between snapshots now (0: none); tuned from the measured stall when automatic."""
-        self._stall_ratio: float | None = None
+        self._stall_ratios: list[float] = []
         self._last_step_s = 0.0
         self.restored_from = ""
         """What ``restore`` loaded: "snapshot", "checkpoint" or "" (nothing)."""
@@ -440,13 +441,15 @@ class Run:
 
     def _tune_snapshots(self, stall_s: float) -> None:
         """The fewest steps between snapshots, a power of two (so that ranks tuning apart still
-        share steps), that keeps their stall within 1% of the step time."""
+        share steps), that keeps their stall within 1% of the step time: from the median of the
+        last 9 stall/step ratios (one slow step or one slow copy does not move it)."""
         if self._last_step_s <= 0:
             return
-        ratio = stall_s / self._last_step_s
-        self._stall_ratio = ratio if self._stall_ratio is None else 0.8 * self._stall_ratio + 0.2 * ratio
+        self._stall_ratios.append(stall_s / self._last_step_s)
+        del self._stall_ratios[:-9]
+        ratio = statistics.median(self._stall_ratios)
         every = 1
-        while every < 64 and self._stall_ratio / every > 0.01:
+        while every < 64 and ratio / every > 0.01:
             every *= 2
         self.snapshot_every = every
 

@@ -250,7 +250,9 @@ class _Plan:
         return True
 
     def holds(self, view: Mapping[str, Any]) -> bool:
-        if len(view) != len(self.objects) or any(self.objects.get(k) is not v for k, v in view.items()):
+        # Modules and optimizers must be the same objects; the rest is read afresh every time
+        # (a state mapping built per step may wrap its sampler anew).
+        if view.keys() != self.objects.keys() or any(view[k] is not self.objects[k] for k in self.static):
             return False
         if any(len(optim.state) != n for optim, n in self._state_sizes):
             return False
