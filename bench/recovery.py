@@ -213,16 +213,18 @@ def run_trainguard(nproc: int, trainer: dict[str, Any], kills: list[int], work: 
             agent.kill()
 
 
-def run_torchrun(name: str, nproc: int, trainer: dict[str, Any], kills: list[int], ckpt_every: int, work: Path) -> RunResult:
+def run_torchrun(name: str, nproc: int, trainer: dict[str, Any], kills: list[int], ckpt_every: int, work: Path,
+                 launcher: list[str] | None = None) -> RunResult:
     """torchrun's own restarts (with the rendezvous-store workaround, FACTS pitfall 1) and the
-    trainer's DCP checkpoints to disk, resumed from the newest complete one."""
+    trainer's DCP checkpoints to disk, resumed from the newest complete one. ``launcher``: another
+    torchrun-compatible launcher (nvidia-resiliency-ext's ft_launcher, from the peers' venv)."""
     ckpt = work / f"{name}-ckpt"
     cfg = {**trainer, "ckpt_dir": str(ckpt), "ckpt_every": ckpt_every, "faults": [f"kill:rank=1,step={k}" for k in kills]}
     env = dict(os.environ, PYTHONPATH=str(REPO), TRAINGUARD_JOB_SPEC=json.dumps(cfg), TRAINGUARD_JSON="1",
                TRAINGUARD_FAULT_MARKER_DIR=str(work / f"{name}-markers"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                OMP_NUM_THREADS="1")
     env.pop("TRAINGUARD_SOCKET", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={len(kills) + 1}",
+    cmd = (launcher or [sys.executable, "-m", "torch.distributed.run"]) + [f"--nproc-per-node={nproc}", f"--max-restarts={len(kills) + 1}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1", "-m", "trainguard.trainer.worker"]
     out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=3600)
     (work / f"{name}.log").write_text(out.stdout + "\n---stderr---\n" + out.stderr)
@@ -297,6 +299,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 ranks, 160 steps, 2 kills, no large-state probe (~3 min)")
     ap.add_argument("--seed", type=int, default=7, help="seed of the kill steps")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--peers-venv", default=os.environ.get("TRAINGUARD_PEERS_VENV", ""),
+                    help="venv with nvidia-resiliency-ext (bench/peers_venv.sh makes one): adds its ft_launcher arm")
     args = ap.parse_args()
     disk_every = 500  # trainguard's shipped disk interval (checkpoint.disk_every)
     if args.quick:
@@ -327,12 +331,20 @@ def main() -> int:
     iso_every = max(1, round(stall / per_step)) if per_step > 0 and not math.isnan(stall) else disk_every
     iso = run_torchrun("torchrun-iso", nproc, trainer, kills, iso_every, work)
     results = [ours, torchrun, iso]
+    ft_launcher = Path(args.peers_venv) / "bin" / "ft_launcher" if args.peers_venv else None
+    if ft_launcher is not None and ft_launcher.exists():
+        # As shipped, its own restarts; its local checkpointing asserts CUDA tensors (FACTS), so it
+        # saves what torchrun saves, DCP to disk, at the iso-overhead interval.
+        results.append(run_torchrun("ft_launcher", nproc, trainer, kills, iso_every, work, [str(ft_launcher)]))
+    else:
+        print("nvidia-resiliency-ext's ft_launcher: not run (no --peers-venv; bench/peers_venv.sh makes one)")
 
     print(f"\ntorchrun DCP-to-disk save stall {stall * 1000:.1f} ms; trainguard checkpoint overhead "
           f"{ours.overhead * 100:.2f}% of step time -> iso-overhead torchrun interval: every {iso_every} steps")
     print(f"\n{'run':<14} {'ok':<4} {'fail':>4} {'detect_s':>9} {'resume_s':>9} {'steps_lost':>10} {'lost_s/fail':>11} "
           f"{'step_s':>7} {'overhead':>9} {'effective':>9}")
-    labels = {"trainguard": "trainguard", "torchrun": f"torchrun/{disk_every}", "torchrun-iso": f"torchrun/{iso_every}"}
+    labels = {"trainguard": "trainguard", "torchrun": f"torchrun/{disk_every}", "torchrun-iso": f"torchrun/{iso_every}",
+              "ft_launcher": f"ft_launcher/{iso_every}"}
     for r in results:
         det = [f.detect_s for f in r.failures if f.detect_s is not None]
         print(f"{labels[r.name]:<14} {'yes' if r.ok else 'NO':<4} {len(r.failures):>4} {_fmt(statistics.median(det) if det else NAN, '.3f'):>9} "
@@ -361,6 +373,10 @@ def main() -> int:
     small, large = probes[0][2], probes[-1][2]
     ratio_disk = torchrun.lost_per_failure / ours.lost_per_failure if ours.failures and torchrun.failures else NAN
     ratio_iso = iso.lost_per_failure / ours.lost_per_failure if ours.failures and iso.failures else NAN
+    peers = ""
+    for r in results[3:]:
+        ratio = r.lost_per_failure / ours.lost_per_failure if ours.failures and r.failures else NAN
+        peers += f" {r.name}_resume_s={r.resume_median:.2f} {r.name}_lost_time_ratio={ratio:.2f}"
     print(
         f"RESULT detect_s={statistics.median(det) if det else NAN:.3f} resume_s={ours.resume_median:.2f} "
         f"steps_lost={ours.steps_lost_mean:.2f} torchrun_resume_s={torchrun.resume_median:.2f} "
@@ -369,7 +385,7 @@ def main() -> int:
         f"iso_effective_time={iso.effective:.3f} overhead={ours.overhead:.4f} "
         f"snapshot_memcpy_ratio={small['stall_ms'] / small['memcpy_ms']:.2f} "
         f"large_snapshot_memcpy_ratio={large['stall_ms'] / large['memcpy_ms']:.2f} "
-        f"large_state_mb={large['state_mb']:.0f}"
+        f"large_state_mb={large['state_mb']:.0f}{peers}"
     )
     return 0 if all(r.ok for r in results) else 1
 
