@@ -214,6 +214,7 @@ class Run:
         self.restored_from = ""
         """What ``restore`` loaded: "snapshot", "checkpoint" or "" (nothing)."""
         self._restore_span: tuple[float, float] | None = None
+        self._started_at: float | None = None
         self._timeline_sends = 5  # the first datagrams carry the attempt's start-up times (one may drop)
 
     # -- identity ----------------------------------------------------------------------------------
@@ -341,7 +342,9 @@ class Run:
         if self._timeline_sends <= 0:
             return out
         self._timeline_sends -= 1
-        started = _process_start()
+        if self._started_at is None:
+            self._started_at = _process_start() or 0.0
+        started = self._started_at or None
         if started is not None:
             out["proc_start"] = started
         if self._restore_span is not None:

@@ -107,29 +107,26 @@ def snapshot_view(state: Mapping[str, Any]) -> Mapping[str, Any]:
     return fast() if callable(fast) else state
 
 
+def _map_leaves(value: Any, leaf: Any) -> Any:
+    """``value`` with ``leaf`` applied to everything but the dicts, lists and tuples holding it."""
+    if isinstance(value, dict):
+        return {k: _map_leaves(v, leaf) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_leaves(v, leaf) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_map_leaves(v, leaf) for v in value)
+    return leaf(value)
+
+
 def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
     """``value`` with every tensor replaced by a TensorRef into ``tensors``."""
-    if isinstance(value, torch.Tensor):
-        return _ref(value, tensors)
-    if isinstance(value, dict):
-        return {k: _strip(v, tensors) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_strip(v, tensors) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_strip(v, tensors) for v in value)
-    return value
+    return _map_leaves(value, lambda v: _ref(v, tensors) if isinstance(v, torch.Tensor) else v)
 
 
 def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, TensorRef):
-        return _Shard(tensors[value.index]) if value.dtensor else tensors[value.index]
-    if isinstance(value, dict):
-        return {k: _fill(v, tensors) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_fill(v, tensors) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_fill(v, tensors) for v in value)
-    return value
+    """The inverse of ``_strip``: a DTensor's shard comes back as a ``_Shard`` until placed."""
+    return _map_leaves(value, lambda v: (_Shard(tensors[v.index]) if v.dtensor else tensors[v.index])
+                       if isinstance(v, TensorRef) else v)
 
 
 def _as_dtensor(shard: Any, like: Any, where: str) -> Any:
@@ -160,13 +157,9 @@ def _with_layouts(target: Any, loaded: Any, key: str) -> Any:
 
 
 def _holds_shard(value: Any) -> bool:
-    if isinstance(value, _Shard):
-        return True
-    if isinstance(value, dict):
-        return any(_holds_shard(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_shard(v) for v in value)
-    return False
+    found: list[bool] = []
+    _map_leaves(value, lambda v: found.append(isinstance(v, _Shard)))
+    return any(found)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -316,8 +309,7 @@ class _Slot:
         self.buf[HEADER_BYTES:].zero_()  # fault the mapping's pages in once
 
     def layout(self, tensors: list[torch.Tensor], skeleton_hint: int,
-               signature: tuple[tuple[torch.dtype, tuple[int, ...]], ...] | None = None) -> None:
-        signature = signature if signature is not None else _signature(tensors)
+               signature: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> None:
         if signature == self.signature and self.mm is not None and self._room(skeleton_hint):
             return
         specs, offset = [], 0
@@ -407,7 +399,7 @@ class SnapshotWriter:
         parts = (slot.specs_bytes, plan.static_bytes, dynamic)
         skeleton = _PARTS.pack(*map(len, parts)) + b"".join(parts)
         if not slot._room(len(skeleton)):
-            slot.layout(tensors, 2 * len(skeleton))  # a skeleton that outgrew its reserve: a new layout
+            slot.layout(tensors, 2 * len(skeleton), signature)  # a skeleton that outgrew its reserve: a new layout
             parts = (slot.specs_bytes, plan.static_bytes, dynamic)
             skeleton = _PARTS.pack(*map(len, parts)) + b"".join(parts)
         slot.write_header(SlotHeader(WRITING, step, self.attempt, self.world_size, self.rank, 0, 0, 0))

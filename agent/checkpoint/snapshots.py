@@ -150,9 +150,6 @@ class SnapshotSet:
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def bytes_held(self) -> int:
-        return sum(p.stat().st_size for p in self._slot_files() if p.exists())
-
     def _slot_files(self) -> list[Path]:
         try:
             return sorted(p for p in self.dir.iterdir() if p.name.startswith("rank") and p.suffix[1:] in SLOTS)

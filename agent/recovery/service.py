@@ -34,6 +34,7 @@ from trainguard.agent.recovery.activity import ActivityProbe, descends_from
 from trainguard.agent.recovery.detectors import Finding, HangDetector, LossDetector
 from trainguard.agent.recovery.stacks import probe_all
 from trainguard.agent.wire import PART_MARK
+from trainguard.environment import ENV_SNAPSHOT_DIR, ENV_SNAPSHOT_EVERY, ENV_SNAPSHOT_STEP
 
 if TYPE_CHECKING:
     from trainguard.agent.daemon import Agent
@@ -53,9 +54,6 @@ RECOVERY_SECONDS = MetricSpec(
 METRICS = (ACTIONS, DETECTIONS, RECOVERY_SECONDS)
 
 ENV_RESTORE = "TRAINGUARD_RESTORE"
-ENV_SNAPSHOT_DIR = "TRAINGUARD_SNAPSHOT_DIR"
-ENV_SNAPSHOT_EVERY = "TRAINGUARD_SNAPSHOT_EVERY"
-ENV_SNAPSHOT_STEP = "TRAINGUARD_SNAPSHOT_STEP"
 
 
 def memory_root_for(cfg: AgentConfig) -> str:
@@ -318,7 +316,8 @@ class RecoveryService:
         restored = self._restored.pop(job, None)
         if restored is not None:
             restored.release()
-        SnapshotSet(self.checkpoints.settings.memory_root, job).remove()
+        if self._attempt_seen.pop(job, None) is not None:  # once, not on every tick after the end
+            SnapshotSet(self.checkpoints.settings.memory_root, job).remove()
         self.hangs.forget(job)
         self.losses.forget(job)
         self.activity.forget(job)
