@@ -10,8 +10,9 @@ checkpoint interval K, the same kills sent from outside (SIGKILL of rank 1 at se
     tier every K steps, the agent's warm restart.
 
 Lost time per failure = from the kill until training is back at the step it was killed at
-(detection + restart + restore + recomputing the steps since the last checkpoint), read from the
-script's own step counter; measured, never modelled. Overhead: steps/s of ``ddp_api.py`` (telemetry,
+(detection + restart + restore + recomputing the steps since the last checkpoint; a resume at the
+killed step itself counts until its first step is done), read from the script's own step counter and
+start record; measured, never modelled. Overhead: steps/s of ``ddp_api.py`` (telemetry,
 plan sync, memory checkpoints every K) over ``ddp_plain.py`` without checkpoints, both under
 ``trainguard run`` with no faults, alternating runs.
 
@@ -87,6 +88,15 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
+def _read_started(path: Path) -> tuple[int, int] | None:
+    """(start step, pid) of the running rank 0, as the script records it when it starts."""
+    try:
+        start, pid = path.read_text().split()
+        return int(start), int(pid)
+    except (OSError, ValueError):
+        return None
+
+
 def drive(name: str, cmd: list[str], env: dict[str, str], progress: Path, kills: list[int], cwd: Path,
           timeout_s: float) -> Arm:
     """Run ``cmd``; SIGKILL rank 1 when rank 0 has done each step in ``kills``; time the way back."""
@@ -97,17 +107,23 @@ def drive(name: str, cmd: list[str], env: dict[str, str], progress: Path, kills:
     pending = list(kills)
     current: Failure | None = None
     killed_pid = -1
+    started_before: tuple[int, int] | None = None
     try:
         while proc.poll() is None and time.monotonic() - t0 < timeout_s:
             step = _read_int(progress / "step")
             pid = _read_int(progress / "rank1.pid")
+            started = _read_started(progress / "started")
             now = time.monotonic()
             if step is not None and (not arm.marks or arm.marks[-1][1] != step):
                 arm.marks.append((now, step))
+            if current is not None and started is not None and started != started_before:
+                # A new rank 0 recorded its start: that is where the job resumed, even when no step
+                # was lost and the step count never went back.
+                current.restored_step = started[0]
             if current is not None and pid is not None and pid != killed_pid and step is not None:
-                if current.restored_step < 0 and step < current.kill_step:
-                    current.restored_step = step
-                if step >= current.kill_step and current.restored_step >= 0:
+                # At least one step done by the new processes: a resume at the killed step itself
+                # counts until that step is done (its first step pays the warm-up).
+                if current.restored_step >= 0 and step >= current.kill_step and step > current.restored_step:
                     current.back_ts = now
                     arm.failures.append(current)
                     current = None
@@ -119,6 +135,7 @@ def drive(name: str, cmd: list[str], env: dict[str, str], progress: Path, kills:
                     continue
                 current = Failure(step, now)
                 killed_pid = pid
+                started_before = started
                 pending.pop(0)
             time.sleep(0.005)
         proc.wait(max(1.0, timeout_s - (time.monotonic() - t0)))

@@ -40,11 +40,16 @@ def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Progress:
-    """For benchmarks that kill ranks from outside: each rank's pid, rank 0's steps done."""
+    """For benchmarks that kill ranks from outside: each rank's pid, rank 0's steps done and the step
+    this process started at (a resume that lost no step leaves the step count unchanged)."""
 
-    def __init__(self, directory: str, rank: int) -> None:
+    def __init__(self, directory: str, rank: int, start: int) -> None:
         self.fd = -1
         if directory:
+            if rank == 0:
+                with open(os.path.join(directory, "started.tmp"), "w") as fh:
+                    fh.write(f"{start} {os.getpid()}")
+                os.replace(os.path.join(directory, "started.tmp"), os.path.join(directory, "started"))
             with open(os.path.join(directory, f"rank{rank}.pid"), "w") as fh:
                 fh.write(str(os.getpid()))
             if rank == 0:
@@ -76,7 +81,7 @@ def main() -> int:
     state = {"model": model, "optim": optim}
     start = run.restore(state)  # the step to resume at (0 on a first start)
     run.watch_gradients(model.parameters())  # compute timed to the last gradient (on CUDA: without the all-reduce wait)
-    progress = Progress(args.progress, rank)
+    progress = Progress(args.progress, rank, start)
     if rank == 0 and start:
         print(f"resumed at step {start}", flush=True)
 

@@ -38,11 +38,16 @@ def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Progress:
-    """For benchmarks that kill ranks from outside: each rank's pid, rank 0's steps done."""
+    """For benchmarks that kill ranks from outside: each rank's pid, rank 0's steps done and the step
+    this process started at (a resume that lost no step leaves the step count unchanged)."""
 
-    def __init__(self, directory: str, rank: int) -> None:
+    def __init__(self, directory: str, rank: int, start: int) -> None:
         self.fd = -1
         if directory:
+            if rank == 0:
+                with open(os.path.join(directory, "started.tmp"), "w") as fh:
+                    fh.write(f"{start} {os.getpid()}")
+                os.replace(os.path.join(directory, "started.tmp"), os.path.join(directory, "started"))
             with open(os.path.join(directory, f"rank{rank}.pid"), "w") as fh:
                 fh.write(str(os.getpid()))
             if rank == 0:
@@ -82,7 +87,7 @@ def main() -> int:
         if rank == 0:
             print(f"resumed from step {start}", flush=True)
 
-    progress = Progress(args.progress, rank)
+    progress = Progress(args.progress, rank, start)
     for step in range(start, args.steps):
         if args.exit_code and rank == 1 and step == 2:
             # Exactly this code, as a crashing process has it: an interpreter teardown with the
