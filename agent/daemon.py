@@ -207,10 +207,11 @@ class Agent:
             gangs = getattr(getattr(self, "cluster", None), "gangs", None)
             if gangs is not None:
                 gangs.evidence_for = service.local_evidence  # sent along with forwarded telemetry
-        if self.cfg.controller.strategy != "none":
-            from trainguard.agent.controller import install as install_controller
+        # Installed with strategy "none" too: the LR still follows a global batch that healing
+        # changed (controller.lr_batch_rule), which is cheap (no per-step telemetry read).
+        from trainguard.agent.controller import install as install_controller
 
-            install_controller(self, self.cfg.controller)
+        install_controller(self, self.cfg.controller)
         self.drain_handler = self._drain
 
     def _drain(self, job: str, target: dict[str, Any]) -> dict[str, Any]:
@@ -276,7 +277,8 @@ class Agent:
         self.api_tcp_port = tcp[1] if tcp else None
         # Join the cluster once peers can reach this agent's API.
         self.exporter.sources.append(self.cluster)
-        self.cluster.start(f"{tcp[0]}:{tcp[1]}" if tcp else None, self.supervisor, self.plans)
+        self.cluster.start(f"{tcp[0]}:{tcp[1]}" if tcp else None, self.supervisor, self.plans,
+                               self.cfg.controller.lr_batch_rule)
         _write_whole(os.path.join(self.cfg.agent.run_dir, "api.addr"), f"{tcp[0]}:{tcp[1]}\n" if tcp else "\n")
 
     def _make_launcher(self) -> Launcher:

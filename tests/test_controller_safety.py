@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from prometheus_client.core import CollectorRegistry
 
 from trainguard.agent.controller import (
@@ -204,14 +205,71 @@ def test_world_size_change_rescales_lr_for_the_new_global_batch(tmp_path: Path) 
     agent.table.forget_job(JOB)  # the job restarted without rank 1
     sim.set_dp(1)
     sim.run(5, agent, ctl)
-    rescale = [e for e in events(agent, "controller_decision") if e.get("dp_to") == 1]
+    rescale = [e for e in events(agent, "controller_lr_rescale") if e.get("dp_to") == 1]
     assert len(rescale) == 1
-    assert "world size changed: dp 2 -> 1, global batch 16 -> 8" in rescale[0]["cause"]
+    assert "world size changed: dp 2 -> 1, global batch 16 -> 8; sqrt: LR x sqrt(8/16)" in rescale[0]["cause"]
+    assert rescale[0]["rule"] == "sqrt" and math.isclose(rescale[0]["factor"], math.sqrt(0.5))
     plan = agent.plans.get(JOB)
     # LR rescaled by sqrt(8/16); the per-rank split republished for one dp rank.
     assert math.isclose(plan.lr_scale, math.sqrt(0.5)) and plan.batch_sizes == [8]
     sim.run(3, agent, ctl)
     assert sim.applied[sim.step][1:] == (math.sqrt(0.5), [8])
+
+
+@pytest.mark.parametrize(("rule", "factor"), [("sqrt", math.sqrt(0.5)), ("linear", 0.5), ("none", 1.0)])
+def test_lr_follows_the_global_batch_with_no_strategy_on(tmp_path: Path, rule: str, factor: float) -> None:
+    """strategy none still rescales the LR when a shrink changes the global batch (a script with a
+    fixed per-rank batch), by the configured rule, and says so; the rejoin undoes it."""
+    agent = make_agent(tmp_path, global_batch=16)
+    ctl = install(agent, ControllerConfig(strategy="none", lr_batch_rule=rule))
+    sim = SimJob(agent.plans, agent.table, batch=16)
+    sim.run(150, agent, ctl)
+    assert agent.plans.get(JOB).version == 0  # nothing else changes under strategy none
+    agent.table.forget_job(JOB)
+    sim.set_dp(1)
+    sim.run(5, agent, ctl)
+    rescale = events(agent, "controller_lr_rescale")
+    assert len(rescale) == 1 and rescale[0]["rule"] == rule and math.isclose(rescale[0]["factor"], factor)
+    assert "dp 2 -> 1, global batch 16 -> 8" in rescale[0]["cause"] and rescale[0]["changed"] is (rule != "none")
+    assert math.isclose(agent.plans.get(JOB).lr_scale, factor)
+    sim.run(3, agent, ctl)
+    assert math.isclose(sim.lr_scale, factor)  # the ranks run it
+    agent.table.forget_job(JOB)
+    sim.set_dp(2)
+    sim.run(5, agent, ctl)
+    back = events(agent, "controller_lr_rescale")[-1]
+    assert "dp 1 -> 2, global batch 8 -> 16" in back["cause"]
+    assert math.isclose(agent.plans.get(JOB).lr_scale, 1.0)
+
+
+def test_a_shrink_that_keeps_the_global_batch_keeps_the_lr(tmp_path: Path) -> None:
+    """The embedded trainer keeps the global batch on a shrink (uneven shares): the event says so
+    and the LR stays."""
+    agent = make_agent(tmp_path, global_batch=8, parallel={"dp": 4, "tp": 1, "pp": 1})
+    ctl = install(agent, ControllerConfig(strategy="none"))
+    sim = SimJob(agent.plans, agent.table, dp=4, batch=8)
+    sim.run(20, agent, ctl)
+    agent.table.forget_job(JOB)
+    sim.dp, sim.sizes = 3, [3, 3, 2]
+    sim.run(5, agent, ctl)
+    rescale = events(agent, "controller_lr_rescale")
+    assert len(rescale) == 1 and rescale[0]["changed"] is False and "global batch unchanged (8)" in rescale[0]["cause"]
+    assert agent.plans.get(JOB).lr_scale == 1.0
+
+
+def test_adascale_rule_uses_the_measured_noise_scale(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path, global_batch=16)
+    ctl = install(agent, ControllerConfig(strategy="none", lr_batch_rule="adascale"))
+    sim = SimJob(agent.plans, agent.table, batch=16)
+    sim.run(60, agent, ctl)
+    noise = ctl.jobs[JOB].noise.value
+    assert noise is not None and 20 < noise < 50  # the simulated ranks' S / |G|^2 is 32
+    agent.table.forget_job(JOB)
+    sim.set_dp(1)
+    sim.run(5, agent, ctl)
+    rescale = events(agent, "controller_lr_rescale")[-1]
+    assert rescale["cause"].count("adascale:") == 1
+    assert math.isclose(rescale["factor"], (1 + noise / 16) / (1 + noise / 8))
 
 
 def test_metrics_families_match_spec(tmp_path: Path) -> None:

@@ -50,6 +50,7 @@ from trainguard.agent.cluster.blobstore import CKPT_NS, INDEX, BlobStore
 from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable
 from trainguard.agent.cluster.peertier import ClientFactory, PeerRef, fetch_remote_copy
 from trainguard.agent.cluster.placement import Placement, PlacementError, place
+from trainguard.agent.controller.batch_rule import follow_batch
 from trainguard.agent.wire import Telemetry, WireError, decode_telemetry, part_key
 
 if TYPE_CHECKING:
@@ -258,6 +259,8 @@ class GangCoordinator:
         self.plans: PlanStore | None = None
         """This agent's plan store: the rank-0 node publishes the job's plan settings to the record
         so that a new rank-0 node (after a node loss) starts from them."""
+        self.lr_batch_rule = "sqrt"
+        """How the LR follows a global batch the carry-over changes (controller.lr_batch_rule)."""
         self.shared_tiers: list[Tier] = []
         """Tiers every node reaches (the object store): the last resort for a part no live node holds."""
         self._launched: dict[str, int] = {}
@@ -519,13 +522,14 @@ class GangCoordinator:
             fields["batch_sizes"] = sizes
         elif isinstance(sizes, list) and sizes and "lr_scale" in fields:
             # The split was for the old dp and is dropped, so the global batch returns to the
-            # configured one: rescale LR by sqrt(new / old global batch), as the controller does
-            # on a world-size change (this node has no history of the job to do it from).
+            # configured one: the LR follows it by the same rule as the controller's on a
+            # world-size change (this node has no history of the job to do it from; no noise scale).
             old = sum(int(x) for x in sizes)
             new = int((rec.spec.get("trainer") or {}).get("global_batch", old) or old)
             if old > 0 and new != old:
-                fields["lr_scale"] = float(fields["lr_scale"]) * (new / old) ** 0.5
-                reason += f"; global batch {old} -> {new}, LR scale x sqrt({new}/{old})"
+                factor, how = follow_batch(self.lr_batch_rule, old, new, None)
+                fields["lr_scale"] = float(fields["lr_scale"]) * factor
+                reason += f"; global batch {old} -> {new}, {how}"
         if not fields:
             return
         fields["reason"] = reason

@@ -126,14 +126,16 @@ class ClusterService:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self, api_address: str | None, supervisor: Supervisor | None = None,
-              plans: PlanStore | None = None) -> None:
+              plans: PlanStore | None = None, lr_batch_rule: str = "sqrt") -> None:
         """``api_address``: HOST:PORT of this agent's bound TCP API (None: peers cannot reach us).
-        ``plans``: the agent's plan store, so a moved job keeps its LR/batch settings."""
+        ``plans``: the agent's plan store, so a moved job keeps its LR/batch settings, the LR
+        following a changed global batch by ``lr_batch_rule`` (controller.lr_batch_rule)."""
         self.supervisor = supervisor
         self.plans = plans
         if self.gangs is not None:
             self.gangs.supervisor = supervisor
             self.gangs.plans = plans
+            self.gangs.lr_batch_rule = lr_batch_rule
         advertise = self.cfg.advertise or (api_address or "")
         if advertise.startswith("0.0.0.0:"):
             log.warning("cluster: API bound to 0.0.0.0; set cluster.advertise so peers can reach this node")

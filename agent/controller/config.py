@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from trainguard.agent.controller.batch_rule import RULES, Rule
+
 Strategy = Literal["none", "optuna", "rl", "goodput"]
 STRATEGIES = ("none", "optuna", "rl", "goodput")
 SAMPLERS = ("tpe", "gp")
@@ -55,6 +57,9 @@ class ControllerConfig:
     """goodput: EMA factor for the |G|^2 and S estimates behind the gradient noise scale."""
     exploration: float = 1.0
     """rl: initial exploration (posterior variance inflation); it decays as 1/sqrt(decisions)."""
+    lr_batch_rule: Rule = "sqrt"
+    """How the LR follows a global batch that healing changed (exclusion, node loss, rejoin), with
+    any strategy, "none" included: sqrt, linear, adascale or none (batch_rule.py)."""
 
     def __post_init__(self) -> None:
         self.validate("controller")
@@ -66,6 +71,8 @@ class ControllerConfig:
 
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"{key}.strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.lr_batch_rule not in RULES:
+            raise ConfigError(f"{key}.lr_batch_rule", f"must be one of {', '.join(RULES)}, got {self.lr_batch_rule!r}")
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"{key}.sampler", f"must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         for name, low in (("every_steps", 2), ("warmup_steps", 0), ("batch_min", 0), ("batch_max", 0), ("seed", 0)):

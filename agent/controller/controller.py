@@ -16,8 +16,12 @@ Safety, whatever the strategy:
   loss before the window started, rolls back: the agent's ``rollback(job, reason)`` restores the
   last good checkpoint where the healing code provides it, and the controller returns to the last
   setting that completed a window, with the LR cut by ``lr_cut``;
-* world size: when the data-parallel degree changes (a rank excluded, a node lost) the LR scale is
-  rescaled by sqrt(new global batch / old) and the batch split is republished for the new dp.
+* world size: when the data-parallel degree changes (a rank excluded, a node lost or back) and the
+  global batch with it (a script with a fixed per-rank batch; the embedded trainer keeps the
+  global batch), the LR scale follows the new global batch by ``lr_batch_rule`` (batch_rule.py)
+  and a split of the old dp is republished for the new one. This runs with every strategy,
+  ``none`` included (which otherwise only watches: it reads no per-step telemetry unless the rule
+  is ``adascale``, which needs the noise scale).
 Every decision (keep, change, rollback, rescale) is an event with its reason and inputs.
 """
 
@@ -35,6 +39,7 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
+from trainguard.agent.controller.batch_rule import follow_batch
 from trainguard.agent.controller.config import ControllerConfig
 from trainguard.agent.controller.noise import NoiseScale
 from trainguard.agent.controller.strategy import (
@@ -229,8 +234,10 @@ class Controller:
         leader = live[0]
         self._sync_external(agent, jc)
         dp_now = self._dp_now(agent, job, leader, reps)
-        if dp_now != jc.dp and len(reps) == dp_now and self.config.strategy != "none":
+        if dp_now != jc.dp and len(reps) == dp_now:
             self._world_changed(agent, jc, reps, leader)
+        if self.config.strategy == "none" and self.config.lr_batch_rule != "adascale":
+            return
         msgs = agent.table.window(job, leader.rank, None)
         if not msgs:
             return
@@ -417,15 +424,17 @@ class Controller:
         jc.dp = new_dp
         space = self._space(jc.space.base_batch, new_dp, jc.space.quantum // old_dp, jc.space.lr_high)
         self._set_space(jc, space)
+        factor, how = follow_batch(self.config.lr_batch_rule, old_batch, new_batch, jc.noise.value)
         jc.noise = NoiseScale(self.config.noise_ema)
         jc.current = Setting(jc.current.lr_scale, new_batch)
-        lr = jc.current.lr_scale * math.sqrt(new_batch / old_batch)
-        target = Setting(min(space.lr_high, max(space.lr_low, lr)), new_batch)
-        reason = (f"world size changed: dp {old_dp} -> {new_dp}, global batch {old_batch} -> {new_batch}; "
-                  f"LR x sqrt({new_batch}/{old_batch}) = x{lr / jc.current.lr_scale:.3g}")
+        # The rule's result stays inside the safety bounds, which a strategy could not leave either.
+        lr = min(space.lr_high, max(space.lr_low, jc.current.lr_scale * factor))
+        target = Setting(lr, new_batch)
+        reason = f"world size changed: dp {old_dp} -> {new_dp}, global batch {old_batch} -> {new_batch}; {how}"
         # Re-split for the new dp as well: a plan's batch_sizes of the old length no longer fit.
-        self._apply(agent, jc, target, reason, "controller_decision",
-                    {"dp_from": old_dp, "dp_to": new_dp}, recovery=True)
+        self._apply(agent, jc, target, reason, "controller_lr_rescale",
+                    {"dp_from": old_dp, "dp_to": new_dp, "rule": self.config.lr_batch_rule, "factor": factor},
+                    recovery=True)
         jc.good = jc.current
 
     def _sync_external(self, agent: Any, jc: JobControl) -> None:

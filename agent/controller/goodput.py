@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+from trainguard.agent.controller.batch_rule import gain_ratio
 from trainguard.agent.controller.config import ControllerConfig
 from trainguard.agent.controller.strategy import Proposal, Setting, Space, WindowResult
 
@@ -43,11 +44,6 @@ def goodput(batch: float, base: float, noise: float, dp: int, fixed_s: float, pe
     """Samples per second times efficiency, with T(B) = fixed_s + per_sample_s * B / dp."""
     t = step_time(batch, dp, fixed_s, per_sample_s)
     return batch / t * efficiency(batch, base, noise) if t > 0 else 0.0
-
-
-def gain_ratio(batch: float, base: float, noise: float) -> float:
-    """AdaScale gain of ``batch`` over ``base``: (1 + B_noise / base) / (1 + B_noise / batch)."""
-    return (1.0 + noise / base) / (1.0 + noise / batch)
 
 
 def fit_step_time(points: dict[int, float]) -> tuple[float, float] | None:
