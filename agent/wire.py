@@ -77,6 +77,7 @@ _OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]]
     "proc_start": (_NUM, 0, None),
     "restore_begin": (_NUM, 0, None),
     "restore_end": (_NUM, 0, None),
+    "update_cos": (_NUM, -1.0, 1.0),
 }
 # Free-text fields: name -> longest accepted length.
 _TEXT_FIELDS = {"ckpt_error": 300}
@@ -129,6 +130,9 @@ class Telemetry:
     """... with when its restore began ..."""
     restore_end: float | None = None
     """... and ended: the recovery timeline of the job_resumed event."""
+    update_cos: float | None = None
+    """Cosine between this step's gradient and the previous step's parameter update, reversed
+    (trainguard.alignment): persistently positive means the LR is too low (hypergradient sign)."""
     has_loss: bool = True
     """False when the sender reported no loss (``loss`` is then NaN and means nothing)."""
 

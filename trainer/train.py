@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainguard.agent.wire import Plan
+from trainguard.alignment import UpdateAlignment
 from trainguard.run import Run, init
 from trainguard.trainer.config import TrainConfig
 from trainguard.trainer.data import Corpus, Sampler, split_counts, val_index, windows
@@ -128,6 +129,9 @@ class Trainer:
         # One optimizer per local stage, so each chunk's state can be saved and resharded on its own.
         self.optimizers = [self._make_optimizer(list(c.parameters())) for c in self.chunks]
         self.grad_meter = LocalGradMeter(self.chunks, lay.tp)
+        # update_cos for the controller's LR guard (this rank's shards under tp/fsdp: no collective).
+        self.alignment = UpdateAlignment(self.params)
+        self._update_cos: float | None = None
         quantum = cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1
         self.even_sizes = [n * quantum for n in split_counts(cfg.global_batch // quantum, lay.dp)]
         self.batch_sizes = list(self.even_sizes)
@@ -345,7 +349,9 @@ class Trainer:
                                 p.grad.mul_(coef)
                     for opt in self.optimizers:
                         opt.step()
+                    self._update_cos = self.alignment.after_step()
                 else:
+                    self._update_cos = None
                     self._log(f"step {self.step}: non-finite loss or gradient norm, update skipped")
                 for opt in self.optimizers:
                     opt.zero_grad(set_to_none=True)
@@ -408,7 +414,7 @@ class Trainer:
         s.report(loss=r.loss, lr=r.lr, grad_norm=r.grad_norm, local_grad_sq=local_sq, mem_bytes=mem_bytes(self.device),
                  flops_per_s=flops, mfu=flops / self._peak if self._peak else None, comm_bytes=comm_b,
                  bubble_frac=bubble_frac(cfg), mem_frag=mem_frag(self.device), val_loss=r.val_loss,
-                 compress_ratio=ratio)
+                 compress_ratio=ratio, update_cos=self._update_cos)
         self.history.append(r)
         if self.sink is not None and self.env.rank == 0:
             row: dict[str, Any] = {

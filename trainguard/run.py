@@ -315,7 +315,7 @@ class Run:
         r = step.reported
         times = step.timings(step_s, step_cpu_s)
         optional = {k: r[k] for k in ("flops_per_s", "mfu", "comm_bytes", "bubble_frac", "mem_frag", "val_loss",
-                                      "compress_ratio") if r.get(k) is not None}
+                                      "compress_ratio", "update_cos") if r.get(k) is not None}
         lr = _finite(r.get("lr"), 0.0)
         try:
             msg = Telemetry(

@@ -57,6 +57,13 @@ class ControllerConfig:
     """goodput: EMA factor for the |G|^2 and S estimates behind the gradient noise scale."""
     exploration: float = 1.0
     """rl: initial exploration (posterior variance inflation); it decays as 1/sqrt(decisions)."""
+    lr_guard: bool = True
+    """Raise an LR that is clearly too low, whatever the strategy: a window whose steps' gradients
+    keep agreeing with the previous update (telemetry update_cos, trainguard.alignment; mean above
+    lr_guard_threshold, 3 standard errors clear of 0) gets LR x2 (x4 above twice the threshold)."""
+    lr_guard_threshold: float = 0.05
+    lr_guard_max: float = 16.0
+    """Highest LR scale the guard may raise to (above lr_scale_max: it acts on evidence, not to explore)."""
     lr_batch_rule: Rule = "sqrt"
     """How the LR follows a global batch that healing changed (exclusion, node loss, rejoin), with
     any strategy, "none" included: sqrt, linear, adascale or none (batch_rule.py)."""
@@ -79,8 +86,10 @@ class ControllerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{key}.{name}", f"must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.lr_guard, bool):
+            raise ConfigError(f"{key}.lr_guard", f"must be true or false, got {self.lr_guard!r}")
         for name in ("lr_scale_min", "lr_scale_max", "divergence_factor", "lr_cut", "noise_ema", "exploration",
-                     "gain_threshold"):
+                     "gain_threshold", "lr_guard_threshold", "lr_guard_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"{key}.{name}", f"must be a finite number, got {value!r}")
@@ -97,6 +106,11 @@ class ControllerConfig:
             raise ConfigError(f"{key}.lr_cut", f"must be in (0, 1), got {self.lr_cut}")
         if not 0 <= self.noise_ema < 1:
             raise ConfigError(f"{key}.noise_ema", f"must be in [0, 1), got {self.noise_ema}")
+        if not 0 < self.lr_guard_threshold < 1:
+            raise ConfigError(f"{key}.lr_guard_threshold", f"must be in (0, 1), got {self.lr_guard_threshold}")
+        if self.lr_guard_max < self.lr_scale_max:
+            raise ConfigError(f"{key}.lr_guard_max",
+                              f"must be >= {key}.lr_scale_max ({self.lr_scale_max}), got {self.lr_guard_max}")
         if self.exploration < 0:
             raise ConfigError(f"{key}.exploration", f"must be >= 0, got {self.exploration}")
         if self.gain_threshold < 0:

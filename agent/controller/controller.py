@@ -34,7 +34,7 @@ import statistics
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prometheus_client.metrics_core import Metric
@@ -108,7 +108,12 @@ class Window:
     ref_loss: float | None
     recovery: bool = False
     """After a rollback or rescale: run but not scored (the loss is recovering from something else)."""
+    guarded: bool = False
+    """Set by the LR guard, not the strategy: a good setting once it completes, but not the
+    strategy's to learn from (it did not propose it)."""
     points: list[StepPoint] = field(default_factory=list)
+    aligns: list[float] = field(default_factory=list)
+    """The leader's update_cos of the window's steps (where the ranks send it)."""
 
 
 @dataclass
@@ -222,8 +227,9 @@ class Controller:
 
     def _space(self, base: int, dp: int, unit: int, lr_high: float | None = None) -> Space:
         low, high = self.config.batch_bounds(base, dp * unit)
+        # A ceiling passed in may be above lr_scale_max where the LR guard raised it (to lr_guard_max).
         return Space(base, dp * unit, low, high, self.config.lr_scale_min,
-                     min(self.config.lr_scale_max, lr_high) if lr_high else self.config.lr_scale_max)
+                     min(self.config.lr_guard_max, lr_high) if lr_high else self.config.lr_scale_max)
 
     def _tick_job(self, agent: Any, job: str, ranks: Any) -> None:
         live = self._live(ranks)
@@ -234,9 +240,12 @@ class Controller:
         leader = live[0]
         self._sync_external(agent, jc)
         dp_now = self._dp_now(agent, job, leader, reps)
+        watch_only = self.config.strategy == "none" and self.config.lr_batch_rule != "adascale"
+        if watch_only:
+            jc.last_step = leader.step  # no per-step reading: the step its events name
         if dp_now != jc.dp and len(reps) == dp_now:
             self._world_changed(agent, jc, reps, leader)
-        if self.config.strategy == "none" and self.config.lr_batch_rule != "adascale":
+        if watch_only:
             return
         msgs = agent.table.window(job, leader.rank, None)
         if not msgs:
@@ -280,6 +289,8 @@ class Controller:
         if m.plan_version < w.version:
             return  # the change is not applied yet: the ranks still run the previous setting
         w.points.append(point)
+        if m.update_cos is not None and math.isfinite(m.update_cos):
+            w.aligns.append(m.update_cos)
         if self._diverged(w):
             self._rollback(agent, jc, w)
             return
@@ -290,10 +301,12 @@ class Controller:
             jc.window = None
             if result is not None:
                 jc.objective = result.objective
-                if not w.recovery:
+                if not w.recovery and not w.guarded:
                     jc.strategy.observe(result)
+                if not w.recovery:
                     jc.good = w.setting
-            self._decide(agent, jc, result)
+            if not self._guard(agent, jc, w, result):
+                self._decide(agent, jc, result)
 
     def _diverged(self, w: Window) -> bool:
         last = w.points[-1].loss
@@ -329,8 +342,35 @@ class Controller:
                   "inputs": proposal.inputs}
         self._apply(agent, jc, target, reason, "controller_decision", fields)
 
+    def _guard(self, agent: Any, jc: JobControl, w: Window, result: WindowResult | None) -> bool:
+        """The LR guard: a window whose gradients kept agreeing with the previous update ran at an
+        LR that is too low (the hypergradient's sign, trainguard.alignment); raise it, whatever the
+        strategy would do. True when it acted."""
+        cfg = self.config
+        if not cfg.lr_guard or w.recovery or len(w.aligns) < max(10, cfg.every_steps // 2):
+            return False
+        mean = statistics.fmean(w.aligns)
+        se = statistics.stdev(w.aligns) / math.sqrt(len(w.aligns))
+        if mean <= cfg.lr_guard_threshold or mean < 3 * se:
+            return False
+        factor = 4.0 if mean > 2 * cfg.lr_guard_threshold else 2.0
+        lr = min(cfg.lr_guard_max, jc.current.lr_scale * factor)
+        if lr <= jc.current.lr_scale * (1 + 1e-9):
+            return False  # already at the guard's ceiling: the strategy goes on
+        if lr > jc.space.lr_high:
+            self._set_space(jc, replace(jc.space, lr_high=lr))  # the strategies may follow the evidence
+        reason = (f"LR too low: the window's gradients kept agreeing with the previous update (mean update_cos "
+                  f"{mean:+.3f} +- {se:.3f} over {len(w.aligns)} steps, threshold {cfg.lr_guard_threshold:g}); "
+                  f"LR x{factor:g}")
+        fields = {"window": [result.start_step, result.end_step] if result else None,
+                  "objective": None if result is None or not math.isfinite(result.objective) else result.objective,
+                  "inputs": {"update_cos_mean": mean, "update_cos_se": se, "steps": len(w.aligns)}}
+        self._apply(agent, jc, Setting(lr, jc.current.batch), reason, "controller_decision", fields, guarded=True)
+        return True
+
     def _apply(self, agent: Any, jc: JobControl, target: Setting, reason: str, kind: str,
-               fields: dict[str, Any], *, recovery: bool = False, severity: str = "info") -> None:
+               fields: dict[str, Any], *, recovery: bool = False, guarded: bool = False,
+               severity: str = "info") -> None:
         before = jc.current
         version = agent.plans.get(jc.job).version
         changes: dict[str, Any] = {}
@@ -361,7 +401,7 @@ class Controller:
         jc.history.append({"step": step, "kind": kind, "lr_scale": target.lr_scale, "batch": target.batch,
                            "changed": bool(changes), "reason": reason, "plan_version": version})
         ref = statistics.median(jc.recent) if len(jc.recent) >= 3 else None
-        jc.window = Window(target, version, ref, recovery=recovery)
+        jc.window = Window(target, version, ref, recovery=recovery, guarded=guarded)
 
     def _rollback(self, agent: Any, jc: JobControl, w: Window, external: str = "") -> None:
         bad = w.setting
