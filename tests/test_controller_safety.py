@@ -51,6 +51,8 @@ class SimJob:
         self.wall = 1000.0
         self.pending: Any = None
         self.applied: dict[int, tuple[int, float, list[int]]] = {}
+        self.align: Any = None
+        """lr_scale -> the update_cos the ranks report (None: they report none)."""
 
     def set_dp(self, dp: int) -> None:
         """A rank is gone: the restarted job keeps the per-rank batch (memory-bound)."""
@@ -82,7 +84,8 @@ class SimJob:
                     data_s=0.0, fwd_bwd_s=0.001 * b, comm_s=0.005, opt_s=0.005, samples=b, tokens=b * 32,
                     loss=self.loss, grad_norm=math.sqrt(g2 + s / total), local_grad_sq=g2 + s / b,
                     lr=1e-3 * self.lr_scale, batch_size=b, mem_bytes=1, plan_version=self.version,
-                    dp_rank=d, world_size=self.dp))
+                    dp_rank=d, world_size=self.dp,
+                    update_cos=self.align(self.lr_scale, self.step) if self.align else None))
             self.applied[self.step] = (self.version, self.lr_scale, list(self.sizes))
             polled = self.watcher.poll()
             if polled.version != self.version:
@@ -270,6 +273,47 @@ def test_adascale_rule_uses_the_measured_noise_scale(tmp_path: Path) -> None:
     rescale = events(agent, "controller_lr_rescale")[-1]
     assert rescale["cause"].count("adascale:") == 1
     assert math.isclose(rescale["factor"], (1 + noise / 16) / (1 + noise / 8))
+
+
+def test_lr_guard_raises_an_lr_whose_updates_keep_agreeing(tmp_path: Path) -> None:
+    """Gradients that keep agreeing with the previous update (update_cos clearly > 0) mean the LR
+    is too low: the guard raises it past lr_scale_max (up to lr_guard_max), whatever the strategy
+    proposes, and the strategy does not learn from a window it did not choose."""
+    agent = make_agent(tmp_path)
+    strat = Scripted([])  # would keep the current setting forever
+    cfg = ControllerConfig(strategy="rl", every_steps=10, warmup_steps=10, lr_scale_max=1.0, lr_guard_max=8.0)
+    ctl = install(agent, cfg, strategy_factory=lambda c, s, j: strat)
+    sim = SimJob(agent.plans, agent.table)
+    # Too low below x3 (strongly so below x1.5), then the mean is 0; a little noise step by step.
+    sim.align = lambda lr, step: (0.15 if lr < 1.5 else 0.07 if lr < 3 else 0.0) + 0.01 * ((step % 3) - 1)
+    sim.run(60, agent, ctl)
+    guarded = [e for e in events(agent, "controller_decision") if e["cause"].startswith("LR too low")]
+    assert [e["lr_scale_to"] for e in guarded] == [4.0], guarded  # x4 at mean 0.15 (> 2x the threshold)
+    assert guarded[0]["inputs"]["update_cos_mean"] > 0.1 and guarded[0]["changed"] is True
+    assert agent.plans.get(JOB).lr_scale == 4.0 and ctl.jobs[JOB].space.lr_high == 4.0
+    observed = [o.setting.lr_scale for o in strat.observed]
+    assert observed and 4.0 not in observed[:1] and observed.count(1.0) == 1  # the guarded window: not the strategy's
+    sim.run(40, agent, ctl)
+    assert agent.plans.get(JOB).lr_scale == 4.0  # at x4 the updates no longer agree: it stays
+
+
+def test_lr_guard_leaves_an_lr_whose_updates_do_not_agree(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    ctl = install(agent, ControllerConfig(strategy="rl", every_steps=10, warmup_steps=10),
+                  strategy_factory=lambda c, s, j: Scripted([]))
+    sim = SimJob(agent.plans, agent.table)
+    sim.align = lambda lr, step: 0.02 + 0.05 * ((step % 3) - 1)  # small and noisy: not evidence
+    sim.run(80, agent, ctl)
+    assert not [e for e in events(agent, "controller_decision") if e["cause"].startswith("LR too low")]
+    assert agent.plans.get(JOB).lr_scale == 1.0
+    # Switched off, even strong agreement changes nothing.
+    agent = make_agent(tmp_path / "off")
+    off = install(agent, ControllerConfig(strategy="rl", every_steps=10, warmup_steps=10, lr_guard=False),
+                  strategy_factory=lambda c, s, j: Scripted([]))
+    sim = SimJob(agent.plans, agent.table)
+    sim.align = lambda lr, step: 0.3 + 0.01 * ((step % 3) - 1)
+    sim.run(60, agent, off)
+    assert agent.plans.get(JOB).lr_scale == 1.0
 
 
 def test_metrics_families_match_spec(tmp_path: Path) -> None:

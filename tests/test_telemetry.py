@@ -216,7 +216,7 @@ valid_msgs = st.builds(
 _INT_FIELDS = ["rank", "local_rank", "pid", "step", "samples", "tokens", "batch_size", "mem_bytes", "plan_version"]
 _BOUNDED = {  # field -> a value outside its range
     "rank": -1, "pid": 0, "step": (1 << 53) + 1, "lr": 1e4, "step_s": -0.5, "data_s": 86401.0,
-    "batch_size": -3, "mem_bytes": 1 << 61, "mfu": 2.0, "world_size": 0,
+    "batch_size": -3, "mem_bytes": 1 << 61, "mfu": 2.0, "world_size": 0, "update_cos": 1.5,
 }
 
 

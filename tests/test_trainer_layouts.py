@@ -90,6 +90,9 @@ def test_layout_matches_single_process(name: str, cache_dir: str, tmp_path) -> N
         assert all(m.world_size == nproc and m.tokens == m.samples * cfg.model.context for m in msgs)
         assert all(m.mem_bytes > 0 and m.comm_s >= 0 and m.fwd_bwd_s > 0 and m.flops_per_s for m in msgs)
         assert all(m.local_grad_sq > 0 and m.plan_version == 0 for m in msgs)
+        # The LR guard's signal: from the third step on (it needs a previous update), a cosine.
+        assert [m.update_cos is None for m in msgs[:2]] == [True, True]
+        assert all(m.update_cos is not None and -1 <= m.update_cos <= 1 for m in msgs[2:]), rank
         if cfg.parallel.dp == 1:  # the local gradient is the global one (pp stages and tp shards summed)
             assert all(math.isclose(m.local_grad_sq, m.grad_norm ** 2, rel_tol=1e-6) for m in msgs)
         if cfg.parallel.pp > 1:
