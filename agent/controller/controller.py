@@ -134,6 +134,8 @@ class JobControl:
     decisions: int = 0
     objective: float | None = None
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
+    warmup_aligns: list[float] = field(default_factory=list)
+    """update_cos of the warm-up's second half: the LR guard's first look."""
 
 
 def split_batch(total: int, dp: int, unit: int, weights: list[int] | None) -> list[int]:
@@ -283,8 +285,13 @@ class Controller:
         if w is None:
             if math.isfinite(m.loss):
                 jc.recent.append(m.loss)
+            # The guard looks at the second half of the warm-up already (the first steps of any
+            # run agree with each other whatever the LR), so a bad LR is raised at its end.
+            if m.update_cos is not None and math.isfinite(m.update_cos) and m.step > self.config.warmup_steps // 2:
+                jc.warmup_aligns.append(m.update_cos)
             if m.step >= self.config.warmup_steps:
-                self._decide(agent, jc, None)
+                if not self._guard(agent, jc, jc.warmup_aligns, None):
+                    self._decide(agent, jc, None)
             return
         if m.plan_version < w.version:
             return  # the change is not applied yet: the ranks still run the previous setting
@@ -305,7 +312,7 @@ class Controller:
                     jc.strategy.observe(result)
                 if not w.recovery:
                     jc.good = w.setting
-            if not self._guard(agent, jc, w, result):
+            if w.recovery or not self._guard(agent, jc, w.aligns, result):
                 self._decide(agent, jc, result)
 
     def _diverged(self, w: Window) -> bool:
@@ -342,29 +349,31 @@ class Controller:
                   "inputs": proposal.inputs}
         self._apply(agent, jc, target, reason, "controller_decision", fields)
 
-    def _guard(self, agent: Any, jc: JobControl, w: Window, result: WindowResult | None) -> bool:
+    def _guard(self, agent: Any, jc: JobControl, aligns: list[float], result: WindowResult | None) -> bool:
         """The LR guard: a window whose gradients kept agreeing with the previous update ran at an
         LR that is too low (the hypergradient's sign, trainguard.alignment); raise it, whatever the
-        strategy would do. True when it acted."""
+        strategy would do, and move the strategy's LR range up with it, so that exploring does not
+        undo what the evidence showed. True when it acted."""
         cfg = self.config
-        if not cfg.lr_guard or w.recovery or len(w.aligns) < max(10, cfg.every_steps // 2):
+        if not cfg.lr_guard or len(aligns) < max(10, cfg.every_steps // 2):
             return False
-        mean = statistics.fmean(w.aligns)
-        se = statistics.stdev(w.aligns) / math.sqrt(len(w.aligns))
+        mean = statistics.fmean(aligns)
+        se = statistics.stdev(aligns) / math.sqrt(len(aligns))
         if mean <= cfg.lr_guard_threshold or mean < 3 * se:
             return False
         factor = 4.0 if mean > 2 * cfg.lr_guard_threshold else 2.0
         lr = min(cfg.lr_guard_max, jc.current.lr_scale * factor)
         if lr <= jc.current.lr_scale * (1 + 1e-9):
             return False  # already at the guard's ceiling: the strategy goes on
-        if lr > jc.space.lr_high:
-            self._set_space(jc, replace(jc.space, lr_high=lr))  # the strategies may follow the evidence
+        space = jc.space
+        self._set_space(jc, replace(space, lr_low=min(lr, space.lr_low * factor),
+                                    lr_high=min(cfg.lr_guard_max, max(lr, space.lr_high * factor))))
         reason = (f"LR too low: the window's gradients kept agreeing with the previous update (mean update_cos "
-                  f"{mean:+.3f} +- {se:.3f} over {len(w.aligns)} steps, threshold {cfg.lr_guard_threshold:g}); "
+                  f"{mean:+.3f} +- {se:.3f} over {len(aligns)} steps, threshold {cfg.lr_guard_threshold:g}); "
                   f"LR x{factor:g}")
         fields = {"window": [result.start_step, result.end_step] if result else None,
                   "objective": None if result is None or not math.isfinite(result.objective) else result.objective,
-                  "inputs": {"update_cos_mean": mean, "update_cos_se": se, "steps": len(w.aligns)}}
+                  "inputs": {"update_cos_mean": mean, "update_cos_se": se, "steps": len(aligns)}}
         self._apply(agent, jc, Setting(lr, jc.current.batch), reason, "controller_decision", fields, guarded=True)
         return True
 
