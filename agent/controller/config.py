@@ -63,7 +63,8 @@ class ControllerConfig:
     lr_guard_threshold, 3 standard errors clear of 0) gets LR x2 (x4 above twice the threshold)."""
     lr_guard_threshold: float = 0.05
     lr_guard_max: float = 16.0
-    """Highest LR scale the guard may raise to (above lr_scale_max: it acts on evidence, not to explore)."""
+    """Highest LR scale the guard may raise to (above lr_scale_max: it acts on evidence, not to
+    explore); never below lr_scale_max (``guard_ceiling``)."""
     lr_batch_rule: Rule = "sqrt"
     """How the LR follows a global batch that healing changed (exclusion, node loss, rejoin), with
     any strategy, "none" included: sqrt, linear, adascale or none (batch_rule.py)."""
@@ -108,9 +109,6 @@ class ControllerConfig:
             raise ConfigError(f"{key}.noise_ema", f"must be in [0, 1), got {self.noise_ema}")
         if not 0 < self.lr_guard_threshold < 1:
             raise ConfigError(f"{key}.lr_guard_threshold", f"must be in (0, 1), got {self.lr_guard_threshold}")
-        if self.lr_guard_max < self.lr_scale_max:
-            raise ConfigError(f"{key}.lr_guard_max",
-                              f"must be >= {key}.lr_scale_max ({self.lr_scale_max}), got {self.lr_guard_max}")
         if self.exploration < 0:
             raise ConfigError(f"{key}.exploration", f"must be >= 0, got {self.exploration}")
         if self.gain_threshold < 0:
@@ -121,6 +119,10 @@ class ControllerConfig:
             raise ConfigError(f"{key}.storage", f"a journal file must be an absolute path, got {self.storage!r}")
         if not isinstance(self.study_name, str) or not self.study_name.strip():
             raise ConfigError(f"{key}.study_name", "must be a non-empty string")
+
+    @property
+    def guard_ceiling(self) -> float:
+        return max(self.lr_guard_max, self.lr_scale_max)
 
     def batch_bounds(self, base: int, dp: int) -> tuple[int, int]:
         """Global batch bounds for a job whose configured batch is ``base``, as multiples of dp."""

@@ -162,6 +162,13 @@ def split_batch(total: int, dp: int, unit: int, weights: list[int] | None) -> li
     return [u * unit for u in out]
 
 
+def decision_fields(result: WindowResult | None, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The event fields of a decision taken at the end of ``result``'s window."""
+    objective = None if result is None or not math.isfinite(result.objective) else result.objective
+    return {"window": [result.start_step, result.end_step] if result else None, "objective": objective,
+            "inputs": inputs}
+
+
 class Controller:
     def __init__(self, config: ControllerConfig, *, strategy_factory: StrategyFactory | None = None) -> None:
         self.config = config
@@ -231,7 +238,7 @@ class Controller:
         low, high = self.config.batch_bounds(base, dp * unit)
         # A ceiling passed in may be above lr_scale_max where the LR guard raised it (to lr_guard_max).
         return Space(base, dp * unit, low, high, self.config.lr_scale_min,
-                     min(self.config.lr_guard_max, lr_high) if lr_high else self.config.lr_scale_max)
+                     min(self.config.guard_ceiling, lr_high) if lr_high else self.config.lr_scale_max)
 
     def _tick_job(self, agent: Any, job: str, ranks: Any) -> None:
         live = self._live(ranks)
@@ -290,7 +297,8 @@ class Controller:
             if m.update_cos is not None and math.isfinite(m.update_cos) and m.step > self.config.warmup_steps // 2:
                 jc.warmup_aligns.append(m.update_cos)
             if m.step >= self.config.warmup_steps:
-                if not self._guard(agent, jc, jc.warmup_aligns, None):
+                aligns, jc.warmup_aligns = jc.warmup_aligns, []  # looked at once
+                if not self._guard(agent, jc, aligns, None):
                     self._decide(agent, jc, None)
             return
         if m.plan_version < w.version:
@@ -344,10 +352,7 @@ class Controller:
         reason = proposal.reason
         if target != proposal.setting:
             reason += f" (clamped to bounds: {target.describe()})"
-        fields = {"window": [result.start_step, result.end_step] if result else None,
-                  "objective": None if result is None or not math.isfinite(result.objective) else result.objective,
-                  "inputs": proposal.inputs}
-        self._apply(agent, jc, target, reason, "controller_decision", fields)
+        self._apply(agent, jc, target, reason, "controller_decision", decision_fields(result, proposal.inputs))
 
     def _guard(self, agent: Any, jc: JobControl, aligns: list[float], result: WindowResult | None) -> bool:
         """The LR guard: a window whose gradients kept agreeing with the previous update ran at an
@@ -362,19 +367,18 @@ class Controller:
         if mean <= cfg.lr_guard_threshold or mean < 3 * se:
             return False
         factor = 4.0 if mean > 2 * cfg.lr_guard_threshold else 2.0
-        lr = min(cfg.lr_guard_max, jc.current.lr_scale * factor)
+        lr = min(cfg.guard_ceiling, jc.current.lr_scale * factor)
         if lr <= jc.current.lr_scale * (1 + 1e-9):
             return False  # already at the guard's ceiling: the strategy goes on
         space = jc.space
         self._set_space(jc, replace(space, lr_low=min(lr, space.lr_low * factor),
-                                    lr_high=min(cfg.lr_guard_max, max(lr, space.lr_high * factor))))
+                                    lr_high=min(cfg.guard_ceiling, max(lr, space.lr_high * factor))))
         reason = (f"LR too low: the window's gradients kept agreeing with the previous update (mean update_cos "
                   f"{mean:+.3f} +- {se:.3f} over {len(aligns)} steps, threshold {cfg.lr_guard_threshold:g}); "
                   f"LR x{factor:g}")
-        fields = {"window": [result.start_step, result.end_step] if result else None,
-                  "objective": None if result is None or not math.isfinite(result.objective) else result.objective,
-                  "inputs": {"update_cos_mean": mean, "update_cos_se": se, "steps": len(aligns)}}
-        self._apply(agent, jc, Setting(lr, jc.current.batch), reason, "controller_decision", fields, guarded=True)
+        inputs = {"update_cos_mean": mean, "update_cos_se": se, "steps": len(aligns)}
+        self._apply(agent, jc, Setting(lr, jc.current.batch), reason, "controller_decision",
+                    decision_fields(result, inputs), guarded=True)
         return True
 
     def _apply(self, agent: Any, jc: JobControl, target: Setting, reason: str, kind: str,
