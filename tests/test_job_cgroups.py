@@ -85,9 +85,17 @@ def test_a_job_forgotten_while_its_close_is_in_flight_leaves_no_reading_behind(t
     closer.start()
     assert zygote.closing.wait(5)
     launcher.forget("done")  # the retention ran out before the close did
+    assert "done" not in launcher.cgroup_usage()  # the cgroup is still held, its use not shown
     zygote.release.set()
     closer.join(10)
     assert "done" not in launcher.cgroup_usage()
+    # Forgotten before its close thread even ran: the close takes no reading either.
+    launcher.job_cgroups["late"] = late = groups.for_job("late")
+    (late.dirs["cpuacct"] / "cpuacct.usage").write_text("3000000000\n")
+    launcher.forget("late")
+    assert "late" not in launcher.cgroup_usage()
+    launcher.close_job("late")
+    assert "late" not in launcher.cgroup_usage() and "late" not in launcher.job_cgroups
     # Without a forget the ended job's reading stays for /metrics until the retention ends.
     launcher.job_cgroups["kept"] = kept = groups.for_job("kept")
     (kept.dirs["cpuacct"] / "cpuacct.usage").write_text("1000000000\n")

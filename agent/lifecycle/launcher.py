@@ -196,17 +196,19 @@ class Launcher:
         """What a job's cgroup had used when the job ended (kept until ``forget``)."""
         self.final_limits: dict[str, dict[str, float]] = {}
         self.unit_jobs: set[str] = set()
-        # close_job runs on its own thread (a zygote's exit can take seconds under load) and may
-        # still be in flight when the job is forgotten: it must not record the job's use after that.
+        # close_job runs on its own thread (a zygote's exit can take seconds under load) and may not
+        # have run, or be in flight, when the job is forgotten: the job's cgroup is still held then,
+        # but neither its live use nor the final reading close_job takes may show after that.
         self._close_lock = threading.Lock()
-        self._closing: set[str] = set()
-        self._forgotten_while_closing: set[str] = set()
+        self._forgotten: set[str] = set()
 
     def job_cgroup(self, spec: JobSpec, ctx: LaunchContext) -> JobCgroup | None:
         """The job's cgroup with its limits applied; leftovers of a previous attempt (but the
         warm launcher's zygote) killed. Raises CgroupError: the launch fails, saying why."""
         if self.cgroups is None:
             return None
+        with self._close_lock:
+            self._forgotten.discard(spec.job)  # the same name submitted again
         cg = self.job_cgroups.get(spec.job)
         if cg is None:
             cg = self.job_cgroups[spec.job] = self.cgroups.for_job(spec.job)
@@ -233,7 +235,9 @@ class Launcher:
         for job in list(self.unit_jobs) if units else ():
             use = slice_usage(job)
             out[job] = JobUsage(use["cpu_s"], use["memory_bytes"], float("nan"), 0, 0)
-        for job, cg in list(self.job_cgroups.items()):
+        with self._close_lock:
+            held = [(job, cg) for job, cg in self.job_cgroups.items() if job not in self._forgotten]
+        for job, cg in held:
             out[job] = cg.usage()
         return out
 
@@ -243,8 +247,8 @@ class Launcher:
 
     def forget(self, job: str) -> None:
         with self._close_lock:
-            if job in self._closing:
-                self._forgotten_while_closing.add(job)
+            if job in self.job_cgroups:
+                self._forgotten.add(job)  # close_job still to run, or running
             self.unit_jobs.discard(job)
             self.final_usage.pop(job, None)
             self.final_limits.pop(job, None)
@@ -285,8 +289,6 @@ class Launcher:
 
     def close_job(self, job: str) -> None:
         """The job ended: its warm launcher goes, then everything left in its cgroup, then the cgroup."""
-        with self._close_lock:
-            self._closing.add(job)
         try:
             zygote = self.zygotes.pop(job, None)
             if zygote is not None:
@@ -295,7 +297,7 @@ class Launcher:
             if cg is not None:
                 use = cg.usage()  # read before the cgroup goes (an OOM kill at the end)
                 with self._close_lock:
-                    if job not in self._forgotten_while_closing:
+                    if job not in self._forgotten:
                         self.final_usage[job] = use
                         self.final_limits[job] = dict(cg.limits)
                     self.job_cgroups.pop(job, None)
@@ -305,8 +307,7 @@ class Launcher:
                 cg.remove()
         finally:
             with self._close_lock:
-                self._closing.discard(job)
-                self._forgotten_while_closing.discard(job)
+                self._forgotten.discard(job)
 
     @staticmethod
     def rank_cwd(spec: JobSpec, ctx: LaunchContext) -> str:
