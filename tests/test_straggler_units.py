@@ -131,6 +131,23 @@ def test_no_false_positive_on_noisy_healthy_run(seed: int) -> None:
     assert all(det.state(r) == RankState.HEALTHY for r in range(8))
 
 
+def test_one_lucky_fast_rank_makes_no_stragglers_of_its_typical_peers() -> None:
+    """4 ranks; rank 0 runs 1.7x faster than the other three (an idle core, a warm cache), which
+    are alike: slower than the fastest, but no slower than their peers, so none is a straggler. A
+    rank slower than its typical peer as well is still found."""
+    cfg = StragglerConfig(window=12, warmup_steps=5, enter_windows=2, leave_windows=2, eval_every_steps=4)
+    rng = random.Random(5)
+    series = {0: _steps(rng, 0, 120, 0.006, jitter=0.05, spikes=0.0)}
+    series.update({r: _steps(rng, 0, 120, 0.01, jitter=0.05, spikes=0.0) for r in (1, 2, 3)})
+    det = StragglerDetector(cfg)
+    trans = _run(det, series, 120)
+    assert not [t for t in trans if t.detected], trans
+    assert det.score(1) < cfg.enter_score  # the score is still the fastest's time over this rank's
+    series[3] = [StepSample(s.step, s.fwd_bwd_s * 2, s.opt_s, s.samples) for s in series[3]]
+    det = StragglerDetector(cfg)
+    assert [t.rank for t in _run(det, series, 120) if t.detected] == [3]
+
+
 def test_warmup_steps_are_not_judged() -> None:
     rng = random.Random(3)
     series = {r: _steps(rng, 0, 30, 0.01) for r in range(4)}

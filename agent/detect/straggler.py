@@ -223,7 +223,10 @@ def group_scores(figs: Iterable[RankFigures], mad_k: float, with_delay: bool = T
     shared wait would dilute the comparison), and a rank that waits longer than the others for a
     CPU is slow even if its compute is not. ``significant`` when the rank's compute exceeds the
     fastest by more than ``mad_k`` pooled robust deviations, or its wait-included time does by more
-    than that plus a quarter of the fastest's run delay (run delay is noisier than compute).
+    than that plus a quarter of the fastest's run delay (run delay is noisier than compute), and
+    exceeds the median of its peers by as much: the fastest of several noisy medians sits below a
+    typical rank by chance alone (more so the more ranks), so with three or more ranks a healthy rank
+    beside one lucky fast peer is not significant; with two, the peer is the fastest.
     """
     figs = list(figs)
     if not figs:
@@ -240,10 +243,13 @@ def group_scores(figs: Iterable[RankFigures], mad_k: float, with_delay: bool = T
     fast_delay = min(f.delay_s for f in figs)
     out: dict[int, tuple[float, bool]] = {}
     for f in figs:
+        peers = [g.rank for g in figs if g.rank != f.rank] or [f.rank]
+        ref_own = max(fast_own, median([own[r] for r in peers]))
+        ref_waited = max(fast_waited, median([waited[r] for r in peers]))
         s_own = fast_own / own[f.rank] if own[f.rank] > 0 else 1.0
-        sig_own = own[f.rank] - fast_own > mad_k * pooled
+        sig_own = own[f.rank] - ref_own > mad_k * pooled
         s_wait = fast_waited / waited[f.rank] if with_delay and waited[f.rank] > 0 else 1.0
-        sig_wait = with_delay and waited[f.rank] - fast_waited > mad_k * pooled + 0.25 * fast_delay
+        sig_wait = with_delay and waited[f.rank] - ref_waited > mad_k * pooled + 0.25 * fast_delay
         score, significant = min(((s_own, sig_own), (s_wait, sig_wait)), key=lambda c: c[0])
         out[f.rank] = (min(1.0, max(0.0, score)), significant)
     return out
