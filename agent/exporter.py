@@ -43,7 +43,7 @@ CORE_METRICS: tuple[MetricSpec, ...] = (
 
 TELEMETRY_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("trainguard_telemetry_received_total", "counter", "", (),
-               "Telemetry datagrams read from the agent's socket."),
+               "Telemetry messages read from the agent's socket (a datagram may hold several)."),
     MetricSpec("trainguard_telemetry_messages_total", "counter", "", (),
                "Telemetry messages validated and stored."),
     MetricSpec("trainguard_telemetry_dropped_total", "counter", "", ("reason",),

@@ -32,7 +32,7 @@ from typing import Any
 from prometheus_client.metrics_core import Metric
 
 from trainguard.agent.ranktable import RankTable, RankTableConfig, RankView, TableSnapshot
-from trainguard.agent.wire import MAX_DATAGRAM_BYTES, Telemetry, WireError, decode_telemetry
+from trainguard.agent.wire import MAX_DATAGRAM_BYTES, Telemetry, WireError, decode_telemetry, split_datagram
 
 __all__ = ["RankTable", "RankTableConfig", "RankView", "TableSnapshot", "TelemetryServer", "TelemetryStats",
            "ensure_dgram_qlen", "read_dgram_qlen"]
@@ -283,22 +283,28 @@ class TelemetryServer:
             poller.poll(self._poll_ms)
 
     def _ingest(self, batch: list[tuple[bytes, int]]) -> None:
-        self.received_total += len(batch)
         good: list[Telemetry] = []
         dropped = self.dropped_total
         check = self.sender_check
-        for data, sender in batch:
-            try:
-                msg = decode_telemetry(data)
-                if check is not None and not check(msg.job, sender):
-                    dropped["forged"] = dropped.get("forged", 0) + 1
-                    continue
-                good.append(msg)
-            except WireError as exc:
-                dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
-            except Exception:  # a decoder bug must cost one message, not the receiver thread
-                log.exception("telemetry decoder failed")
-                dropped["internal"] = dropped.get("internal", 0) + 1
+        for datagram, sender in batch:
+            if len(datagram) > MAX_DATAGRAM_BYTES:  # cut off by the receive buffer: not one part is whole
+                self.received_total += 1
+                dropped["size"] = dropped.get("size", 0) + 1
+                continue
+            parts = split_datagram(datagram)
+            self.received_total += len(parts)
+            for data in parts:
+                try:
+                    msg = decode_telemetry(data)
+                    if check is not None and not check(msg.job, sender):
+                        dropped["forged"] = dropped.get("forged", 0) + 1
+                        continue
+                    good.append(msg)
+                except WireError as exc:
+                    dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
+                except Exception:  # a decoder bug must cost one message, not the receiver thread
+                    log.exception("telemetry decoder failed")
+                    dropped["internal"] = dropped.get("internal", 0) + 1
         if not good:
             return
         result = self.table.add_many(good, self._clock())

@@ -107,35 +107,50 @@ def _init(rank: int, nproc: int, port: int, extra: dict[str, str]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=nproc)
 
 
-def _plan_ranks(rank: int, nproc: int, port: int, plan_path: str, out_dir: str) -> None:
+def _plan_ranks(rank: int, nproc: int, port: int, plan_path: str, out_dir: str, steps: int, write_at: int,
+                step_sleep: float) -> None:
     _init(rank, nproc, port, {"TRAINGUARD_PLAN": plan_path, "TRAINGUARD_JOB": "p"})
     run = trainguard.init()
     seen = []
     t = torch.zeros(1)
-    for step in range(40):
+    for step in range(steps):
         with run.step(step):
-            if rank == 0 and step == 7:
+            if rank == 0 and step == write_at:
                 write_plan_file(plan_path, Plan(version=9, lr_scale=0.25, reason="test"))
-            if rank == 1:
-                time.sleep(0.003)  # the ranks drift apart within a step, as real ones do
+            time.sleep(step_sleep + (0.003 if rank == 1 else 0.0))  # the ranks drift apart within a step, as real ones do
             dist.all_reduce(t)
         seen.append(run.plan.version)
     Path(out_dir, f"rank{rank}").write_text(",".join(map(str, seen)))
+    Path(out_dir, f"points{rank}").write_text(str(run._sync.points))
     dist.destroy_process_group()
 
 
 def test_every_rank_applies_a_plan_at_the_same_step(tmp_path: Path) -> None:
     plan_path = str(tmp_path / "plan.json")
     write_plan_file(plan_path, Plan(version=1))
-    _spawn(_plan_ranks, 2, plan_path, str(tmp_path))
+    _spawn(_plan_ranks, 2, plan_path, str(tmp_path), 40, 7, 0.03)
     seen = [(tmp_path / f"rank{r}").read_text() for r in (0, 1)]
     assert seen[0] == seen[1], seen
     versions = [int(v) for v in seen[0].split(",")]
     assert versions[0] == 1 and versions[-1] == 9
     first = versions.index(9)
-    # Written during step 7; sync points every 4 steps: rank 0 sees it at the one after step 8 and every
-    # rank takes it at the next (after step 12), within 2 x 4 steps of the write.
+    # Written during step 7; steps of 30 ms or more keep sync points every 4 steps: rank 0 sees it at
+    # the one after step 8 and every rank takes it at the next (after step 12), within 2 x 4 steps.
     assert 8 <= first <= 7 + 2 * 4
+
+
+def test_short_steps_sync_less_often_and_still_agree(tmp_path: Path) -> None:
+    """Steps of ~2 ms: rank 0 widens the gaps between sync points (about one per 0.1 s, not one per
+    4 steps), and every rank still switches to a new plan at the same step."""
+    plan_path = str(tmp_path / "plan.json")
+    write_plan_file(plan_path, Plan(version=1))
+    _spawn(_plan_ranks, 2, plan_path, str(tmp_path), 400, 100, 0.0)
+    seen = [(tmp_path / f"rank{r}").read_text() for r in (0, 1)]
+    assert seen[0] == seen[1], seen
+    versions = [int(v) for v in seen[0].split(",")]
+    assert versions[0] == 1 and versions[-1] == 9 and versions.index(9) > 100
+    points = [int((tmp_path / f"points{r}").read_text()) for r in (0, 1)]
+    assert points[0] == points[1] and points[0] < 400 // 4 // 2, points  # fewer than half the fixed schedule's
 
 
 def _uneven(rank: int, nproc: int, port: int, plan_path: str, out: str) -> None:
@@ -241,6 +256,44 @@ def test_checkpoint_any_state_and_restore_into_another_world_size(tmp_path: Path
     assert state["counter"].n == 10 and state["note"] == "after 9"
     assert state["sched"].last_epoch == 10 and state["optim"].param_groups[0]["lr"] == pytest.approx(want["lr"])
     assert state["optim"].state_dict()["state"], "optimizer moments restored"
+
+
+def _stage_ranks(rank: int, nproc: int, port: int, root: str, out: str, restore: str) -> None:
+    """Each rank holds a different stage (pipeline-style): not replicas, so every rank writes its own."""
+    env = {"TRAINGUARD_SOCKET": "/nonexistent", "TRAINGUARD_JOB": "st", "TRAINGUARD_CKPT_MEMORY_ROOT": root,
+           "TRAINGUARD_CKPT_MEMORY_EVERY": "2"}
+    if restore:
+        env["TRAINGUARD_RESTORE"] = restore
+    _init(rank, nproc, port, env)
+    torch.manual_seed(10 + rank)
+    stage = nn.Linear(3 + rank, 2)
+    state = {f"stage{rank}": stage}
+    run = trainguard.init()
+    if restore:
+        assert run.restore(state) == 2
+        torch.save(stage.state_dict(), f"{out}.restored{rank}")
+    else:
+        for step in range(2):
+            with run.step(step):
+                stage.weight.data += 1.0
+            run.checkpoint(step, state)
+        torch.save(stage.state_dict(), f"{out}.saved{rank}")
+    dist.destroy_process_group()
+
+
+def test_replicas_are_written_by_rank_0_alone_and_distinct_stages_by_every_rank(tmp_path: Path) -> None:
+    root = str(tmp_path / "shm")
+    _spawn(_save_ranks, 2, root, str(tmp_path / "final.pt"))
+    files = {p.name for p in MemoryTier(root).step_path("ck", 10).iterdir() if p.suffix == ".distcp"}
+    assert files == {"__0_0.distcp"}, files  # DDP replicas: one copy, no collective save
+    out = str(tmp_path / "stage")
+    _spawn(_stage_ranks, 2, root, out, "")
+    path = MemoryTier(root).step_path("st", 2)
+    assert {p.name for p in path.iterdir() if p.suffix == ".distcp"} == {"__0_0.distcp", "__1_0.distcp"}
+    _spawn(_stage_ranks, 2, root, out, str(path))
+    for rank in (0, 1):
+        saved, restored = torch.load(f"{out}.saved{rank}"), torch.load(f"{out}.restored{rank}")
+        assert all(torch.equal(saved[k], restored[k]) for k in saved)
 
 
 def test_a_full_memory_tier_skips_the_save_and_training_goes_on(tiny_tmpfs: Path) -> None:

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from trainguard.agent.ranktable import RankTable, RankTableConfig
 from trainguard.agent.telemetry import TelemetryServer, ensure_dgram_qlen, read_dgram_qlen
-from trainguard.agent.wire import MAX_DATAGRAM_BYTES, SCHEMA_VERSION, Telemetry
+from trainguard.agent.wire import MAX_DATAGRAM_BYTES, MAX_MESSAGE_BYTES, SCHEMA_VERSION, Telemetry
+from trainguard.link import TelemetrySender
 
 
 def make_msg(job: str = "job-1", rank: int = 0, step: int = 1, **kw: Any) -> Telemetry:
@@ -79,6 +80,48 @@ def test_roundtrip_stores_messages_and_sets_mode(sockdir: str, sender: socket.so
         assert stats.received_total == len(msgs) and stats.dropped_total == {}
         assert stats.queue_limit == read_dgram_qlen()
     assert not os.path.exists(path)
+
+
+def test_a_datagram_of_several_messages_each_judged_on_its_own(sockdir: str, sender: socket.socket) -> None:
+    path = os.path.join(sockdir, "t.sock")
+    table = RankTable()
+    with TelemetryServer(path, table) as server:
+        good = [make_msg(step=s) for s in range(1, 4)]
+        sender.sendto(b"\n".join([good[0].encode(), b"{not json", good[1].encode(), b"", good[2].encode()]), path)
+        sender.sendto(b"\n".join([make_msg(step=9).encode()] * (MAX_DATAGRAM_BYTES // 200)), path)  # too long
+        wait_for(lambda: server.stats().dropped_total.get("size") == 1)
+        stats = server.stats()
+        assert server.messages_total == 3 and table.window("job-1", 0) == good
+        assert stats.dropped_total == {"json": 1, "size": 1} and stats.received_total == 5
+
+
+def test_sender_gathers_short_steps_and_sends_long_or_urgent_ones_at_once(sockdir: str) -> None:
+    path = os.path.join(sockdir, "t.sock")
+    table = RankTable()
+    now = [100.0]
+    with TelemetryServer(path, table) as server:
+        link = TelemetrySender(path, flush_s=0.05, clock=lambda: now[0])
+        assert link.send(make_msg(step=1))  # the first goes at once
+        for step in range(2, 6):  # 4 steps of 10 ms: held
+            now[0] += 0.01
+            assert link.send(make_msg(step=step))
+        wait_for(lambda: server.messages_total == 1)
+        time.sleep(0.05)
+        assert server.messages_total == 1 and link.stats.sent == 1
+        now[0] += 0.02  # 60 ms since the last send: this one takes the held ones along
+        assert link.send(make_msg(step=6))
+        wait_for(lambda: server.messages_total == 6)
+        assert [m.step for m in table.window("job-1", 0)] == [1, 2, 3, 4, 5, 6]
+        link.send(make_msg(step=7))
+        link.send(make_msg(step=8, ckpt_failed=8, ckpt_error="disk full"), urgent=True)
+        wait_for(lambda: server.messages_total == 8)
+        link.send(make_msg(step=9))
+        link.close()  # what is held goes with the close
+        wait_for(lambda: server.messages_total == 9)
+        assert link.stats.sent == 9 and link.stats.dropped == 0
+    gone = TelemetrySender(path, clock=lambda: now[0])  # no agent listening: dropped, counted
+    assert not gone.send(make_msg(step=1)) and gone.stats.dropped == 1
+    gone.close()
 
 
 def test_stop_is_prompt_and_idempotent(sockdir: str) -> None:
@@ -252,7 +295,7 @@ def bad_datagrams(draw: st.DrawFn) -> tuple[bytes, str | None]:
             st.sampled_from([math.nan, math.inf, -math.inf]))
         return json.dumps(body).encode(), "range"
     if kind == "size":
-        body["pad"] = "x" * draw(st.integers(MAX_DATAGRAM_BYTES, 3 * MAX_DATAGRAM_BYTES))
+        body["pad"] = "x" * draw(st.integers(MAX_MESSAGE_BYTES, 3 * MAX_MESSAGE_BYTES))
         return json.dumps(body).encode(), "size"
     if kind == "missing":
         del body[draw(st.sampled_from(sorted(k for k in body if k not in ("v", "loss"))))]  # loss may be absent

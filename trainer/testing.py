@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.agent.wire import Telemetry, decode_telemetry
+from trainguard.agent.wire import Telemetry, decode_telemetry, split_datagram
 from trainguard.trainer.config import TrainConfig
 
 
@@ -65,14 +65,15 @@ class TelemetryCapture:
                 continue
             except OSError:
                 return
-            try:
-                msg = decode_telemetry(data)
-            except ValueError as exc:
-                self.errors.append(str(exc))
-                continue
-            self.messages.append(msg)
-            if self.on_message is not None:
-                self.on_message(msg)
+            for part in split_datagram(data):
+                try:
+                    msg = decode_telemetry(part)
+                except ValueError as exc:
+                    self.errors.append(str(exc))
+                    continue
+                self.messages.append(msg)
+                if self.on_message is not None:
+                    self.on_message(msg)
 
     def close(self) -> None:
         self._stop.set()

@@ -1,13 +1,15 @@
 """One plan version on every rank at the same step, without a collective per step.
 
-Every ``every`` steps (a sync point), rank 0 reads the agent's plan file and puts the plan it sees
-into the job's c10d store under the sync point's number; the other ranks read the key of the
-previous sync point, and all of them apply that plan from the next step. In synchronous training
+At each sync point (every ``every`` steps, more when steps are short: ``PlanSync``), rank 0 reads
+the agent's plan file and puts the plan it sees into the job's c10d store under the sync point's
+number; the other ranks read the key of the previous sync point, and all of them apply that plan
+from the next step. In synchronous training
 rank 0 passed the previous sync point before any rank could finish this one's step (their gradient
 collectives meet), so the read finds its key at once: one small store round trip per sync point,
 no collective, and nothing left in flight when the script tears its process group down (an
 asynchronous broadcast pending at exit can block a rank's exit once its peers have destroyed the
-group). A plan takes effect at most ``2 x every`` steps after the agent wrote it.
+group). A plan takes effect at most two sync points after the agent wrote it: ``2 x every`` steps, or
+about ``2 x target_s`` seconds when steps are short.
 
 The store is the one the process group was initialised with (the job's rendezvous store); keys
 carry the restart count, so a restarted job never reads a previous attempt's plans.
@@ -15,6 +17,7 @@ carry the restart count, so a restarted job never reads a previous attempt's pla
 
 from __future__ import annotations
 
+import math
 import os
 from datetime import timedelta
 from typing import Any
@@ -38,42 +41,76 @@ def _job_store() -> Any:
                          timeout=_TIMEOUT)
 
 
+SYNC_TARGET_S = 0.1
+"""Seconds of training between two sync points that rank 0 aims for when steps are short."""
+MAX_GAP = 256
+
+
 class PlanSync:
-    def __init__(self, watcher: PlanWatcher, *, is_leader: bool, attempt: int, every: int = 4) -> None:
+    """``every``: the fewest steps between two sync points. Rank 0 widens the gap when steps are
+    short, so that sync points come about every ``target_s`` seconds: a store round trip costs
+    ~0.2-0.6 ms, a tenth of a 4 ms step. The gaps are agreed like the plans: each published value
+    carries the gap after the next sync point, decided by rank 0 one point ahead, so every rank
+    knows where the next point is without asking."""
+
+    def __init__(self, watcher: PlanWatcher, *, is_leader: bool, attempt: int, every: int = 4,
+                 target_s: float = SYNC_TARGET_S) -> None:
         self.watcher = watcher
         self.is_leader = is_leader
         self.every = max(1, every)
+        self.target_s = target_s
         self.store = dist.PrefixStore(f"trainguard/plan/{attempt}/", _job_store())
         self._step = 0
+        self._point = 0  # the next sync point's number
+        self._at = 0  # and its step
+        self._gap = self.every  # steps from the next sync point to the one after it
         self._last = Plan()
+        self.points = 0
+        """Sync points passed (each one store round trip)."""
 
-    def _put(self, key: str, plan: Plan) -> None:
-        self.store.set(key, plan.encode().decode())
+    def _put(self, key: str, plan: Plan, gap: int) -> None:
+        self.store.set(key, f"{gap} {plan.encode().decode()}")
 
-    def _get(self, key: str) -> Plan:
-        return Plan.decode(self.store.get(key))  # waits for the key (up to the store's timeout)
+    def _get(self, key: str) -> tuple[Plan, int]:
+        gap, _, body = self.store.get(key).decode().partition(" ")  # waits for the key (store timeout)
+        return Plan.decode(body.encode()), max(1, int(gap))
+
+    def _next_gap(self, step_s: float) -> int:
+        if step_s <= 0:
+            return self.every
+        return max(self.every, min(MAX_GAP, math.ceil(self.target_s / step_s)))
 
     def initial(self) -> Plan:
         """Once, at the first step: every rank starts from the plan rank 0 sees now."""
         if self.is_leader:
             self._last = self.watcher.poll()
-            self._put("start", self._last)
+            self._put("start", self._last, self._gap)
             return self._last
-        return self._get("start")
+        plan, self._gap = self._get("start")
+        return plan
 
-    def after_step(self) -> Plan | None:
+    def after_step(self, step_s: float = 0.0) -> Plan | None:
         """At the end of every step, on every rank: the plan to apply from the next step (the same
-        one on every rank), or None between sync points. Every ``every``-th step rank 0 publishes
-        what it sees and the others take what it published one sync point earlier."""
+        one on every rank), or None between sync points. At a sync point rank 0 publishes what it
+        sees (and the gap after the next point, from ``step_s``, its last step's seconds) and the
+        others take what it published one sync point earlier."""
         step = self._step
         self._step += 1
-        if step % self.every:
+        if step < self._at:
             return None
-        point = step // self.every
+        point = self._point
+        self._point += 1
+        self.points += 1
         if not self.is_leader:
-            return self._get("start" if point == 0 else str(point - 1))
+            plan, gap_after = self._get("start" if point == 0 else str(point - 1))
+            if point > 0:
+                self._gap = gap_after  # at point 0 the gap came with the start key
+            self._at = step + self._gap
+            return plan
+        self._at = step + self._gap
+        self._gap = self._next_gap(step_s)
         plan = self.watcher.poll()
-        self._put(str(point), plan)
+        self._put(str(point), plan, self._gap)
         if point >= _KEEP:
             try:
                 self.store.delete_key(str(point - _KEEP))

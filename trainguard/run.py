@@ -303,7 +303,7 @@ class Run:
             self._send(step, step_s, step_cpu_s)
         try:
             sync = self._plan_sync()
-            newer = sync.after_step() if sync is not None else self.plans.poll()
+            newer = sync.after_step(step_s) if sync is not None else self.plans.poll()
         except Exception as exc:  # noqa: BLE001
             self._warn(f"plan sync failed, plans are no longer applied: {exc}")
             self._sync = _Disabled()
@@ -332,7 +332,10 @@ class Run:
         except (TypeError, ValueError):
             self.telemetry.stats.dropped += 1
             return
-        if self.telemetry.send(msg):
+        # Sent at once: the start-up timeline (the recovery clock stops at the first step), a failed
+        # save (its alert), a loss gone bad; other steps may wait for the next send (link.FLUSH_S).
+        urgent = self._timeline_sends > 0 or self._failed_save is not None or (msg.has_loss and not math.isfinite(msg.loss))
+        if self.telemetry.send(msg, urgent=urgent):
             self._failed_save = None
 
     def _timeline(self) -> dict[str, Any]:
@@ -554,7 +557,7 @@ class Run:
 class _Disabled:
     """Stands in for a plan synchroniser that failed: no further collectives, no new plans."""
 
-    def after_step(self) -> None:
+    def after_step(self, step_s: float = 0.0) -> None:
         return None
 
     def initial(self) -> None:
@@ -599,8 +602,8 @@ def init(*, job: str | None = None, dp_rank: int | None = None, dp_size: int | N
     nothing). ``dp_rank``/``dp_size``: this rank's data-parallel position when not every rank is
     a data-parallel replica (tensor or pipeline parallelism); default RANK/WORLD_SIZE.
     ``batch_size``: this rank's own samples per step, what ``run.plan.batch_size`` says until the
-    agent moves samples between ranks. ``plan_every``: steps between two looks at the agent's plan
-    (one store round trip each; a plan takes effect within ``2 x plan_every`` steps). Never raises
-    for a missing agent."""
+    agent moves samples between ranks. ``plan_every``: the fewest steps between two looks at the
+    agent's plan (one store round trip each; more steps when steps are short, about one look per
+    0.1 s: ``trainguard.plansync``). Never raises for a missing agent."""
     env = RunEnvironment.from_environ(environ, job=job)
     return Run(env, dp_rank=dp_rank, dp_size=dp_size, batch_size=batch_size, plan_every=plan_every)

@@ -33,6 +33,7 @@ MANIFEST_VERSION = 1
 DEFAULT_ALGORITHM = "crc32"
 ALGORITHMS = ("crc32", "sha256", "blake2b")
 CHUNK_BYTES = 8 << 20
+SMALL_BYTES = 16 << 20
 MAX_MANIFEST_BYTES = 16 << 20
 _MAX_PATH_CHARS = 1024
 
@@ -200,10 +201,11 @@ class VerifyResult:
 def file_checksum(path: Path, algorithm: str = DEFAULT_ALGORITHM) -> tuple[int, str]:
     """(size, checksum) of one file, read in large chunks into one reused buffer."""
     hasher = new_hasher(algorithm)
-    buf = bytearray(CHUNK_BYTES)
-    view = memoryview(buf)
     size = 0
     with open(path, "rb", buffering=0) as f:
+        # A buffer no larger than the file: zero-filling 8 MiB for each of a small checkpoint's
+        # files cost more than reading them.
+        view = memoryview(bytearray(max(1, min(CHUNK_BYTES, os.fstat(f.fileno()).st_size + 1))))
         while n := f.readinto(view):  # type: ignore[attr-defined]
             hasher.update(view[:n])
             size += n
@@ -254,6 +256,8 @@ def build_manifest(
     root = Path(directory)
     new_hasher(algorithm)  # validates the name before any I/O
     paths = [safe_relpath(p) for p in list_files(root)]
+    if sum((root / p).stat().st_size for p in paths) < SMALL_BYTES:
+        workers = 1  # starting threads costs more than hashing a small checkpoint
     sums = _parallel(lambda p: file_checksum(root / p, algorithm), paths, workers)
     entries = tuple(FileEntry(p, size, digest) for p, (size, digest) in zip(paths, sums, strict=True))
     when = time.time() if created is None else created
