@@ -208,8 +208,13 @@ class TierWriter:
         try:
             writer = dcp.FileSystemWriter(path, single_file_per_rank=True)
             writer.fs = ReuseFileSystem()
-            resolved = _resolved(_dcp_state(state))
-            if world > 1 and not self.env.part and self._all_replicas(resolved):
+            resolved: Mapping[str, Any] = _dcp_state(state)
+            try:
+                resolved = _resolved(resolved)
+                layout = _layout_hash(resolved)
+            except Exception:  # noqa: BLE001 - DCP's collective save below meets the others and reports it
+                layout = -1 - rank
+            if world > 1 and not self.env.part and self._all_replicas(layout):
                 # Every rank holds the same keys, shapes and plain tensors (data-parallel replicas):
                 # DCP would keep one copy of each anyway, so rank 0 writes it alone, without DCP's
                 # dozen collectives (~50 ms on two loaded cores, for any state size).
@@ -252,9 +257,8 @@ class TierWriter:
         self.stats.last_stall_s = time.perf_counter() - t0
         return os.path.join(os.path.dirname(path), step_dirname(label))
 
-    def _all_replicas(self, resolved: Mapping[str, Any]) -> bool:
-        """Whether every rank's state has the same layout and no sharded tensor (one all-reduce)."""
-        mine = _layout_hash(resolved)
+    def _all_replicas(self, mine: int) -> bool:
+        """Whether every rank's state has the same layout hash ``mine`` (one all-reduce)."""
         sig = torch.tensor([mine, -mine], dtype=torch.int64)
         dist.all_reduce(sig, op=dist.ReduceOp.MAX)
         return int(sig[0]) == -int(sig[1]) == mine

@@ -56,6 +56,7 @@ class TelemetrySender:
         self._held: list[bytes] = []
         self._held_bytes = 0
         self._last_send = -math.inf
+        self._pid = os.getpid()
         if path:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
@@ -85,6 +86,9 @@ class TelemetrySender:
     def flush(self) -> bool:
         """Send what is held now; False when it was dropped (no agent, a full queue)."""
         if not self._held or self._sock is None or self.path is None:
+            return True
+        if os.getpid() != self._pid:  # a forked child exiting: the steps held are its parent's
+            self._held, self._held_bytes = [], 0
             return True
         held, self._held, self._held_bytes = self._held, [], 0
         self._last_send = self._clock()
