@@ -125,14 +125,20 @@ def _plan_ranks(rank: int, nproc: int, port: int, plan_path: str, out_dir: str, 
     dist.destroy_process_group()
 
 
-def test_every_rank_applies_a_plan_at_the_same_step(tmp_path: Path) -> None:
+def _plan_job(tmp_path: Path, steps: int, write_at: int, step_sleep: float) -> tuple[list[int], list[int]]:
+    """Run ``_plan_ranks`` on 2 ranks: (plan versions per step, the same on every rank; sync points per rank)."""
     plan_path = str(tmp_path / "plan.json")
     write_plan_file(plan_path, Plan(version=1))
-    _spawn(_plan_ranks, 2, plan_path, str(tmp_path), 40, 7, 0.03)
+    _spawn(_plan_ranks, 2, plan_path, str(tmp_path), steps, write_at, step_sleep)
     seen = [(tmp_path / f"rank{r}").read_text() for r in (0, 1)]
     assert seen[0] == seen[1], seen
     versions = [int(v) for v in seen[0].split(",")]
     assert versions[0] == 1 and versions[-1] == 9
+    return versions, [int((tmp_path / f"points{r}").read_text()) for r in (0, 1)]
+
+
+def test_every_rank_applies_a_plan_at_the_same_step(tmp_path: Path) -> None:
+    versions, _ = _plan_job(tmp_path, 40, 7, 0.03)
     first = versions.index(9)
     # Written during step 7; steps of 30 ms or more keep sync points every 4 steps: rank 0 sees it at
     # the one after step 8 and every rank takes it at the next (after step 12), within 2 x 4 steps.
@@ -142,14 +148,8 @@ def test_every_rank_applies_a_plan_at_the_same_step(tmp_path: Path) -> None:
 def test_short_steps_sync_less_often_and_still_agree(tmp_path: Path) -> None:
     """Steps of ~2 ms: rank 0 widens the gaps between sync points (about one per 0.1 s, not one per
     4 steps), and every rank still switches to a new plan at the same step."""
-    plan_path = str(tmp_path / "plan.json")
-    write_plan_file(plan_path, Plan(version=1))
-    _spawn(_plan_ranks, 2, plan_path, str(tmp_path), 400, 100, 0.0)
-    seen = [(tmp_path / f"rank{r}").read_text() for r in (0, 1)]
-    assert seen[0] == seen[1], seen
-    versions = [int(v) for v in seen[0].split(",")]
-    assert versions[0] == 1 and versions[-1] == 9 and versions.index(9) > 100
-    points = [int((tmp_path / f"points{r}").read_text()) for r in (0, 1)]
+    versions, points = _plan_job(tmp_path, 400, 100, 0.0)
+    assert versions.index(9) > 100
     assert points[0] == points[1] and points[0] < 400 // 4 // 2, points  # fewer than half the fixed schedule's
 
 

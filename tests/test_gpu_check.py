@@ -67,4 +67,7 @@ def test_compute_clock_check_smallest_configuration_on_the_cpu() -> None:
     [line] = [ln for ln in lines if ln.startswith("CLOCK ")]
     fields = dict(kv.split("=", 1) for kv in line.split()[1:])
     assert rc == 0 and fields["ok"] == "True", lines
-    assert float(fields["clocked_vs_wall_ratio"]) < 0.5 and float(fields["wall_ms"]) >= float(fields["wait_ms"])
+    # The wait is left out of the clocked compute, however slow the compute is on a loaded machine
+    # (CI saw compute at 5x the wait, so a ratio bound measured the load, not the clock).
+    wall, clocked, wait = (float(fields[k]) for k in ("wall_ms", "clocked_ms", "wait_ms"))
+    assert wall >= wait and wall - clocked >= 0.7 * wait and 0 < clocked, fields
