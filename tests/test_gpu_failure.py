@@ -108,8 +108,16 @@ def test_a_failed_gpu_restarts_the_job_without_it(tmp_path: Path, fault: str) ->
         ranks = node.agent.supervisor.jobs[job].ranks
         assert [r.gpu for r in ranks] == [0, 2, 3]
         if cold:
-            env = Path(f"/proc/{ranks[0].pid}/environ").read_bytes().split(b"\0")
-            assert b"CUDA_VISIBLE_DEVICES=0,2,3" in env
+            def rank0_environ() -> list[bytes]:
+                # Empty while the rank is between fork and exec (or already a zombie): read the
+                # rank 0 the supervisor runs now, until its environment is there.
+                try:
+                    return Path(f"/proc/{node.agent.supervisor.jobs[job].ranks[0].pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    return []
+
+            assert node.run_until(lambda: rank0_environ() != [b""] and rank0_environ() != [], 20), "no environment"
+            assert b"CUDA_VISIBLE_DEVICES=0,2,3" in rank0_environ()
         # The collector attributes the new ranks to the GPUs they were given.
         tracked = node.agent.supervisor.tracked()
         assert sorted(p.gpu for p in tracked.values()) == [0, 2, 3]
