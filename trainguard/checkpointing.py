@@ -209,12 +209,15 @@ class TierWriter:
             writer = dcp.FileSystemWriter(path, single_file_per_rank=True)
             writer.fs = ReuseFileSystem()
             resolved: Mapping[str, Any] = _dcp_state(state)
-            try:
-                resolved = _resolved(resolved)
-                layout = _layout_hash(resolved)
-            except Exception:  # noqa: BLE001 - DCP's collective save below meets the others and reports it
-                layout = -1 - rank
-            if world > 1 and not self.env.part and self._all_replicas(layout):
+            replicas = False
+            if world > 1 and not self.env.part:  # else there is no second copy to leave out
+                try:
+                    resolved = _resolved(resolved)
+                    layout = _layout_hash(resolved)
+                except Exception:  # noqa: BLE001 - DCP's collective save below meets the others and reports it
+                    layout = -1 - rank
+                replicas = self._all_replicas(layout)
+            if replicas:
                 # Every rank holds the same keys, shapes and plain tensors (data-parallel replicas):
                 # DCP would keep one copy of each anyway, so rank 0 writes it alone, without DCP's
                 # dozen collectives (~50 ms on two loaded cores, for any state size).

@@ -61,12 +61,11 @@ class PlanSync:
         self.target_s = target_s
         self.store = dist.PrefixStore(f"trainguard/plan/{attempt}/", _job_store())
         self._step = 0
-        self._point = 0  # the next sync point's number
-        self._at = 0  # and its step
+        self._at = 0  # the next sync point's step
         self._gap = self.every  # steps from the next sync point to the one after it
         self._last = Plan()
         self.points = 0
-        """Sync points passed (each one store round trip)."""
+        """Sync points passed (each one store round trip); also the next one's number."""
 
     def _put(self, key: str, plan: Plan, gap: int) -> None:
         self.store.set(key, f"{gap} {plan.encode().decode()}")
@@ -98,8 +97,7 @@ class PlanSync:
         self._step += 1
         if step < self._at:
             return None
-        point = self._point
-        self._point += 1
+        point = self.points
         self.points += 1
         if not self.is_leader:
             plan, gap_after = self._get("start" if point == 0 else str(point - 1))
