@@ -211,7 +211,7 @@ class Agent:
         # changed (controller.lr_batch_rule), which is cheap (no per-step telemetry read).
         from trainguard.agent.controller import install as install_controller
 
-        install_controller(self, self.cfg.controller)
+        self.controller = install_controller(self, self.cfg.controller)
         self.drain_handler = self._drain
 
     def _drain(self, job: str, target: dict[str, Any]) -> dict[str, Any]:
@@ -426,6 +426,7 @@ class Agent:
         for job in self.supervisor.forget_finished(self.cfg.agent.job_retention_s, now):
             self.table.forget_job(job)
             self.plans.forget(job)
+            self.controller.forget(job)
             self.supervisor.launcher.forget(job)
             self._oom_seen.pop(job, None)
             self.events.emit("job_forgotten", f"job {job} ended more than {self.cfg.agent.job_retention_s:g}s ago: "

@@ -220,10 +220,10 @@ class Controller:
             return max(1, leader.world_size // max(1, model_parallel))
         return len(reps)
 
-    def _new_job(self, agent: Any, job: str, reps: dict[int, RankView]) -> JobControl:
+    def _new_job(self, agent: Any, job: str, reps: dict[int, RankView], dp_now: int) -> JobControl:
         trainer = self._trainer_cfg(agent, job)
         par = trainer.get("parallel", {}) if isinstance(trainer.get("parallel"), dict) else {}
-        dp = int(par.get("dp") or len(reps))
+        dp = int(par.get("dp") or dp_now)
         unit = int(par.get("microbatches", 1)) if int(par.get("pp", 1)) > 1 else 1
         base = int(trainer.get("global_batch") or sum(v.batch_size for v in reps.values()) or dp)
         space = self._space(base, dp, unit)
@@ -243,12 +243,16 @@ class Controller:
     def _tick_job(self, agent: Any, job: str, ranks: Any) -> None:
         live = self._live(ranks)
         reps = self._reps(live)
+        leader = live[0]
+        dp_now = self._dp_now(agent, job, leader, reps)
         jc = self.jobs.get(job)
         if jc is None:
-            jc = self.jobs[job] = self._new_job(agent, job, reps)
-        leader = live[0]
+            if len(reps) < dp_now:
+                # Ranks report one after another at start: a job first seen with one of its two
+                # ranks is not a world that grew from 1 to 2 (that would rescale the user's LR).
+                return
+            jc = self.jobs[job] = self._new_job(agent, job, reps, dp_now)
         self._sync_external(agent, jc)
-        dp_now = self._dp_now(agent, job, leader, reps)
         watch_only = self.config.strategy == "none" and self.config.lr_batch_rule != "adascale"
         if watch_only:
             jc.last_step = leader.step  # no per-step reading: the step its events name
@@ -547,6 +551,13 @@ class Controller:
                 if jc.objective is not None and math.isfinite(jc.objective):
                     objective.add_metric([job], jc.objective)
         yield from (lr, batch, decisions, noise, objective)
+
+    def forget(self, job: str) -> None:
+        """A finished job leaves the controller's state and metrics with the rest of the agent's."""
+        with self._lock:
+            jc = self.jobs.pop(job, None)
+        if jc is not None:
+            jc.strategy.close()
 
     def close(self) -> None:
         with self._lock:
