@@ -6,7 +6,13 @@ Arms (same trainer, same model, same ranks, same kills; each kill fires once):
 (b) torchrun --max-restarts with DCP to disk every 500 steps (trainguard's disk interval: what a
     user runs today);
 (c) torchrun with DCP to disk at the interval whose checkpoint overhead equals trainguard's
-    measured overhead (iso-overhead: same cost, how often can torchrun afford to save?).
+    measured overhead (iso-overhead: same cost, how often can torchrun afford to save?);
+with ``--peers-venv`` (bench/peers_venv.sh), the peers as shipped beside the same torch:
+(d) nvidia-resiliency-ext's ft_launcher with DCP to disk at the iso-overhead interval;
+(e) torchft: lighthouse + Manager, one replica group per rank under its own torchrun, the killed
+    group rejoining with a survivor's live state (bench/torchft_train.py: the same model, data,
+    optimizer and schedule); also with gradients averaged by manager.allreduce when its DDP
+    wrapper as shipped does not survive the kills.
 
 Per failure: kill -> first resumed step (resume), steps lost (kill step - restored step), lost
 time (resume + recomputing the lost steps), trainguard's recovery timeline from its job_resumed
@@ -116,19 +122,45 @@ def parse_rows(lines: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def analyse(name: str, rows: list[dict[str, Any]], ckpt_every: int) -> RunResult:
-    """Failures are where the step sequence goes back (a restore) or restarts at 1; the time
-    between two consecutive steps beyond the step itself is overhead (a checkpoint's stall at the
-    ``ckpt_every`` steps)."""
+RECOVERY_SLACK_S = 0.1
+"""A rank-0 row printed this long after a kill still belongs to the attempt that was killed (a
+restarted rank needs more than that to fork, set up and run a step)."""
+
+
+def last_row_before(rows: list[dict[str, Any]], kill_ts: float) -> int:
+    """Index of the last row of the killed attempt (rank 0 may print the kill step's row a few ms
+    after the other rank died): the row after it is the first one after the recovery."""
+    return max((i for i, r in enumerate(rows) if r["time"] <= kill_ts + RECOVERY_SLACK_S), default=-1)
+
+
+def failure_after(rows: list[dict[str, Any]], kill_ts: float, restored: int | None = None) -> tuple[int, Failure] | None:
+    """The failure at ``kill_ts`` measured like the step-sequence ones: the killed attempt's last
+    row -> the first row after the recovery; with the index of that first row."""
+    j = last_row_before(rows, kill_ts)
+    if j < 0 or j + 1 >= len(rows):
+        return None
+    before, after = rows[j], rows[j + 1]
+    return j + 1, Failure(before["step"], before["time"], after["time"], after["step"] - 1 if restored is None else restored)
+
+
+def analyse(name: str, rows: list[dict[str, Any]], ckpt_every: int, recovered: dict[int, Failure] | None = None) -> RunResult:
+    """Failures are where the step sequence goes back (a restore) or restarts at 1, and those in
+    ``recovered`` (row index of the first row after a recovery -> its failure, for recoveries that
+    continue the step sequence); the time between two consecutive steps beyond the step itself is
+    overhead (a checkpoint's stall at the ``ckpt_every`` steps), never a recovery's."""
     res = RunResult(name)
     if not rows:
         res.ok, res.note = False, "no step rows"
         return res
+    recovered = recovered or {}
     healthy = [r["step_s"] for r in rows if r["step"] > 2]
     res.median_step_s = statistics.median(healthy) if healthy else 0.0
     gaps: list[float] = []
     spans = 0.0
-    for prev, row in zip(rows, rows[1:], strict=False):
+    for i, (prev, row) in enumerate(zip(rows, rows[1:], strict=False), start=1):
+        if i in recovered:
+            res.failures.append(recovered[i])
+            continue
         if row["step"] <= prev["step"]:
             res.failures.append(Failure(prev["step"], prev["time"], row["time"], row["step"] - 1))
             continue
@@ -179,31 +211,32 @@ def run_trainguard(nproc: int, trainer: dict[str, Any], kills: list[int], work: 
         job = client.job(name)
         events = client.events(since=0, limit=10000)["events"]
         rows = parse_rows((state / "jobs" / name / "rank0.log").read_text(errors="replace").splitlines())
-        res = analyse(name, rows, 100)
-        res.ok = job["state"] == "succeeded"
-        snaps = [r["snapshot_s"] for r in rows if r.get("snapshot_s") is not None]
-        every = [r["snapshot_every"] for r in rows if r.get("snapshot_every") is not None]
-        if snaps:
-            res.note = (f"snapshots: stall median {statistics.median(snaps) * 1000:.2f} ms, every "
-                        f"{statistics.median(every):g} step(s) (median over the run)")
         # Failures from the agent's events, not the step sequence: a restore of the very step the
         # kill interrupted continues it without a step going back. Detection: the supervisor's
         # rank_exit event against the kernel's exit timestamp (eBPF).
         seen = [e for e in events if e["kind"] == "process_exit_seen" and e.get("fields", {}).get("signal") == 9]
         exits = [e for e in events if e["kind"] == "rank_exit" and e["severity"] == "error"]
         resumed = [e for e in events if e["kind"] == "job_resumed"]
-        res.failures = []
+        recovered: dict[int, Failure] = {}
         for i, ex in enumerate(exits):
             kernel = next((s for s in seen if s["fields"].get("pid") == ex["fields"].get("pid")), None)
             death = kernel["ts"] - kernel["fields"].get("latency_ms", 0) / 1000 if kernel else ex["ts"]
-            before = [r for r in rows if r["time"] <= death]
-            after = [r for r in rows if r["time"] > death]
-            if not before or not after or i >= len(resumed):
+            if i >= len(resumed):
                 continue
-            restored = int((resumed[i]["fields"].get("restored_from") or {}).get("step", after[0]["step"] - 1))
-            res.failures.append(Failure(before[-1]["step"], before[-1]["time"], after[0]["time"], restored,
-                                        detect_s=max(0.0, ex["ts"] - death),
-                                        timeline=dict(resumed[i]["fields"].get("timeline") or {})))
+            restored = (resumed[i]["fields"].get("restored_from") or {}).get("step")
+            found = failure_after(rows, death, None if restored is None else int(restored))
+            if found is not None:
+                index, failure = found
+                failure.detect_s = max(0.0, ex["ts"] - death)
+                failure.timeline = dict(resumed[i]["fields"].get("timeline") or {})
+                recovered[index] = failure
+        res = analyse(name, rows, 100, recovered)
+        res.ok = job["state"] == "succeeded"
+        snaps = [r["snapshot_s"] for r in rows if r.get("snapshot_s") is not None]
+        every = [r["snapshot_every"] for r in rows if r.get("snapshot_every") is not None]
+        if snaps:
+            res.note = (f"snapshots: stall median {statistics.median(snaps) * 1000:.2f} ms, every "
+                        f"{statistics.median(every):g} step(s) (median over the run)")
         return res
     finally:
         agent.send_signal(signal.SIGTERM)
@@ -232,6 +265,54 @@ def run_torchrun(name: str, nproc: int, trainer: dict[str, Any], kills: list[int
     res.ok = out.returncode == 0
     if not res.ok:
         res.note = f"torchrun exit {out.returncode}"
+    return res
+
+
+def run_torchft(name: str, nproc: int, trainer: dict[str, Any], kills: list[int], work: Path, venv: Path,
+                ddp: str) -> RunResult:
+    """torchft as its README runs it: one lighthouse, one replica group per rank, each under its own
+    ``torchrun --max-restarts``; the killed group rejoins and fetches a survivor's live state. Same
+    world size as the other arms (min_replica_size = every group: survivors wait in the quorum)."""
+    markers = work / f"{name}-markers"
+    lighthouse_port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO), TRAINGUARD_JOB_SPEC=json.dumps({**trainer, "faults": [f"kill:rank=1,step={k}" for k in kills]}),
+               TRAINGUARD_FAULT_MARKER_DIR=str(markers), OMP_NUM_THREADS="1",
+               TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{lighthouse_port}", NUM_REPLICA_GROUPS=str(nproc))
+    # The Manager connects to torchrun's own rendezvous store (so no TORCH_DISABLE_SHARE_RDZV_TCP_STORE:
+    # torchft configures its process group per quorum under a prefix of its own).
+    env.pop("TRAINGUARD_SOCKET", None)
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    # The README's lighthouse settings (quorum tick 100 ms, join timeout 10 s); heartbeat timeout as shipped.
+    lighthouse = subprocess.Popen([str(venv / "bin" / "torchft_lighthouse"), "--min_replicas", str(nproc), "--quorum_tick_ms", "100",
+                                   "--join_timeout_ms", "10000", "--bind", f"127.0.0.1:{lighthouse_port}"],
+                                  stdout=open(work / f"{name}-lighthouse.log", "wb"), stderr=subprocess.STDOUT, env=env)
+    groups = []
+    try:
+        for g in range(nproc):
+            cmd = [str(venv / "bin" / "python"), "-m", "torch.distributed.run", "--nproc-per-node=1",
+                   f"--max-restarts={len(kills) + 1}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                   "--monitor-interval=0.1", str(REPO / "bench" / "torchft_train.py"), "--ddp", ddp]
+            groups.append(subprocess.Popen(cmd, env={**env, "REPLICA_GROUP_ID": str(g)}, cwd=REPO,
+                                           stdout=open(work / f"{name}-g{g}.out", "wb"), stderr=open(work / f"{name}-g{g}.err", "wb")))
+        codes = [p.wait(3600) for p in groups]
+    finally:
+        for p in [*groups, lighthouse]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    rows = parse_rows((work / f"{name}-g0.out").read_text(errors="replace").splitlines())
+    # A failure: the kill (its marker's time) -> the first step every group committed after it
+    # (min_replica_size = every group, so survivors commit nothing until the killed one is back).
+    recovered: dict[int, Failure] = {}
+    for marker in sorted(markers.glob("torchft-kill-*")):
+        found = failure_after(rows, json.loads(marker.read_text())["time"])
+        if found is not None:
+            recovered[found[0]] = found[1]
+    res = analyse(name, rows, 0, recovered)
+    res.ok = all(c == 0 for c in codes) and res.final_step == trainer["steps"]
+    if not res.ok:
+        err = (work / f"{name}-g0.err").read_text(errors="replace").strip().splitlines()
+        res.note = f"exit codes {codes}, last step {res.final_step}" + (f": {err[-1][:160]}" if err else "")
     return res
 
 
@@ -300,7 +381,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=7, help="seed of the kill steps")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--peers-venv", default=os.environ.get("TRAINGUARD_PEERS_VENV", ""),
-                    help="venv with nvidia-resiliency-ext (bench/peers_venv.sh makes one): adds its ft_launcher arm")
+                    help="venv with nvidia-resiliency-ext and torchft (bench/peers_venv.sh makes one): adds their arms")
     args = ap.parse_args()
     disk_every = 500  # trainguard's shipped disk interval (checkpoint.disk_every)
     if args.quick:
@@ -311,7 +392,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="tg-recovery-"))
     cache = str(work / "corpus")
     model = {"layers": 2, "d_model": 64, "heads": 4, "context": 64}
-    trainer = tiny_config(cache, steps=steps, parallel={"dp": nproc}, model=model).to_dict()
+    # Replicated data parallel (DDP): the one layout every arm runs, torchft included (one rank per
+    # replica group holds the whole model).
+    trainer = tiny_config(cache, steps=steps, parallel={"dp": nproc, "dp_mode": "ddp"}, model=model).to_dict()
     # Build the corpus cache once so no run pays for it.
     from trainguard.trainer.data import build_corpus
 
@@ -338,13 +421,23 @@ def main() -> int:
         results.append(run_torchrun("ft_launcher", nproc, trainer, kills, iso_every, work, [str(ft_launcher)]))
     else:
         print("nvidia-resiliency-ext's ft_launcher: not run (no --peers-venv; bench/peers_venv.sh makes one)")
+    venv = Path(args.peers_venv) if args.peers_venv else None
+    if venv is not None and (venv / "bin" / "torchft_lighthouse").exists():
+        shipped = run_torchft("torchft", nproc, trainer, kills, work, venv, "shipped")
+        results.append(shipped)
+        if not shipped.ok or len(shipped.failures) < len(kills):
+            # Its DDP comm hook can take the surviving group down on gloo (FACTS): measure its own
+            # recovery path once more with gradients averaged by manager.allreduce instead.
+            results.append(run_torchft("torchft-allreduce", nproc, trainer, kills, work, venv, "allreduce"))
+    else:
+        print("torchft: not run (no --peers-venv with torchft; bench/peers_venv.sh makes one)")
 
     print(f"\ntorchrun DCP-to-disk save stall {stall * 1000:.1f} ms; trainguard checkpoint overhead "
           f"{ours.overhead * 100:.2f}% of step time -> iso-overhead torchrun interval: every {iso_every} steps")
     print(f"\n{'run':<14} {'ok':<4} {'fail':>4} {'detect_s':>9} {'resume_s':>9} {'steps_lost':>10} {'lost_s/fail':>11} "
           f"{'step_s':>7} {'overhead':>9} {'effective':>9}")
     labels = {"trainguard": "trainguard", "torchrun": f"torchrun/{disk_every}", "torchrun-iso": f"torchrun/{iso_every}",
-              "ft_launcher": f"ft_launcher/{iso_every}"}
+              "ft_launcher": f"ft_launcher/{iso_every}", "torchft": "torchft", "torchft-allreduce": "torchft/allreduce"}
     for r in results:
         det = [f.detect_s for f in r.failures if f.detect_s is not None]
         print(f"{labels[r.name]:<14} {'yes' if r.ok else 'NO':<4} {len(r.failures):>4} {_fmt(statistics.median(det) if det else NAN, '.3f'):>9} "
@@ -376,7 +469,7 @@ def main() -> int:
     peers = ""
     for r in results[3:]:
         ratio = r.lost_per_failure / ours.lost_per_failure if ours.failures and r.failures else NAN
-        peers += f" {r.name}_resume_s={r.resume_median:.2f} {r.name}_lost_time_ratio={ratio:.2f}"
+        peers += f" {r.name.replace('-', '_')}_resume_s={r.resume_median:.2f} {r.name.replace('-', '_')}_lost_time_ratio={ratio:.2f}"
     print(
         f"RESULT detect_s={statistics.median(det) if det else NAN:.3f} resume_s={ours.resume_median:.2f} "
         f"steps_lost={ours.steps_lost_mean:.2f} torchrun_resume_s={torchrun.resume_median:.2f} "
