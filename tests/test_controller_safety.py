@@ -245,21 +245,23 @@ def test_lr_follows_the_global_batch_with_no_strategy_on(tmp_path: Path, rule: s
     assert math.isclose(agent.plans.get(JOB).lr_scale, 1.0)
 
 
-def test_ranks_reporting_one_after_another_at_start_are_no_world_change(tmp_path: Path) -> None:
-    """A user's script (no trainer config) whose rank 0 reports before rank 1: the controller waits
-    for the whole world instead of taking dp 1 -> 2 for a grown job and rescaling the user's LR."""
+@pytest.mark.parametrize("dp_ranks", [[0, 1], [0, 0, 1, 1]], ids=["dp2", "dp2-of-4-ranks"])
+def test_ranks_reporting_one_after_another_at_start_are_no_world_change(tmp_path: Path, dp_ranks: list[int]) -> None:
+    """A user's script (no trainer config) whose rank 0 reports before the others: the controller
+    waits for the whole world instead of taking dp 1 -> 2 for a grown job and rescaling the user's
+    LR; with two ranks per replica (``dp_size`` 2 of 4 ranks) it still takes the job in."""
     agent = make_agent(tmp_path)
     agent.supervisor.jobs[JOB].spec.trainer = None
     ctl = install(agent, ControllerConfig(strategy="none"))
     wall = 1000.0
     for step in range(1, 40):
         wall += 0.05
-        for rank in (0, 1) if step > 10 else (0,):
+        for rank in range(len(dp_ranks)) if step > 10 else (0,):
             agent.table.add(Telemetry(
                 job=JOB, rank=rank, local_rank=rank, pid=100 + rank, step=step, wall_time=wall, step_s=0.05,
                 data_s=0.0, fwd_bwd_s=0.04, comm_s=0.005, opt_s=0.005, samples=4, tokens=128, loss=2.0,
                 grad_norm=1.0, local_grad_sq=1.0, lr=1e-3, batch_size=4, mem_bytes=1, plan_version=0,
-                dp_rank=rank, world_size=2))
+                dp_rank=dp_ranks[rank], world_size=len(dp_ranks)))
         ctl.tick(agent, wall)
     assert events(agent, "controller_lr_rescale") == []
     assert agent.plans.get(JOB).lr_scale == 1.0 and agent.plans.get(JOB).version == 0

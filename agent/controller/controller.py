@@ -220,10 +220,10 @@ class Controller:
             return max(1, leader.world_size // max(1, model_parallel))
         return len(reps)
 
-    def _new_job(self, agent: Any, job: str, reps: dict[int, RankView], dp_now: int) -> JobControl:
+    def _new_job(self, agent: Any, job: str, reps: dict[int, RankView]) -> JobControl:
         trainer = self._trainer_cfg(agent, job)
         par = trainer.get("parallel", {}) if isinstance(trainer.get("parallel"), dict) else {}
-        dp = int(par.get("dp") or dp_now)
+        dp = int(par.get("dp") or len(reps))
         unit = int(par.get("microbatches", 1)) if int(par.get("pp", 1)) > 1 else 1
         base = int(trainer.get("global_batch") or sum(v.batch_size for v in reps.values()) or dp)
         space = self._space(base, dp, unit)
@@ -247,11 +247,11 @@ class Controller:
         dp_now = self._dp_now(agent, job, leader, reps)
         jc = self.jobs.get(job)
         if jc is None:
-            if len(reps) < dp_now:
+            if leader.world_size and len(live) < leader.world_size:
                 # Ranks report one after another at start: a job first seen with one of its two
                 # ranks is not a world that grew from 1 to 2 (that would rescale the user's LR).
                 return
-            jc = self.jobs[job] = self._new_job(agent, job, reps, dp_now)
+            jc = self.jobs[job] = self._new_job(agent, job, reps)
         self._sync_external(agent, jc)
         watch_only = self.config.strategy == "none" and self.config.lr_batch_rule != "adascale"
         if watch_only:
