@@ -1,0 +1,45 @@
+"""bench/recovery.py's accounting on synthetic rank-0 rows: a recovery that continues the step
+sequence (restored at the killed step, as trainguard's snapshots and torchft's live state do) is a
+failure measured from the killed attempt's last row, and its gap is not checkpoint overhead."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("recovery_bench", REPO / "bench" / "recovery.py")
+assert _spec is not None and _spec.loader is not None
+recovery = importlib.util.module_from_spec(_spec)
+sys.modules["recovery_bench"] = recovery
+_spec.loader.exec_module(recovery)
+
+
+def rows(steps: range, start: float, step_s: float = 0.1, gap_s: float = 0.01) -> list[dict[str, float]]:
+    return [{"step": s, "time": start + i * (step_s + gap_s), "step_s": step_s} for i, s in enumerate(steps)]
+
+
+def test_a_recovery_that_continues_the_steps_is_a_failure_not_overhead() -> None:
+    before = rows(range(1, 41), 1000.0)
+    kill_ts = before[-1]["time"] - 0.005  # rank 1 died a few ms before rank 0 printed step 40
+    after = rows(range(41, 81), kill_ts + 2.0)
+    all_rows = before + after
+    found = recovery.failure_after(all_rows, kill_ts, restored=40)
+    assert found is not None
+    index, failure = found
+    assert index == 40 and failure.kill_step == 40 and failure.steps_lost == 0
+    assert math.isclose(failure.resume_s, after[0]["time"] - before[-1]["time"])
+    res = recovery.analyse("x", all_rows, 0, {index: failure})
+    assert res.failures == [failure]
+    assert math.isclose(res.overhead, 0.01 / 0.11, rel_tol=1e-6)  # the plain gaps only, not the 2 s
+    # Without being told, the same rows read as one 2 s stall of overhead and no failure.
+    blind = recovery.analyse("x", all_rows, 0)
+    assert blind.failures == [] and blind.overhead > 0.1
+
+
+def test_a_restore_to_an_earlier_step_is_found_from_the_steps() -> None:
+    all_rows = rows(range(1, 41), 1000.0) + rows(range(33, 60), 1010.0)
+    res = recovery.analyse("x", all_rows, 0)
+    assert [(f.kill_step, f.restored_step, f.steps_lost) for f in res.failures] == [(40, 32, 8)]
