@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -313,3 +314,25 @@ def test_a_full_memory_tier_skips_the_save_and_training_goes_on(tiny_tmpfs: Path
     filler.unlink()
     assert run.checkpoint(1, state) is True
     assert [i.step for i in MemoryTier(str(tiny_tmpfs / "tier")).list("full")] == [2]
+
+
+def test_without_an_agents_plan_no_rank_waits_on_a_sync_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torchrun job with no agent (no plan file): every rank keeps the plan it has, so no step
+    pays the store round trips of a sync point (the process group is there: a fake says so)."""
+    run = trainguard.init(job="alone", environ={"HOME": str(tmp_path), "RANK": "1", "WORLD_SIZE": "2"})
+    asked: list[str] = []
+
+    class Initialised:
+        def is_available(self) -> bool:
+            asked.append("available")
+            return True
+
+        def is_initialized(self) -> bool:
+            return True
+
+    monkeypatch.setitem(sys.modules, "torch.distributed", Initialised())
+    assert run.world_size == 2 and not run.plans.path
+    assert run._plan_sync() is None and asked == []
+    with run.step(0) as s:
+        s.report(loss=1.0)
+    assert run.plan.version == 0

@@ -269,8 +269,8 @@ class Run:
 
     def _plan_sync(self) -> Any:
         """The cross-rank plan synchroniser, once torch.distributed is initialised (else None)."""
-        if self._sync is not None or self.env.world_size <= 1:
-            return self._sync
+        if self._sync is not None or self.env.world_size <= 1 or not self.plans.path:
+            return self._sync  # with no agent's plan to read every rank keeps the one it has: nothing to agree
         dist = sys.modules.get("torch.distributed")
         if dist is None or not dist.is_available() or not dist.is_initialized():
             return None
