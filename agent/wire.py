@@ -193,7 +193,8 @@ def split_datagram(data: bytes) -> list[bytes]:
     """The messages of one datagram (one per line; a datagram of one message has no newline)."""
     if b"\n" not in data:
         return [data]
-    return [part for part in data.split(b"\n") if part]
+    # Nothing but newlines is still one (bad) message: every datagram is stored or counted as a drop.
+    return [part for part in data.split(b"\n") if part] or [data]
 
 
 def decode_telemetry(data: bytes) -> Telemetry:

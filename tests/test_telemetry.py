@@ -21,7 +21,13 @@ from hypothesis import strategies as st
 
 from trainguard.agent.ranktable import RankTable, RankTableConfig
 from trainguard.agent.telemetry import TelemetryServer, ensure_dgram_qlen, read_dgram_qlen
-from trainguard.agent.wire import MAX_DATAGRAM_BYTES, MAX_MESSAGE_BYTES, SCHEMA_VERSION, Telemetry
+from trainguard.agent.wire import (
+    MAX_DATAGRAM_BYTES,
+    MAX_MESSAGE_BYTES,
+    SCHEMA_VERSION,
+    Telemetry,
+    split_datagram,
+)
 from trainguard.link import TelemetrySender
 
 
@@ -328,27 +334,31 @@ def test_fuzzed_datagrams_over_real_socket(sockdir: str, sender: socket.socket) 
             good: list[Telemetry] = []
             expected: dict[str, int] = {}
             unspecified = 0
+            messages = 0  # a datagram holds one message per line: random bytes may hold several
             for msg, bad in items:
                 if msg is not None:
                     sender.sendto(msg.encode(), path)
                     good.append(msg)
+                    messages += 1
                 else:
                     assert bad is not None
                     data, reason = bad
                     sender.sendto(data, path)
+                    parts = len(split_datagram(data))
+                    messages += parts
                     if reason is None:
-                        unspecified += 1
+                        unspecified += parts
                     else:
                         expected[reason] = expected.get(reason, 0) + 1
-            # Received is counted before decoding; wait until every datagram was also stored or dropped.
+            # Received is counted before decoding; wait until every message was also stored or dropped.
             before_dropped = sum(before_drop.values())
-            wait_for(lambda: server.received_total == before_rx + len(items)
+            wait_for(lambda: server.received_total == before_rx + messages
                      and server.messages_total - before_ok + sum(server.dropped_total.values()) - before_dropped
-                     == len(items))
+                     == messages)
             assert server.messages_total - before_ok == len(good)
             delta = {k: v - before_drop.get(k, 0) for k, v in server.dropped_total.items()
                      if v != before_drop.get(k, 0)}
-            assert sum(delta.values()) == len(items) - len(good)
+            assert sum(delta.values()) == messages - len(good)
             for reason, n in expected.items():
                 assert delta.get(reason, 0) >= n, (reason, delta, expected)
             assert sum(delta.values()) - sum(expected.values()) == unspecified
