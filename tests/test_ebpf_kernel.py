@@ -155,6 +155,7 @@ def test_runqueue_latency_of_a_rank_sharing_its_core(kernel: tuple[EbpfCollector
     assert ra.offcpu_runnable_s >= 0.6 * b_cpu
     assert rs.offcpu_blocked_s >= 0.5 * rs.interval_s
     assert rs.offcpu_blocked_s > 5 * rs.offcpu_runnable_s
+    assert rs.offcpu_io_s < 0.1 * rs.offcpu_blocked_s, rs  # a timer sleep is no I/O wait
     assert c.snapshot is not None and c.snapshot.runq is not None
     assert c.snapshot.runq.node.count - node_before >= ra.runq_count
 
@@ -201,6 +202,69 @@ def test_block_io_count_grows_by_synchronous_writes(kernel: tuple[EbpfCollector,
     assert grew >= n
     assert after.sum_ns > (before.sum_ns if before else 0)
     assert c.device_name(dev) != ""
+
+
+FSYNC_WRITER = """import os, sys
+print('ready', flush=True)
+path = sys.argv[1]
+with open(path, 'wb') as f:
+    for i in range(int(sys.argv[2])):
+        f.write(os.urandom(65536))
+        f.flush()
+        os.fsync(f.fileno())
+os.unlink(path)
+"""
+# Sleeps the way a fast rank waits for a slow one (a socket read) and an idle helper thread does
+# (a condition variable): interruptibly, never in D state.
+PEER_WAITER = """import socket, threading
+a, b = socket.socketpair()
+cv = threading.Condition()
+def peer():
+    while True:
+        with cv:
+            cv.wait(0.01)
+        b.send(b'x')
+threading.Thread(target=peer, daemon=True).start()
+print('ready', flush=True)
+while True:
+    a.recv(1)
+"""
+
+
+def test_io_wait_is_uninterruptible_sleep_not_a_peers_wait(kernel: tuple[EbpfCollector, Events, str],
+                                                          tmp_path: Path) -> None:
+    """The straggler detector's io_wait evidence: a rank that waits for the disk (fsync) is off CPU
+    in uninterruptible sleep; one that waits on a socket for a peer is as long off CPU, but none
+    of it counts as I/O wait."""
+    c, _, _ = kernel
+    found = _real_disk_dir([tmp_path, Path("/var/tmp"), Path(__file__).resolve().parent])
+    if found is None:
+        pytest.skip("no directory on a real block device (tmp, /var/tmp and the repo are tmpfs/overlay)")
+    where, _ = found
+    waiter = spawn(PEER_WAITER)
+    writer = subprocess.Popen([sys.executable, "-c", FSYNC_WRITER, str(where / f"tg-io-{uuid.uuid4().hex}"), "40"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        for p in (waiter, writer):
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        c.track({p.pid: TrackedProcess(p.pid, "io", r, r) for r, p in enumerate((waiter, writer))})
+        slots = c.slot_of("io", 0), c.slot_of("io", 1)
+        c.poll(time.monotonic())
+        writer.wait(60)
+        time.sleep(0.2)
+        c.poll(time.monotonic())
+        offcpu = c.snapshot.offcpu.ranks if c.snapshot and c.snapshot.offcpu else {}
+    finally:
+        c.track({})
+        reap(waiter)
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+    assert None not in slots and all(s in offcpu for s in slots), (slots, offcpu)
+    w, d = offcpu[slots[0]], offcpu[slots[1]]
+    assert d.io_n >= 10 and d.io_ns > 0, d  # 40 fsyncs: each a wait for the disk
+    assert d.io_ns <= d.blocked_ns
+    assert w.blocked_ns > 0 and w.io_ns == 0, w
 
 
 def test_sigkill_yields_an_exit_event_within_100ms(kernel: tuple[EbpfCollector, Events, str]) -> None:

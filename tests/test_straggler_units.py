@@ -191,12 +191,12 @@ def test_peer_groups_keep_pipeline_stages_apart() -> None:
 
 
 def test_cause_precedence_and_thresholds() -> None:
-    peers = [Evidence(run_delay_s=0.002, throttled_s=0.0, blocked_s=0.05, reclaim_s=0.0)] * 3
+    peers = [Evidence(run_delay_s=0.002, throttled_s=0.0, io_wait_s=0.05, reclaim_s=0.0)] * 3
     assert attribute(Evidence(run_delay_s=0.05, throttled_s=0.0), peers, 0.05).cause == "cpu_contention"
     # Throttled tasks also wait on the run queue: quota wins over plain contention.
     assert attribute(Evidence(run_delay_s=0.05, throttled_s=0.04), peers, 0.05).cause == "cpu_quota"
     assert attribute(Evidence(reclaim_s=0.03, run_delay_s=0.002), peers, 0.05).cause == "memory_reclaim"
-    assert attribute(Evidence(blocked_s=0.09), peers, 0.05).cause == "io_wait"
+    assert attribute(Evidence(io_wait_s=0.09), peers, 0.05).cause == "io_wait"
     # A little extra run delay that explains under half of the slowdown is not a cause.
     assert attribute(Evidence(run_delay_s=0.007), peers, 0.05).cause == "unknown"
     # Run delay in proportion to compute is a consequence: a rank computing 3x longer on a busy
@@ -446,4 +446,4 @@ def test_a_remote_rank_is_judged_on_the_evidence_its_own_node_sent(sim_agent: An
     assert svc._evidence("sim", 1, 4_000_001, None).throttled_s == pytest.approx(0.016)
     sim.t += 60
     stale = svc._evidence("sim", 1, 4_000_001, None)
-    assert all(math.isnan(v) for v in (stale.throttled_s, stale.run_delay_s, stale.blocked_s)), stale
+    assert all(math.isnan(v) for v in (stale.throttled_s, stale.run_delay_s, stale.io_wait_s)), stale

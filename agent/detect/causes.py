@@ -35,8 +35,11 @@ class Evidence:
     run_delay_source: str = ""
     throttled_s: float = math.nan
     """CPU-quota throttled time of the rank's cgroup (cgroup cpu.stat)."""
-    blocked_s: float = math.nan
-    """Off-CPU time not runnable (I/O, locks, sleeps) from eBPF."""
+    io_wait_s: float = math.nan
+    """Off-CPU time in uninterruptible sleep (disk I/O, page-in) from eBPF. Not every sleep: the
+    fast ranks of a job sleep in each collective waiting for the slow one, and a rank's idle helper
+    threads (rank 0 serves the TCPStore) sleep all the time; counted, those made a healthy rank 0
+    an "io_wait" straggler in CI."""
     reclaim_s: float = math.nan
     """Direct / cgroup memory reclaim time from eBPF."""
     gpu_slowdown: tuple[str, ...] = ()
@@ -50,7 +53,7 @@ class Evidence:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-_WIRE_FLOATS = ("run_delay_s", "throttled_s", "blocked_s", "reclaim_s", "gpu_clock_ratio", "cpu_s")
+_WIRE_FLOATS = ("run_delay_s", "throttled_s", "io_wait_s", "reclaim_s", "gpu_clock_ratio", "cpu_s")
 
 
 def evidence_to_wire(ev: Evidence) -> dict[str, Any]:
@@ -112,7 +115,7 @@ def attribute(rank: Evidence, peers: Sequence[Evidence], extra_s: float, *, min_
         "cpu_quota": _excess(rank.throttled_s, [p.throttled_s for p in peers]),
         "cpu_contention": _delay_excess(rank, peers),
         "memory_reclaim": _excess(rank.reclaim_s, [p.reclaim_s for p in peers]),
-        "io_wait": _excess(rank.blocked_s, [p.blocked_s for p in peers]),
+        "io_wait": _excess(rank.io_wait_s, [p.io_wait_s for p in peers]),
     }
     details: dict[str, Any] = {"extra_s_per_step": round(extra_s, 6)}
     for name, value in amounts.items():

@@ -8,7 +8,7 @@ Two kernel counters are read straight from /proc and /sys (roots passed in, so t
 * the CPU-quota throttled time of the rank's cgroup (``cpu.stat``: cgroup v2 ``throttled_usec``,
   cgroup v1 ``throttled_time`` in ns).
 
-The eBPF collector's per-rank deltas (run-queue wait, off-CPU blocked, reclaim) and the GPU
+The eBPF collector's per-rank deltas (run-queue wait, uninterruptible off-CPU time, reclaim) and the GPU
 collector's per-pid state come in as they are. Counters become per-step figures by dividing each
 tick's increase by the steps the rank made in that tick, summed over the recent ticks that cover
 the detector's window.
@@ -89,7 +89,7 @@ class _Tick:
     run_delay: float = math.nan
     throttled: float = math.nan
     ebpf_runq: float = math.nan
-    ebpf_blocked: float = math.nan
+    ebpf_io: float = math.nan
     ebpf_reclaim: float = math.nan
 
 
@@ -138,7 +138,7 @@ class RankEvidence:
                      throttled=_delta(throttled, last.throttled))
         if ebpf is not None:
             tick.ebpf_runq = float(ebpf.runq_total_s)
-            tick.ebpf_blocked = float(ebpf.offcpu_blocked_s)
+            tick.ebpf_io = float(ebpf.offcpu_io_s)
             tick.ebpf_reclaim = float(ebpf.reclaim_s)
         ticks = self._ticks.setdefault(key, deque(maxlen=self.keep_ticks))
         ticks.append(tick)
@@ -190,7 +190,7 @@ class RankEvidence:
             run_delay_s=runq,
             run_delay_source=source if not math.isnan(runq) else "",
             throttled_s=self._per_step(ticks, "throttled"),
-            blocked_s=self._per_step(ticks, "ebpf_blocked"),
+            io_wait_s=self._per_step(ticks, "ebpf_io"),
             reclaim_s=self._per_step(ticks, "ebpf_reclaim"),
             gpu_slowdown=tuple(gpu.slowdown_reasons) if gpu is not None else (),
             gpu_clock_ratio=float(gpu.clock_ratio) if gpu is not None else math.nan,

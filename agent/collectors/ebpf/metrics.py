@@ -27,7 +27,8 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
     ("trainguard_runqueue_latency_seconds", "histogram", "seconds", SCOPED,
      "Time tasks waited runnable for a CPU (wakeup or preemption to switch-in), node-wide and per rank."),
     ("trainguard_offcpu_seconds_total", "counter", "seconds", ("job", "rank", "kind"),
-     "Time rank threads spent off CPU; kind=runnable (preempted, wanted the CPU) or blocked (slept)."),
+     "Time rank threads spent off CPU; kind=runnable (preempted, wanted the CPU) or blocked (slept); "
+     "kind=io is the part of blocked in uninterruptible sleep (disk I/O, page-in)."),
     ("trainguard_block_io_latency_seconds", "histogram", "seconds", ("device",),
      "Block I/O request latency, issue to completion, per device."),
     ("trainguard_tcp_retransmits_total", "counter", "", SCOPED,
@@ -110,6 +111,7 @@ def families(snap: KernelSnapshot, procs: Mapping[int, TrackedProcess],
                 p = procs[slot]
                 c.add_metric([p.job, str(p.rank), "runnable"], o.runnable_ns * 1e-9)
                 c.add_metric([p.job, str(p.rank), "blocked"], o.blocked_ns * 1e-9)
+                c.add_metric([p.job, str(p.rank), "io"], o.io_ns * 1e-9)
         yield c
     if snap.blockio is not None:
         fam = HistogramMetricFamily("trainguard_block_io_latency_seconds",

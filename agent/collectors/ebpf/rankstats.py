@@ -23,6 +23,7 @@ class RankKernelStats:
     runq_count: int
     offcpu_runnable_s: float
     offcpu_blocked_s: float
+    offcpu_io_s: float  # the uninterruptible part of offcpu_blocked_s: disk I/O, page-in
     reclaim_s: float
     faults: float
     tcp_retransmits: float
@@ -36,6 +37,7 @@ def _counters(s: KernelSnapshot, slot: int) -> dict[str, float]:
     return {
         "offcpu_runnable_s": o.runnable_ns * 1e-9 if o else nan,
         "offcpu_blocked_s": o.blocked_ns * 1e-9 if o else nan,
+        "offcpu_io_s": o.io_ns * 1e-9 if o else nan,
         "reclaim_s": r.ns * 1e-9 if r else nan,
         "faults": float(s.faults.ranks.get(slot, 0)) if s.faults else nan,
         "tcp_retransmits": float(s.tcp.ranks.get(slot, 0)) if s.tcp else nan,

@@ -100,9 +100,11 @@ class OffCpu:
     """Cumulative off-CPU time of one rank's threads, split by why they were off."""
 
     runnable_ns: int = 0  # preempted or yielded: wanted the CPU
-    blocked_ns: int = 0  # slept: I/O, locks, futex, page-in
+    blocked_ns: int = 0  # slept: I/O, locks, futex (a collective's wait), page-in
     runnable_n: int = 0
     blocked_n: int = 0
+    io_ns: int = 0  # the part of blocked_ns in uninterruptible sleep (disk I/O, page-in), not a lock's or a peer's wait
+    io_n: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,8 @@ class OffCpuTime(Program):
 
     def body(self) -> str:
         return """
-struct tg_off { u64 ts; u32 idx; u32 runnable; };
-struct tg_offcpu { u64 runnable_ns; u64 blocked_ns; u64 runnable_n; u64 blocked_n; };
+struct tg_off { u64 ts; u32 idx; u32 kind; };  /* kind: 0 slept, 1 runnable, 2 slept uninterruptible */
+struct tg_offcpu { u64 runnable_ns; u64 blocked_ns; u64 runnable_n; u64 blocked_n; u64 io_ns; u64 io_n; };
 BPF_TABLE("lru_hash", u32, struct tg_off, tg_off_start, 32768);  /* rank threads off CPU (ts 0: on) */
 BPF_ARRAY(tg_offcpu_rank, struct tg_offcpu, TG_MAX_TRACKED);
 
@@ -139,7 +141,9 @@ int tg_offcpu_switch(struct tg_args_sched_switch *args) {
         struct tg_off o = {};
         o.ts = now;
         o.idx = idx1 - 1;
-        o.runnable = TG_RUNNABLE(args->prev_state) ? 1 : 0;
+        /* TASK_UNINTERRUPTIBLE (D, 0x2): waiting on the disk or a page-in; a futex, an epoll or a
+           socket read (a collective waiting for a peer, an idle helper thread) sleeps interruptibly. */
+        o.kind = TG_RUNNABLE(args->prev_state) ? 1 : ((args->prev_state & 0x2) ? 2 : 0);
         struct tg_off *old = tg_off_start.lookup(&prev);
         if (old)
             *old = o;
@@ -150,17 +154,21 @@ int tg_offcpu_switch(struct tg_args_sched_switch *args) {
         return 0;
     u64 delta = now - o->ts;
     u32 i = o->idx;
-    u32 runnable = o->runnable;
+    u32 kind = o->kind;
     o->ts = 0;
     struct tg_offcpu *c = tg_offcpu_rank.lookup(&i);
     if (!c)
         return 0;
-    if (runnable) {
+    if (kind == 1) {
         __sync_fetch_and_add(&c->runnable_ns, delta);
         __sync_fetch_and_add(&c->runnable_n, 1);
     } else {
         __sync_fetch_and_add(&c->blocked_ns, delta);
         __sync_fetch_and_add(&c->blocked_n, 1);
+        if (kind == 2) {
+            __sync_fetch_and_add(&c->io_ns, delta);
+            __sync_fetch_and_add(&c->io_n, 1);
+        }
     }
     return 0;
 }
@@ -170,5 +178,6 @@ int tg_offcpu_switch(struct tg_args_sched_switch *args) {
         out = {}
         for i in idxs:
             v = module.array_get("tg_offcpu_rank", i)
-            out[i] = OffCpu(int(v.runnable_ns), int(v.blocked_ns), int(v.runnable_n), int(v.blocked_n))
+            out[i] = OffCpu(int(v.runnable_ns), int(v.blocked_ns), int(v.runnable_n), int(v.blocked_n),
+                            int(v.io_ns), int(v.io_n))
         return OffCpuSnapshot(out)
