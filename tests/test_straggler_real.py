@@ -210,12 +210,23 @@ def test_pinned_cpu_hog_then_cpu_quota_are_attributed(harness_factory: Callable[
         for p in hogs:
             p.kill()
             p.wait()
+        # The quota phase starts from a healthy job: rank 1 recovered, rank 0 not flagged.
+        def healthy() -> bool:
+            states = {r: st for r, (_, _, st) in h.service.scores(job).items()}
+            return set(states) == {0, 1} and all(st == "healthy" for st in states.values())
+
+        assert h.run_until(healthy, 60, job), (h.service.scores(job), h.events("straggler_detected", job))
+        seen = len(h.events("straggler_detected", job))
         # 5% of a CPU: far below what rank 0 gets, so the quota binds.
         groups[0].quota(0.05)
-        assert h.run_until(lambda: any(e["rank"] == 0 for e in h.events("straggler_detected", job)), 60, job), \
-            "quota not detected"
-        ev = [e for e in h.events("straggler_detected", job) if e["rank"] == 0][0]
-        assert ev["cause"] == "cpu_quota", ev
+
+        def rank0_detected() -> list[dict[str, Any]]:
+            return [e for e in h.events("straggler_detected", job)[seen:] if e["rank"] == 0]
+
+        assert h.run_until(lambda: bool(rank0_detected()), 60, job), \
+            ("quota not detected", groups[0].throttled_s(), h.events("straggler_detected", job))
+        ev = rank0_detected()[0]
+        assert ev["cause"] == "cpu_quota", (ev, groups[0].throttled_s(), h.events("straggler_detected", job))
         assert ev["fields"]["details"]["cpu_quota_s_per_step"] > 0
     finally:
         for p in hogs:
