@@ -2,9 +2,10 @@
 way a node hits a job, healed live, and a verdict that checks each heal.
 
 The demo plays the node (nothing is injected by the trainer itself):
-  1. once the job runs, rank 2's process is put into a CPU cgroup with a quota (a node-level cause
-     the collectors see as cgroup throttling); the quota follows rank 2 across the restart, as a
-     node's slow slot would;
+  0. every rank runs in a CPU slice of its own (a cgroup with a CPU quota, as a container's CPU
+     limit gives each rank of a real job); the slice follows its rank across the restart;
+  1. once the job runs, rank 2's slice is cut (a node-level cause the collectors see as cgroup
+     throttling), as a node's slow slot would be;
   2. once the agent has migrated samples away from rank 2 and the job has run on a while, rank 1
      gets SIGKILL.
 "demo passed" needs all of: the kill healed (job resumed from a checkpoint and finished), the
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.nodefaults import CpuCgroup, cpu_cgroup_unavailable
+from trainguard.nodefaults import CpuCgroup, cpu_cgroup_unavailable, own_cpu_cgroup
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,8 +62,12 @@ GLOBAL_BATCH = 256
 real training: a throttled rank then gets faster when samples move off it. At 128 the throttled
 rank's fixed cost alone held the step to ~3.5 steps/s and migration won back only a quarter to a
 half of the loss (a CI run: 24%); at 256 about three quarters."""
-QUOTA_CPU = 0.25
-"""rank 2's CPU quota: with 4 ranks on 2 cores each gets about half a CPU, so this is ~2.5x slower."""
+SLICE_CPU = 0.45
+"""Each rank's CPU slice: 4 ranks on this machine's 2 cores, with room left for the agent. Without
+slices the scheduler shares the 2 cores among the 4 ranks unevenly for seconds at a time, and a
+CI run saw a healthy rank that waited twice as long for a CPU as its peers flagged a straggler."""
+QUOTA_CPU = 0.15
+"""rank 2's slice once it is cut: a third of its peers', so it is ~3x slower."""
 SLOW_AT = 40
 """First step under the quota (after the detector's warm-up and a healthy stretch to measure)."""
 SETTLE_STEPS = 12
@@ -145,8 +150,11 @@ class Node(threading.Thread):
         self.client, self.job, self.steps = client, job, steps
         self.throttle = throttle
         self.log = NodeLog()
-        self.group: CpuCgroup | None = None
-        self.throttled_pids: set[int] = set()
+        self.slices: dict[int, CpuCgroup] = {}
+        """rank -> its CPU slice (made inside the demo's own CPU cgroup: the ranks keep the share of
+        the machine the demo was given)."""
+        self.placed_pids: set[int] = set()
+        self.cut = False
         self.migrated_at: int | None = None
         """Step of the agent's first shard migration, once seen."""
         self.done = threading.Event()
@@ -179,22 +187,36 @@ class Node(threading.Thread):
             self.log.kernel = st["kernel"]
         if not self.throttle and self.log.slowed is None and step >= SLOW_AT:
             self.log.slowed = (now, step)  # the trainer's own slow fault starts there
-        slow = ranks.get(SLOW_RANK)
-        if self.throttle and slow is not None and step >= SLOW_AT - 1 and slow["pid"] not in self.throttled_pids:
-            if self.group is None:
-                self.group = CpuCgroup("trainguard-demo")
-                self.group.quota(QUOTA_CPU)
-            self.group.add(slow["pid"])
-            self.throttled_pids.add(slow["pid"])
-            if self.log.slowed is None:
-                self.log.slowed = (now, step)
-            self.say(f"rank {SLOW_RANK} (pid {slow['pid']}) put in CPU cgroup {self.group.path.name} "
-                     f"with a quota of {QUOTA_CPU} CPU, at step {step}")
+        if self.throttle:
+            self._place(ranks, step)
+        if self.throttle and not self.cut and step >= SLOW_AT - 1:
+            self.slices[SLOW_RANK].quota(QUOTA_CPU)
+            self.cut = True
+            self.log.slowed = (now, step)
+            self.say(f"rank {SLOW_RANK}'s CPU slice {self.slices[SLOW_RANK].path.name} cut from {SLICE_CPU} "
+                     f"to {QUOTA_CPU} CPU, at step {step}")
         if self.log.killed is None and ranks.get(KILL_RANK) and self._kill_due(step):
             pid = ranks[KILL_RANK]["pid"]
             os.kill(pid, signal.SIGKILL)
             self.log.killed = (now, step)
             self.say(f"SIGKILL to rank {KILL_RANK} (pid {pid}) at step {step}")
+
+    def _place(self, ranks: dict[int, Any], step: int) -> None:
+        """Every rank's process into its rank's slice (a restarted rank's new process too)."""
+        new = {r: info["pid"] for r, info in ranks.items() if info.get("pid") and info["pid"] not in self.placed_pids}
+        if not new:
+            return
+        first = not self.slices
+        for rank, pid in sorted(new.items()):
+            if rank not in self.slices:
+                self.slices[rank] = CpuCgroup("trainguard-demo", parent=own_cpu_cgroup())
+                self.slices[rank].quota(SLICE_CPU)
+            self.slices[rank].add(pid)
+            self.placed_pids.add(pid)
+        if first:
+            self.say(f"ranks {sorted(new)} put in CPU slices of {SLICE_CPU} CPU each, at step {step}")
+        else:
+            self.say(f"ranks {sorted(new)} (new processes) back in their CPU slices, at step {step}")
 
     def _kill_due(self, step: int) -> bool:
         if self.migrated_at is None:
@@ -207,8 +229,8 @@ class Node(threading.Thread):
     def close(self) -> None:
         self.done.set()
         self.join(10)
-        if self.group is not None:
-            self.group.remove()
+        for group in self.slices.values():
+            group.remove()
 
 
 def _rate(samples: list[tuple[float, int]], lo: int, hi: int, before: float = math.inf) -> float:
@@ -361,8 +383,8 @@ def run_demo(tui: bool = False, quick: bool = False, out: Any = None, keep: bool
                   "and the cause is not checked", file=out)
         spec = _job_spec(quick, faults)
         steps = spec["trainer"]["steps"]
-        print(f"submitting job 'demo': {NPROC} ranks (dp={NPROC}), {steps} steps; the node will throttle rank "
-              f"{SLOW_RANK} from step {SLOW_AT} and SIGKILL rank {KILL_RANK} after the migration", file=out)
+        print(f"submitting job 'demo': {NPROC} ranks (dp={NPROC}), {steps} steps; the node will cut rank "
+              f"{SLOW_RANK}'s CPU slice from step {SLOW_AT} and SIGKILL rank {KILL_RANK} after the migration", file=out)
         started = time.time()
         job = client.submit_job(spec)
         node = Node(ApiClient.local(str(sock), timeout=30), job, steps, throttle=not no_cgroup)

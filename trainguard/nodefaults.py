@@ -46,12 +46,31 @@ def cpu_cgroup_unavailable() -> str | None:
     return None
 
 
+def own_cpu_cgroup() -> Path:
+    """The CPU cgroup directory this process runs in (the hierarchy's root when it cannot tell):
+    groups made inside it keep whatever share of the machine the caller was given."""
+    root, version = cpu_cgroup_root()
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return root
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, path = parts[1], parts[2]
+        if (version == "v2" and controllers == "") or (version == "v1" and "cpu" in controllers.split(",")):
+            here = root / path.lstrip("/")
+            return here if here.is_dir() else root
+    return root
+
+
 class CpuCgroup:
     """A CPU cgroup made for one purpose and removed after (its processes go back to the parent)."""
 
-    def __init__(self, prefix: str = "tg", parent: CpuCgroup | None = None) -> None:
+    def __init__(self, prefix: str = "tg", parent: CpuCgroup | Path | None = None) -> None:
         root, self.version = cpu_cgroup_root()
-        self.parent: Path = parent.path if parent is not None else root
+        self.parent: Path = parent.path if isinstance(parent, CpuCgroup) else (parent or root)
         self.path: Path = self.parent / f"{prefix}-{uuid.uuid4().hex[:8]}"
         self.path.mkdir()
         self.members: list[int] = []
