@@ -197,3 +197,45 @@ def test_a_state_mapping_built_anew_each_step_keeps_the_worked_out_copy(tmp_path
     writer.take(3, {"model": model, "optim": opt}, {})  # another set of keys: worked out again
     assert writer._plan is not plan
     writer.close()
+
+
+class _Mixed(nn.Module):
+    """Tensors of several dtypes in an order that switches dtype, and a non-contiguous buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(3, 5))
+        self.register_buffer("count", torch.arange(7, dtype=torch.int64))
+        self.b = nn.Parameter(torch.randn(11))
+        self.register_buffer("low", torch.randn(9).to(torch.bfloat16))
+        self.register_buffer("flag", torch.tensor([True, False, True]))
+        self.c = nn.Parameter(torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_every_dtype_run_and_a_swapped_tensor_come_back_at_each_step(tmp_path: Path, strided: bool) -> None:
+    """Stable CPU tensors go in by runs of one dtype from flat views kept between snapshots: a
+    tensor whose storage was swapped under the same object (``p.data = ...``) must be read anew, and
+    a non-contiguous one (no flat view) must still be copied."""
+    model = _Mixed()
+    if strided:
+        model.count = torch.arange(14, dtype=torch.int64)[::2]  # a view with stride 2
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0)
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    for step in range(1, 5):
+        with torch.no_grad():
+            model.a.add_(1.0)  # in place: the kept views see it
+            model.count.add_(step)
+            if step == 3:
+                model.b.data = torch.full((11,), 42.0)  # the same Parameter object, new storage
+        writer.take(step, {"model": model}, {})
+        seen[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        assert set(seen[step]) == {"a", "b", "c", "count", "low", "flag"}
+        fresh = _Mixed()
+        if strided:
+            fresh.count = torch.zeros(7, dtype=torch.int64)
+        load_snapshot(str(tmp_path), 0, 1, step, {"model": fresh})
+        for name, value in fresh.state_dict().items():
+            assert value.dtype == seen[step][name].dtype, name
+            assert torch.equal(value, seen[step][name]), (step, name)
+    writer.close()

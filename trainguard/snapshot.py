@@ -2,9 +2,11 @@
 
 The file format and the agent's side are in ``trainguard.agent.checkpoint.snapshots``. Here a
 snapshot is: the state's ``state_dict()``s walked into a list of tensors and a skeleton (the
-structure with a placeholder per tensor), the tensors copied with one ``torch._foreach_copy_`` into
-views of a mapped slot file whose layout is kept while the tensors' shapes stay the same, and the
-skeleton pickled behind them. The training thread is blocked for that copy and the walk, nothing
+structure with a placeholder per tensor), the tensors copied into views of a mapped slot file whose
+layout is kept while the tensors' shapes stay the same, and the skeleton pickled behind them. CPU
+tensors of one dtype lie back to back in the slot and go in with one ``torch.cat(out=)`` per dtype
+(``torch._foreach_copy_`` on the CPU copies tensor by tensor: 0.2-0.9 ms for the bench model's 100
+tensors, 1.6 MB, against 0.06 ms for one cat); device tensors go with ``_foreach_copy_``. The training thread is blocked for that copy and the walk, nothing
 else: no collective, no planning, no file creation after the first snapshot.
 
 ``state`` is what ``Run.checkpoint`` takes. A mapping with a ``snapshot_state()`` method gives the
@@ -291,6 +293,9 @@ class _Slot:
         self.buf: torch.Tensor | None = None
         self.signature: tuple[tuple[torch.dtype, tuple[int, ...]], ...] | None = None
         self.dsts: list[torch.Tensor] = []
+        self.runs: list[tuple[int, int, torch.Tensor]] = []
+        """(first, end, flat destination) of each run of packed stable tensors."""
+        self.stable = 0
         self.specs: list[TensorSpec] = []
         self.specs_bytes = b""
         self.payload_bytes = 0
@@ -309,19 +314,36 @@ class _Slot:
         self.buf[HEADER_BYTES:].zero_()  # fault the mapping's pages in once
 
     def layout(self, tensors: list[torch.Tensor], skeleton_hint: int,
-               signature: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> None:
+               signature: tuple[tuple[torch.dtype, tuple[int, ...]], ...], stable: int = 0) -> None:
+        """Place ``tensors``; the first ``stable`` (the plan's, the same objects every snapshot)
+        are packed back to back while their dtype stays the same, so that each such run is one
+        flat destination (``runs``)."""
         if signature == self.signature and self.mm is not None and self._room(skeleton_hint):
             return
-        specs, offset = [], 0
-        for t in tensors:
+        specs: list[TensorSpec] = []
+        runs: list[list[int]] = []  # [first, end, byte offset]
+        offset = 0
+        for i, t in enumerate(tensors):
+            packed = 0 < i < stable and t.dtype == tensors[i - 1].dtype
+            if packed:
+                runs[-1][1] = i + 1
+            else:
+                offset = -(-offset // _ALIGN) * _ALIGN
+                if i < stable:
+                    runs.append([i, i + 1, offset])
             specs.append(TensorSpec(offset, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
-            offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+            offset += t.numel() * t.element_size()
+        offset = -(-offset // _ALIGN) * _ALIGN
         need = HEADER_BYTES + offset + max(_SKELETON_RESERVE, 2 * skeleton_hint)
         if self.mm is None or len(self.mm) < need:
             self._map(need)
         assert self.buf is not None
         self.dsts = [self.buf.narrow(0, HEADER_BYTES + s.offset, t.numel() * t.element_size()).view(t.dtype).view(t.shape)
                      for s, t in zip(specs, tensors, strict=True)]
+        self.runs = [(start, end, self.buf.narrow(0, HEADER_BYTES + at, sum(t.numel() * t.element_size()
+                                                                            for t in tensors[start:end]))
+                      .view(tensors[start].dtype)) for start, end, at in runs]
+        self.stable = stable
         self.specs, self.signature, self.payload_bytes = specs, signature, offset
         self.specs_bytes = pickle.dumps(specs, protocol=5)
 
@@ -333,8 +355,19 @@ class _Slot:
         raw = header.pack()
         self.mm[0:len(raw)] = raw
 
+    def copy_in(self, tensors: list[torch.Tensor], flats: list[torch.Tensor] | None) -> None:
+        """Copy ``tensors`` into their places; ``flats``: flat views of the stable ones (None when
+        they cannot go by runs: not all on the CPU, or not contiguous)."""
+        if flats is None or len(flats) != self.stable:
+            torch._foreach_copy_(self.dsts, tensors)
+            return
+        for start, end, dst in self.runs:
+            torch.cat(flats[start:end], out=dst)
+        if len(tensors) > self.stable:
+            torch._foreach_copy_(self.dsts[self.stable:], tensors[self.stable:])
+
     def close_map(self) -> None:
-        self.dsts, self.buf, self.signature = [], None, None
+        self.dsts, self.runs, self.buf, self.signature = [], [], None, None
         if self.mm is not None:
             try:
                 self.mm.close()
@@ -367,6 +400,8 @@ class SnapshotWriter:
         self._slots = [_Slot(str(slot_path(directory, rank, s))) for s in SLOTS]
         self._last_skeleton = 0
         self._plan: _Plan | None = None
+        self._flats: list[torch.Tensor] | None = None
+        self._flat_ptrs: list[int] = []
 
     def _target(self) -> _Slot:
         """The slot not holding the newest complete snapshot."""
@@ -392,19 +427,19 @@ class SnapshotWriter:
         skeleton_hint = max(self._last_skeleton, len(plan.static_bytes) + len(dynamic) + 4096)
         signature = plan.signature + _signature(tensors[len(plan.tensors):])
         try:
-            slot.layout(tensors, skeleton_hint, signature)
+            slot.layout(tensors, skeleton_hint, signature, len(plan.tensors))
         except OSError as exc:
             raise SnapshotError(f"no room for a snapshot of {sum(t.numel() * t.element_size() for t in tensors)} "
                                 f"bytes in {self.directory}: {exc}") from exc
         parts = (slot.specs_bytes, plan.static_bytes, dynamic)
         skeleton = _PARTS.pack(*map(len, parts)) + b"".join(parts)
         if not slot._room(len(skeleton)):
-            slot.layout(tensors, 2 * len(skeleton), signature)  # a skeleton that outgrew its reserve: a new layout
+            slot.layout(tensors, 2 * len(skeleton), signature, len(plan.tensors))  # a skeleton that outgrew its reserve: a new layout
             parts = (slot.specs_bytes, plan.static_bytes, dynamic)
             skeleton = _PARTS.pack(*map(len, parts)) + b"".join(parts)
         slot.write_header(SlotHeader(WRITING, step, self.attempt, self.world_size, self.rank, 0, 0, 0))
         with torch.no_grad():
-            torch._foreach_copy_(slot.dsts, tensors)
+            slot.copy_in(tensors, self._flat_sources(plan.tensors))
         assert slot.mm is not None
         start = HEADER_BYTES + slot.payload_bytes
         slot.mm[start:start + len(skeleton)] = skeleton
@@ -419,6 +454,18 @@ class SnapshotWriter:
         st.total_stall_s += stall
         st.state_bytes = slot.payload_bytes
         return stall
+
+    def _flat_sources(self, stable: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Flat views of the plan's tensors, kept while each still has the same data pointer (a
+        view costs ~1 us, a pointer read ~0.1 us; the views hold the old storage, so a replaced
+        tensor's memory cannot come back at the same address). None: they go one by one."""
+        ptrs = [t.data_ptr() for t in stable]
+        if ptrs != self._flat_ptrs:
+            self._flat_ptrs = ptrs
+            self._flats = None
+            if all(t.device.type == "cpu" and t.is_contiguous() for t in stable):
+                self._flats = [t.detach().view(-1) for t in stable]
+        return self._flats
 
     def check_restorable(self) -> None:
         """Raise SnapshotError when the newest snapshot's skeleton could not be read back (the
