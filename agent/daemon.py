@@ -190,6 +190,7 @@ class Agent:
             self.cluster.gangs.shared_tiers = [self.checkpoints.object]
         self.recovery = RecoveryService(self, self.checkpoints)
         self.supervisor.launch_env = self.recovery.launch_env
+        self.supervisor.before_survivors_stop = self.recovery.before_survivors_stop
         self.tick_hooks.append(self.recovery.tick)
         self.checkpoint_catalog = self.checkpoints.catalog
         self.rollback = self.recovery.rollback

@@ -6,6 +6,8 @@ snapshots cannot carry are clear errors, never a SIGBUS or a half-restored state
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -116,6 +118,36 @@ def test_the_agent_picks_the_newest_step_every_rank_holds(tmp_path: Path) -> Non
     again.close()
     snaps.clear()
     assert snaps.common_step(3) is None
+
+
+def test_the_agent_waits_for_a_survivor_still_copying_the_step_the_dead_rank_finished(tmp_path: Path) -> None:
+    model, opt = _trained()
+    state = {"model": model, "optim": opt}
+    root, job = tmp_path / "shm", "job"
+    directory = str(snapshot_dir(root, job))
+    writers = [SnapshotWriter(directory, rank=r, world_size=3, attempt=0) for r in range(3)]
+    for w in writers:
+        w.take(4, state, {})
+    writers[1].take(5, state, {})  # rank 1 snapshotted step 5 and died; rank 2 holds it already
+    writers[2].take(5, state, {})
+    snaps = SnapshotSet(root, job)
+    late = threading.Timer(0.2, writers[0].take, (5, state, {}))  # rank 0 is still copying
+    late.start()
+    waited = snaps.settle(dead=[1], alive=[0, 2], world_size=3, within_s=10.0)
+    late.join()
+    assert 0.15 < waited < 5.0, waited
+    assert snaps.common_step(3) == 5
+    # Nothing to wait for: the survivors hold the dead rank's newest step, or it has none.
+    assert snaps.settle(dead=[1], alive=[0, 2], world_size=3, within_s=10.0) < 0.1
+    assert SnapshotSet(tmp_path / "none", job).settle(dead=[1], alive=[0], world_size=3, within_s=10.0) == 0.0
+    # A survivor that never gets there costs the bound, not more.
+    writers[1].take(6, state, {})
+    start = time.monotonic()
+    snaps.settle(dead=[1], alive=[0, 2], world_size=3, within_s=0.3)
+    assert 0.25 < time.monotonic() - start < 3.0
+    assert snaps.common_step(3) == 5
+    for w in writers:
+        w.close()
 
 
 class Opaque:

@@ -22,7 +22,9 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import time
 import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +136,27 @@ class SnapshotSet:
                 return None
         eligible = [s for s in common or () if max_step is None or s <= max_step]
         return max(eligible) if eligible else None
+
+    def settle(self, dead: Iterable[int], alive: Iterable[int], world_size: int, within_s: float, *,
+               clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> float:
+        """Before the agent kills the survivors of a rank's death: wait (at most ``within_s``) until
+        every live rank has completed its snapshot of the newest step all the dead ranks completed.
+
+        A rank that died right after its snapshot of step N (a crash at the top of step N+1) leaves
+        peers that finished step N too, since its collectives of step N had completed, but that may
+        still be copying their own snapshot of N: killed at once, they would leave N+1's restore to
+        step N-1 and lose a step that every rank had computed. Peers that already hold that step
+        (the usual case) cost no wait. Returns the seconds waited."""
+        dead_newest = [max(self.done_steps(r, world_size), default=None) for r in dead]
+        if not dead_newest or any(s is None for s in dead_newest):
+            return 0.0
+        target = min(s for s in dead_newest if s is not None)
+        waiting = [r for r in alive if target not in self.done_steps(r, world_size)]
+        start = clock()
+        while waiting and clock() - start < within_s:
+            sleep(0.002)
+            waiting = [r for r in waiting if target not in self.done_steps(r, world_size)]
+        return clock() - start
 
     def keep_only(self, step: int) -> None:
         """Every slot but those holding ``step`` becomes empty."""

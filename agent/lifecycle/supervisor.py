@@ -138,6 +138,8 @@ class Supervisor:
         self.stop_grace_s = stop_grace_s
         self.on_ranks_changed = on_ranks_changed
         self.launch_env = launch_env
+        self.before_survivors_stop: Callable[[JobRecord], None] | None = None
+        """Called, when ranks of a job died, before the rest are killed for its restart."""
         self.on_submit = on_submit
         """Called with the job id before its ranks start (the telemetry table registers the job)."""
         self.records = records
@@ -422,6 +424,8 @@ class Supervisor:
                 return
             self._set_state(record, JobState.RESTARTING)
             record.step_at_last_restart = record.progress_step
+            if self.before_survivors_stop is not None and any(not r.alive for r in record.ranks):
+                self.before_survivors_stop(record)
             self.launcher.stop(record.ranks, min(self.stop_grace_s, 2.0), hard=True)
             record.restarts += 1
             self.restart_total += 1

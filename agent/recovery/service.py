@@ -54,6 +54,9 @@ RECOVERY_SECONDS = MetricSpec(
 METRICS = (ACTIONS, DETECTIONS, RECOVERY_SECONDS)
 
 ENV_RESTORE = "TRAINGUARD_RESTORE"
+SNAPSHOT_SETTLE_S = 1.0
+"""The most the agent waits, after a rank died, for its peers to finish the snapshot of the step
+the dead rank completed (their copy takes milliseconds; a peer that cannot finish costs this)."""
 
 
 def memory_root_for(cfg: AgentConfig) -> str:
@@ -124,8 +127,22 @@ class RecoveryService:
         self._failure_at: dict[str, float] = {}
         self._launch_at: dict[str, float] = {}
         self.last_recovery_s: dict[str, float] = {}
+        self._settled_s: dict[str, float] = {}
 
     # --- hooks the daemon installs --------------------------------------------------------------
+    def before_survivors_stop(self, record: JobRecord) -> None:
+        """Called by the supervisor when ranks of a job died, before it kills the rest."""
+        if not self.agent.cfg.checkpoint.snapshots or record.block is not None:
+            return
+        dead = [r.rank for r in record.ranks if not r.alive and r.exit_code != 0]
+        alive = [r.rank for r in record.ranks if r.alive]
+        if not dead or not alive:
+            return
+        snapshots = SnapshotSet(self.checkpoints.settings.memory_root, record.job)
+        waited = snapshots.settle(dead, alive, record.spec.nproc, SNAPSHOT_SETTLE_S)
+        if waited > 0.001:
+            self._settled_s[record.job] = round(waited, 4)
+
     def launch_env(self, record: JobRecord) -> dict[str, str]:
         """Called by the supervisor before every start of a job's ranks."""
         job = record.job
@@ -169,6 +186,7 @@ class RecoveryService:
         if restored is not None:
             self._restored[job] = restored
             env[ENV_RESTORE] = str(restored.path)
+        settled_s = self._settled_s.pop(job, None)
         if snap_step is not None and (restored is None or snap_step >= restored.info.step):
             snapshots.keep_only(snap_step)
             env[ENV_SNAPSHOT_STEP] = str(snap_step)
@@ -177,8 +195,9 @@ class RecoveryService:
             self.agent.events.emit(
                 "restore_selected",
                 f"job {job}: ranks restore step {snap_step} from their snapshots in shared memory"
-                + (f" (fallback: step {restored.info.step} from the {restored.tier} tier)" if restored is not None else ""),
-                job=job, tier="snapshot", step=snap_step, fallback=fallback,
+                + (f" (fallback: step {restored.info.step} from the {restored.tier} tier)" if restored is not None else "")
+                + (f"; waited {settled_s * 1000:.0f} ms for the survivors to finish that snapshot" if settled_s else ""),
+                job=job, tier="snapshot", step=snap_step, fallback=fallback, settled_s=settled_s or 0.0,
             )
             return env
         # The job goes on from an older checkpoint (or from scratch): no slot of the attempt that
