@@ -134,10 +134,19 @@ def test_slow_fault_detected_migrated_converges_and_recovers(harness_factory: Ca
     # Recovery: rank 1 back to full speed from step 200 -> recovered, shares even again.
     assert h.run_until(lambda: bool([e for e in h.events("straggler_recovered", job) if e["rank"] == 1])
                        and h.agent.plans.get(job).batch_sizes is None, 120, job), h.events("shard_migration", job)
-    assert [e["rank"] for e in h.events("straggler_detected", job)] == [1]
+    later = h.events("straggler_detected", job)
+    # Rank 1 once. Another rank may be blamed for a while later, when this shared machine's other
+    # load (the other xdist worker) really slows its CPU time per sample: a matmul-and-memcpy load
+    # beside the test made rank 2 1.7x slower per sample for ~40 steps (score 0.58, cause unknown),
+    # and CI saw the same. Such a rank must have been judged recovered by the end (shares even again,
+    # checked below); the first migration above is the check that a healthy rank is not blamed.
+    assert [e["rank"] for e in later].count(1) == 1, [(e["rank"], e["fields"]) for e in later]
+    others = {e["rank"] for e in later} - {1}
+    assert others <= {e["rank"] for e in h.events("straggler_recovered", job)}, [(e["rank"], e["fields"]) for e in later]
     # The same figures through the agent's exporter and its control API.
     reg = h.agent.exporter.registry
-    assert reg.get_sample_value("trainguard_stragglers_detected_total", {"job": job, "cause": det[0]["cause"]}) == 1
+    same_cause = [e for e in later if e["cause"] == det[0]["cause"]]
+    assert reg.get_sample_value("trainguard_stragglers_detected_total", {"job": job, "cause": det[0]["cause"]}) == len(same_cause)
     assert reg.get_sample_value("trainguard_shard_migrations_total", {"job": job}) >= 2
     assert 0.0 < reg.get_sample_value("trainguard_rank_straggler_score", {"job": job, "rank": "1"}) <= 1.0
     status = {r["rank"]: r for j in h.agent.control.status()["jobs"] if j["job"] == job for r in j["ranks"]}
