@@ -91,12 +91,17 @@ def test_a_copy_cut_short_leaves_the_previous_snapshot(tmp_path: Path, monkeypat
     again.close()
 
 
-def test_the_agent_picks_the_newest_step_every_rank_holds(tmp_path: Path) -> None:
+def _three_rank_writers(tmp_path: Path) -> tuple[dict, Path, str, str, list[SnapshotWriter]]:
+    """A trained state and one snapshot writer per rank of a 3-rank job under ``tmp_path``."""
     model, opt = _trained()
-    state = {"model": model, "optim": opt}
     root, job = tmp_path / "shm", "job"
     directory = str(snapshot_dir(root, job))
     writers = [SnapshotWriter(directory, rank=r, world_size=3, attempt=0) for r in range(3)]
+    return {"model": model, "optim": opt}, root, job, directory, writers
+
+
+def test_the_agent_picks_the_newest_step_every_rank_holds(tmp_path: Path) -> None:
+    state, root, job, directory, writers = _three_rank_writers(tmp_path)
     for step in (4, 5):
         for w in writers:
             w.take(step, state, {})
@@ -121,11 +126,7 @@ def test_the_agent_picks_the_newest_step_every_rank_holds(tmp_path: Path) -> Non
 
 
 def test_the_agent_waits_for_a_survivor_still_copying_the_step_the_dead_rank_finished(tmp_path: Path) -> None:
-    model, opt = _trained()
-    state = {"model": model, "optim": opt}
-    root, job = tmp_path / "shm", "job"
-    directory = str(snapshot_dir(root, job))
-    writers = [SnapshotWriter(directory, rank=r, world_size=3, attempt=0) for r in range(3)]
+    state, root, job, directory, writers = _three_rank_writers(tmp_path)
     for w in writers:
         w.take(4, state, {})
     writers[1].take(5, state, {})  # rank 1 snapshotted step 5 and died; rank 2 holds it already
