@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard
 from trainguard.agent.checkpoint.memory import MemoryTier
+from trainguard.agent.checkpoint.snapshots import SnapshotSet, snapshot_dir
 from trainguard.agent.wire import Plan, write_plan_file
 from trainguard.trainer.testing import TelemetryCapture
 
@@ -336,3 +337,42 @@ def test_without_an_agents_plan_no_rank_waits_on_a_sync_point(tmp_path: Path, mo
     with run.step(0) as s:
         s.report(loss=1.0)
     assert run.plan.version == 0
+
+
+def _snapshot_ranks(rank: int, nproc: int, port: int, plan_path: str, snap_dir: str, out_dir: str) -> None:
+    """Rank 0 holds 16 MB of extra state: its copy costs far more than 1% of a 20 ms step, so it
+    wants a wide snapshot interval; rank 1's tiny state would snapshot (nearly) every step."""
+    _init(rank, nproc, port, {"TRAINGUARD_PLAN": plan_path, "TRAINGUARD_JOB": "snap", "TRAINGUARD_SNAPSHOT_DIR": snap_dir,
+                              "TRAINGUARD_SNAPSHOT_EVERY": "auto", "TRAINGUARD_SOCKET": "/nonexistent"})
+    state: dict[str, Any] = {"w": torch.zeros(4)}
+    if rank == 0:
+        state["big"] = torch.zeros(4 << 20)
+    run = trainguard.init()
+    taken = []
+    t = torch.zeros(1)
+    for step in range(60):
+        with run.step(step):
+            time.sleep(0.02)
+            dist.all_reduce(t)
+            state["w"] += 1
+        if run.checkpoint(step, state):
+            taken.append(step + 1)
+    Path(out_dir, f"taken{rank}").write_text(",".join(map(str, taken)))
+    Path(out_dir, f"wish{rank}").write_text(str(run._snapshot_wish))
+    dist.destroy_process_group()
+
+
+def test_automatic_snapshot_intervals_are_agreed_so_every_rank_keeps_the_same_steps(tmp_path: Path) -> None:
+    """Ranks whose stalls differ would tune their intervals apart, and with two slots each they
+    would share no step to restore (a crash then fell back to the last DCP checkpoint): rank 0's
+    interval is taken by every rank at the plan sync points."""
+    plan_path = str(tmp_path / "plan.json")
+    write_plan_file(plan_path, Plan(version=1))
+    snap_dir = str(snapshot_dir(tmp_path / "shm", "snap"))
+    _spawn(_snapshot_ranks, 2, plan_path, snap_dir, str(tmp_path))
+    taken = [[int(s) for s in (tmp_path / f"taken{r}").read_text().split(",")] for r in (0, 1)]
+    wishes = [int((tmp_path / f"wish{r}").read_text()) for r in (0, 1)]
+    assert wishes[0] >= 4 * wishes[1], wishes  # the ranks really did want different intervals
+    assert taken[0] == taken[1], taken
+    assert len(taken[0]) < 60 // wishes[1] // 2, taken  # rank 0's wide interval won, not rank 1's narrow one
+    assert SnapshotSet(tmp_path / "shm", "snap").common_step(2) == taken[0][-1]

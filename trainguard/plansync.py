@@ -11,6 +11,10 @@ asynchronous broadcast pending at exit can block a rank's exit once its peers ha
 group). A plan takes effect at most two sync points after the agent wrote it: ``2 x every`` steps, or
 about ``2 x target_s`` seconds when steps are short.
 
+The same points carry rank 0's choice of the automatic snapshot interval (``snapshot_every``), so
+that every rank snapshots the same steps: ranks that tuned their intervals apart would share no
+step in their two slots, and a crash would restore nothing newer than the last DCP checkpoint.
+
 The store is the one the process group was initialised with (the job's rendezvous store); keys
 carry the restart count, so a restarted job never reads a previous attempt's plans.
 """
@@ -64,35 +68,41 @@ class PlanSync:
         self._at = 0  # the next sync point's step
         self._gap = self.every  # steps from the next sync point to the one after it
         self._last = Plan()
+        self._last_snapshot_every = 0
+        self.snapshot_every = 0
+        """The snapshot interval every rank uses from the last sync point (0: none agreed yet)."""
         self.points = 0
         """Sync points passed (each one store round trip); also the next one's number."""
 
-    def _put(self, key: str, plan: Plan, gap: int) -> None:
-        self.store.set(key, f"{gap} {plan.encode().decode()}")
+    def _put(self, key: str, plan: Plan, gap: int, snapshot_every: int) -> None:
+        self.store.set(key, f"{gap} {snapshot_every} {plan.encode().decode()}")
 
-    def _get(self, key: str) -> tuple[Plan, int]:
-        gap, _, body = self.store.get(key).decode().partition(" ")  # waits for the key (store timeout)
-        return Plan.decode(body.encode()), max(1, int(gap))
+    def _get(self, key: str) -> tuple[Plan, int, int]:
+        gap, snapshot_every, body = self.store.get(key).decode().split(" ", 2)  # waits for the key (store timeout)
+        return Plan.decode(body.encode()), max(1, int(gap)), max(0, int(snapshot_every))
 
     def _next_gap(self, step_s: float) -> int:
         if step_s <= 0:
             return self.every
         return max(self.every, min(MAX_GAP, math.ceil(self.target_s / step_s)))
 
-    def initial(self) -> Plan:
+    def initial(self, snapshot_every: int = 0) -> Plan:
         """Once, at the first step: every rank starts from the plan rank 0 sees now."""
         if self.is_leader:
             self._last = self.watcher.poll()
-            self._put("start", self._last, self._gap)
+            self._last_snapshot_every = snapshot_every
+            self._put("start", self._last, self._gap, snapshot_every)
             return self._last
-        plan, self._gap = self._get("start")
+        plan, self._gap, _ = self._get("start")
         return plan
 
-    def after_step(self, step_s: float = 0.0) -> Plan | None:
+    def after_step(self, step_s: float = 0.0, snapshot_every: int = 0) -> Plan | None:
         """At the end of every step, on every rank: the plan to apply from the next step (the same
         one on every rank), or None between sync points. At a sync point rank 0 publishes what it
-        sees (and the gap after the next point, from ``step_s``, its last step's seconds) and the
-        others take what it published one sync point earlier."""
+        sees (and the gap after the next point, from ``step_s``, its last step's seconds, and the
+        snapshot interval it wants, ``snapshot_every``; other ranks' value is ignored) and the
+        others take what it published one sync point earlier; ``self.snapshot_every`` then holds
+        that point's agreed interval on every rank."""
         step = self._step
         self._step += 1
         if step < self._at:
@@ -100,7 +110,7 @@ class PlanSync:
         point = self.points
         self.points += 1
         if not self.is_leader:
-            plan, gap_after = self._get("start" if point == 0 else str(point - 1))
+            plan, gap_after, self.snapshot_every = self._get("start" if point == 0 else str(point - 1))
             if point > 0:
                 self._gap = gap_after  # at point 0 the gap came with the start key
             self._at = step + self._gap
@@ -108,7 +118,8 @@ class PlanSync:
         self._at = step + self._gap
         self._gap = self._next_gap(step_s)
         plan = self.watcher.poll()
-        self._put(str(point), plan, self._gap)
+        self._put(str(point), plan, self._gap, snapshot_every)
+        self.snapshot_every, self._last_snapshot_every = self._last_snapshot_every, snapshot_every
         if point >= _KEEP:
             try:
                 self.store.delete_key(str(point - _KEEP))

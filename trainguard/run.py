@@ -209,6 +209,7 @@ class Run:
         auto = env.snapshot_every == SNAPSHOT_AUTO
         self.snapshot_every = (env.snapshot_every if env.snapshot_every > 0 else int(auto)) if env.snapshot_dir else 0
         """Steps between snapshots now (0: none); tuned from the measured stall when automatic."""
+        self._snapshot_wish = self.snapshot_every  # what this rank's stalls ask for (rank 0's is agreed)
         self._stall_ratios: list[float] = []
         self._last_step_s = 0.0
         self.restored_from = ""
@@ -285,7 +286,7 @@ class Run:
         checkpoint carried, when the agent's is not newer)."""
         self._started = True
         sync = self._plan_sync()
-        polled = sync.initial() if sync is not None else self.plans.poll()
+        polled = sync.initial(self._snapshot_wish) if sync is not None else self.plans.poll()
         if polled is not None and polled.version >= self._plan.version:
             self._apply(polled)
 
@@ -303,11 +304,14 @@ class Run:
             self._send(step, step_s, step_cpu_s)
         try:
             sync = self._plan_sync()
-            newer = sync.after_step(step_s) if sync is not None else self.plans.poll()
+            newer = sync.after_step(step_s, self._snapshot_wish) if sync is not None else self.plans.poll()
         except Exception as exc:  # noqa: BLE001
             self._warn(f"plan sync failed, plans are no longer applied: {exc}")
             self._sync = _Disabled()
             return
+        agreed = getattr(sync, "snapshot_every", 0)
+        if agreed > 0 and self.snapshot_every > 0 and self.env.snapshot_every == SNAPSHOT_AUTO:
+            self.snapshot_every = agreed
         if newer is not None and newer.version > self._plan.version:
             self._apply(newer)
 
@@ -446,9 +450,11 @@ class Run:
         return True
 
     def _tune_snapshots(self, stall_s: float) -> None:
-        """The fewest steps between snapshots, a power of two (so that ranks tuning apart still
-        share steps), that keeps their stall within 1% of the step time: from the median of the
-        last 9 stall/step ratios (one slow step or one slow copy does not move it)."""
+        """The fewest steps between snapshots, a power of two, that keeps their stall within 1% of
+        the step time: from the median of the last 9 stall/step ratios (one slow step or one slow
+        copy does not move it). In a multi-rank job with an agent this is only a wish: rank 0's is
+        agreed at the plan sync points (``PlanSync``), since ranks whose intervals drift apart keep
+        no common step in their two slots; alone, the rank applies it."""
         if self._last_step_s <= 0:
             return
         self._stall_ratios.append(stall_s / self._last_step_s)
@@ -457,7 +463,9 @@ class Run:
         every = 1
         while every < 64 and ratio / every > 0.01:
             every *= 2
-        self.snapshot_every = every
+        self._snapshot_wish = every
+        if self._sync is None:
+            self.snapshot_every = every
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """What a checkpoint carries besides the state: the plan in force (so a restarted job keeps
@@ -557,10 +565,12 @@ class Run:
 class _Disabled:
     """Stands in for a plan synchroniser that failed: no further collectives, no new plans."""
 
-    def after_step(self, step_s: float = 0.0) -> None:
+    snapshot_every = 0
+
+    def after_step(self, step_s: float = 0.0, snapshot_every: int = 0) -> None:
         return None
 
-    def initial(self) -> None:
+    def initial(self, snapshot_every: int = 0) -> None:
         return None
 
 
