@@ -30,7 +30,6 @@ def result_line(stdout: str) -> dict[str, str]:
     # these two pin processes to CPUs and raise CPU weights: they run one at a time with the other
     # tests that do (conftest.CPU_ISOLATION)
     pytest.param("bench/straggler.py", marks=pytest.mark.xdist_group(CPU_ISOLATION)),
-    "bench/recovery.py",
     pytest.param("bench/overhead.py", marks=pytest.mark.xdist_group(CPU_ISOLATION)),
     "bench/cluster.py",
     "bench/trainer.py",
@@ -44,3 +43,28 @@ def test_quick_bench_runs_to_its_result_line(script: str) -> None:
     assert ratios, result  # every bench's headline is a ratio (bench contract, SPEC.md)
     for key, value in ratios.items():
         assert not math.isnan(float(value)), (key, value)
+
+
+PEERS_VENV = REPO / ".venv-peers"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_recovery_bench_runs_every_arm_peers_included() -> None:
+    """bench/recovery.py --quick with its peers (torchft, nvidia-resiliency-ext's ft_launcher) in
+    their own venv beside the same torch, built here when missing (~40 s: torch comes from the
+    local wheel): every arm recovers from both kills and the RESULT line carries each peer's ratio."""
+    if not (PEERS_VENV / "bin" / "torchft_lighthouse").exists():
+        built = subprocess.run(["bash", "bench/peers_venv.sh", str(PEERS_VENV)], cwd=REPO, capture_output=True,
+                               text=True, timeout=600)
+        assert built.returncode == 0, built.stderr[-3000:]
+    out = subprocess.run([sys.executable, "bench/recovery.py", "--quick", "--peers-venv", str(PEERS_VENV)], cwd=REPO,
+                         capture_output=True, text=True, timeout=800)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])  # nonzero: an arm did not finish
+    result = result_line(out.stdout)
+    for key in ("lost_time_ratio", "iso_lost_time_ratio", "ft_launcher_lost_time_ratio", "torchft_lost_time_ratio"):
+        assert key in result and not math.isnan(float(result[key])), (key, result)
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line[:1].isalpha() and " yes " in line}
+    for arm in ("trainguard", "ft_launcher", "torchft"):
+        found = [name for name in rows if name.split("/")[0] == arm]
+        assert found and rows[found[0]][2] == "2", (arm, out.stdout[-3000:])  # both kills seen and recovered
