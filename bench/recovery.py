@@ -311,8 +311,12 @@ def run_torchft(name: str, nproc: int, trainer: dict[str, Any], kills: list[int]
     res = analyse(name, rows, 0, recovered)
     res.ok = all(c == 0 for c in codes) and res.final_step == trainer["steps"]
     if not res.ok:
-        err = (work / f"{name}-g0.err").read_text(errors="replace").strip().splitlines()
-        res.note = f"exit codes {codes}, last step {res.final_step}" + (f": {err[-1][:160]}" if err else "")
+        # The group that failed tells why (the first one with a nonzero exit, else group 0).
+        failed = next((g for g, c in enumerate(codes) if c != 0), 0)
+        err = (work / f"{name}-g{failed}.err").read_text(errors="replace").strip().splitlines()
+        errors = [line for line in err if "Error" in line or "error" in line]
+        res.note = (f"exit codes {codes}, last step {res.final_step}"
+                    + (f"; group {failed}: {(errors or err)[-1][:200]}" if err else ""))
     return res
 
 
