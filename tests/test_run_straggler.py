@@ -74,7 +74,14 @@ def test_api_script_straggler_found_with_its_cause_and_migrated(agent_factory: A
             groups[1].add(p.pid)
         found = wait_for(lambda: events(agent, job, "straggler_detected"), 90, "the straggler")
         assert found[0]["rank"] == 1, found[0]
-        assert found[0]["cause"] == "cpu_contention", found[0]["fields"]
+        cause = found[0]["cause"]
+        if cause == "unknown":
+            # Detected on its first slow steps, before the run delay caught up (CI saw it once):
+            # the agent names the cause with the next ticks' evidence.
+            named = wait_for(lambda: events(agent, job, "straggler_cause"), 30, "the straggler's cause named")
+            assert named[0]["rank"] == 1, named[0]
+            cause = named[0]["cause"]
+        assert cause == "cpu_contention", found[0]["fields"]
         moved = wait_for(lambda: events(agent, job, "shard_migration"), 60, "a shard migration")
         sizes = moved[0]["fields"]["batch_sizes"]
         assert sizes[1] < sizes[0] and sum(sizes) == 96, sizes

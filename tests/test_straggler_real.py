@@ -211,8 +211,16 @@ def test_pinned_cpu_hog_then_cpu_quota_are_attributed(harness_factory: Callable[
         assert h.run_until(lambda: bool(h.events("straggler_detected", job)), 60, job), "hog not detected"
         took = time.monotonic() - t_start
         ev = h.events("straggler_detected", job)[0]
-        assert ev["rank"] == 1 and ev["cause"] == "cpu_contention", ev["fields"]
-        assert ev["fields"]["details"]["run_delay_source"] == source
+        assert ev["rank"] == 1, ev
+        named = ev
+        if ev["cause"] == "unknown":
+            # Detected on its first slow steps, before the run delay caught up: the agent names the
+            # cause with the next ticks' evidence (tests/test_straggler_units.py covers that path).
+            assert h.run_until(lambda: bool(h.events("straggler_cause", job)), 30, job), ev["fields"]
+            named = h.events("straggler_cause", job)[0]
+            assert named["rank"] == 1, named
+        assert named["cause"] == "cpu_contention", named["fields"]
+        assert named["fields"]["details"]["run_delay_source"] == source
         # Within the window: the run delay is a median over delay_window_s seconds, then two
         # evaluations below the threshold.
         assert took <= FAST.delay_window_s + 8, (took, start, ev["fields"]["step"])

@@ -447,3 +447,38 @@ def test_a_remote_rank_is_judged_on_the_evidence_its_own_node_sent(sim_agent: An
     sim.t += 60
     stale = svc._evidence("sim", 1, 4_000_001, None)
     assert all(math.isnan(v) for v in (stale.throttled_s, stale.run_delay_s, stale.io_wait_s)), stale
+
+
+def test_a_cause_unknown_at_detection_is_named_once_the_evidence_shows_it(sim_agent: Any, tmp_path: Path) -> None:
+    """Detected on its first slow steps, a rank's run delay had not caught up yet (cause unknown);
+    when the next ticks show it waiting for a CPU, one straggler_cause event names the cause."""
+    cfg = StragglerConfig(window=12, warmup_steps=5, enter_windows=2, leave_windows=2, eval_every_steps=4,
+                          settle_steps=6, include_run_delay=False)
+    delays = [0] * 4
+    for r in range(4):
+        _fake_proc(tmp_path, 4_000_000 + r, 0, "0::/\n")
+    svc = install(sim_agent, cfg, proc_root=tmp_path / "proc", sys_root=tmp_path / "nosys")
+    sim = SimJob(sim_agent.table, sim_agent.plans, "sim", [0.001] * 4)
+    for _ in range(10):
+        sim.run(5)
+        svc.tick(sim.t)
+    sim.per_sample[1] = 0.002
+    while not _kinds(sim_agent, "straggler_detected") and sim.step < 400:
+        sim.run(4)
+        svc.tick(sim.t)
+    det = _kinds(sim_agent, "straggler_detected")
+    assert [(e["rank"], e["cause"]) for e in det] == [(1, "unknown")]
+    for _ in range(3):
+        sim.run(4)
+        svc.tick(sim.t)
+    assert not _kinds(sim_agent, "straggler_cause")  # no evidence yet: nothing is named
+    for _ in range(6):
+        delays[1] += 4 * 30_000_000  # 30 ms of run-queue wait per step from now on
+        _fake_proc(tmp_path, 4_000_001, delays[1], "0::/\n")
+        sim.run(4)
+        svc.tick(sim.t)
+    named = _kinds(sim_agent, "straggler_cause")
+    assert [(e["rank"], e["cause"]) for e in named] == [(1, "cpu_contention")], named
+    assert svc.scores("sim")[1][1] == "cpu_contention"
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for m in svc.metrics() for s in m.samples}
+    assert samples[("trainguard_stragglers_detected_total", (("cause", "unknown"), ("job", "sim")))] == 1

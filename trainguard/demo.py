@@ -52,7 +52,7 @@ gpu = true
 
 HEAL_KINDS = {
     "rank_exit", "job_restart", "restore_selected", "job_resumed", "hang_detected", "loss_diverged", "rollback",
-    "straggler_detected", "straggler_recovered", "shard_migration", "rank_excluded", "controller_decision",
+    "straggler_detected", "straggler_cause", "straggler_recovered", "shard_migration", "rank_excluded", "controller_decision",
     "checkpoint_write_failed", "crash_loop", "oom_kill",
 }
 

@@ -85,6 +85,10 @@ class Layout:
         return self.microbatches if self.pp > 1 else 1
 
 
+CAUSE_RETRIES = 64
+"""Evaluations after a detection that may still name an "unknown" straggler's cause."""
+
+
 @dataclass
 class _JobState:
     detector: StragglerDetector
@@ -94,6 +98,7 @@ class _JobState:
     sizes: list[int] | None = None
     detections: Counter[str] = field(default_factory=Counter)
     migrations: int = 0
+    cause_retries: Counter[int] = field(default_factory=Counter)
 
 
 def _layout(agent: Agent, job: str, views: Mapping[int, Any]) -> Layout:
@@ -247,6 +252,7 @@ class StragglerService:
             elif tr.recovered:
                 self._on_recovered(job, st, tr, result.figures)
         if result.evaluated:
+            self._name_unknown_causes(job, st, result.figures, views)
             self._migrate(job, st, layout, views, result.figures)
             self._maybe_exclude(job, st, now)
         if st.sizes is None and layout.dp > 0:
@@ -363,6 +369,7 @@ class StragglerService:
         attr = self._attribute(job, tr.rank, figures, views)
         st.causes[tr.rank] = attr.cause
         st.detections[attr.cause] += 1
+        st.cause_retries[tr.rank] = 0
         fig = figures.get(tr.rank)
         action = "observe_only" if cfg.observe_only else ("migrate" if cfg.migrate else "report")
         fields: dict[str, Any] = {"score": round(tr.score, 4), "action": action, "details": attr.details}
@@ -380,6 +387,28 @@ class StragglerService:
             "straggler_detected",
             f"job {job} rank {tr.rank} is a straggler (score {tr.score:.2f}, cause {attr.cause})",
             severity="warning", cause=attr.cause, job=job, rank=tr.rank, **fields)
+
+    def _name_unknown_causes(self, job: str, st: _JobState, figures: Mapping[int, RankFigures],
+                             views: Mapping[int, Any]) -> None:
+        """A straggler detected on its first slow steps (a dozen steps can take tens of ms) is judged
+        on the collectors' last tick, which may end before the slowdown began: its cause comes out
+        "unknown" while the run delay has not caught up. Such a rank is attributed again at the next
+        evaluations while it stays a straggler (at most ``CAUSE_RETRIES``), and one
+        ``straggler_cause`` event names the cause once the evidence shows one. The detection count
+        by cause stays what the detection said."""
+        for rank, cause in list(st.causes.items()):
+            if (cause != "unknown" or rank not in views or rank not in figures
+                    or st.detector.state(rank) != RankState.STRAGGLER or st.cause_retries[rank] >= CAUSE_RETRIES):
+                continue
+            st.cause_retries[rank] += 1
+            attr = self._attribute(job, rank, figures, views)
+            if attr.cause == "unknown":
+                continue
+            st.causes[rank] = attr.cause
+            self.agent.events.emit(
+                "straggler_cause", f"job {job} rank {rank}: the straggler's cause is {attr.cause} "
+                f"(unknown when it was detected)", severity="warning", cause=attr.cause, job=job, rank=rank,
+                details=attr.details, step=figures[rank].last_step)
 
     def _on_recovered(self, job: str, st: _JobState, tr: Transition, figures: Mapping[int, RankFigures]) -> None:
         cause = st.causes.pop(tr.rank, "")
