@@ -298,23 +298,28 @@ def test_replicas_are_written_by_rank_0_alone_and_distinct_stages_by_every_rank(
         assert all(torch.equal(saved[k], restored[k]) for k in saved)
 
 
-def test_a_full_memory_tier_skips_the_save_and_training_goes_on(tiny_tmpfs: Path) -> None:
+@pytest.mark.parametrize("free", [4096, 64 << 10], ids=["in-the-step", "in-the-background-writer"])
+def test_a_full_memory_tier_skips_the_save_and_training_goes_on(tiny_tmpfs: Path, free: int) -> None:
     """The tier's tmpfs is full: the checkpoint is skipped and reported, nothing half-written stays,
-    and the next save works again once there is room."""
+    and the next save works again once there is room. With 4 KB left even the step's own RNG file
+    fails; with 64 KB that fits and the model's DCP file fails in the background writer."""
     filler = tiny_tmpfs / "filler"
-    filler.write_bytes(b"x" * ((1 << 20) - 4096))
+    filler.write_bytes(b"x" * ((1 << 20) - free))
     env = {"TRAINGUARD_SOCKET": "/nonexistent", "TRAINGUARD_JOB": "full",
            "TRAINGUARD_CKPT_MEMORY_ROOT": str(tiny_tmpfs / "tier"), "TRAINGUARD_CKPT_MEMORY_EVERY": "1"}
     run = trainguard.init(environ=env)
     state = {"model": nn.Linear(256, 256)}
     with run.step(0):
         pass
-    assert run.checkpoint(0, state) is False and run.checkpoint_failures == 1
+    run.checkpoint(0, state)
+    assert run.wait_checkpoint() is False and run.checkpoint_failures == 1
     leftovers = [p for p in (tiny_tmpfs / "tier").rglob("*") if p.is_file()] if (tiny_tmpfs / "tier").exists() else []
     assert not leftovers, leftovers
     filler.unlink()
     assert run.checkpoint(1, state) is True
+    assert run.wait_checkpoint() is True and run.checkpoint_failures == 1
     assert [i.step for i in MemoryTier(str(tiny_tmpfs / "tier")).list("full")] == [2]
+    run.close()
 
 
 def test_without_an_agents_plan_no_rank_waits_on_a_sync_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

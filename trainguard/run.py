@@ -202,6 +202,7 @@ class Run:
         self._started = False
         self.last_step = -1
         self.checkpoint_failures = 0
+        self._failures_waited = 0
         self.last_checkpoint: str | None = None
         self._failed_save: tuple[int, str] | None = None
         self._grad_clock: Any = None  # trainguard.computetime.GradientClock after watch_gradients()
@@ -403,21 +404,40 @@ class Run:
         and save it into the memory tier when that is due (every ``memory_every`` steps, or when the
         plan asks; collective: every rank calls it). Objects with ``state_dict``/``load_state_dict``
         (models, optimizers, schedulers) and plain values are saved; a failed save is skipped and
-        reported, never raised. Returns True when either was written."""
+        reported, never raised. Returns True when either was written or handed to the background
+        writer (the memory-tier save of a rank writing alone is committed shortly after; one that
+        fails there is reported like any other: ``wait_checkpoint``)."""
         snapped = self._snapshot(step, state)
+        if self._writer is not None:
+            self._background_failures(self._writer.poll())
         if not self.checkpoint_due(step):
             return snapped
         writer = self._tier_writer()
         self._ckpt_id_seen = max(self._ckpt_id_seen, self._plan.checkpoint_id)
         self._view = self._make_view(self._plan)
         path = writer.save(step + 1, state, self.checkpoint_meta())
+        self._background_failures(writer.poll())
         if path is None:
-            self.checkpoint_failures += 1
-            # The next step's telemetry tells the agent (checkpoint_write_failed, and its alert).
-            self._failed_save = (step + 1, writer.stats.last_error[:300])
+            self._background_failures([(step + 1, writer.stats.last_error)])
             return snapped
         self.last_checkpoint = path
         return True
+
+    def wait_checkpoint(self, timeout: float = 120.0) -> bool:
+        """Wait until the memory-tier save in flight is committed (``close`` does it too); False
+        when a save failed since the last call or did not finish in ``timeout`` seconds."""
+        finished = self._writer is None or self._writer.wait(timeout)
+        if self._writer is not None:
+            self._background_failures(self._writer.poll())
+        fresh = self.checkpoint_failures > self._failures_waited
+        self._failures_waited = self.checkpoint_failures
+        return finished and not fresh
+
+    def _background_failures(self, failed: list[tuple[int, str]]) -> None:
+        for label, error in failed:
+            self.checkpoint_failures += 1
+            # The next step's telemetry tells the agent (checkpoint_write_failed, and its alert).
+            self._failed_save = (label, error[:300])
 
     def snapshot_due(self, step: int) -> bool:
         return self.snapshot_every > 0 and (step + 1) % self.snapshot_every == 0
@@ -540,6 +560,9 @@ class Run:
     # -- end ---------------------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._background_failures(self._writer.poll())
         self.telemetry.close()
         if self._snapshots is not None:
             self._snapshots.close()

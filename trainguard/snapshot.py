@@ -109,25 +109,25 @@ def snapshot_view(state: Mapping[str, Any]) -> Mapping[str, Any]:
     return fast() if callable(fast) else state
 
 
-def _map_leaves(value: Any, leaf: Any) -> Any:
+def map_leaves(value: Any, leaf: Any) -> Any:
     """``value`` with ``leaf`` applied to everything but the dicts, lists and tuples holding it."""
     if isinstance(value, dict):
-        return {k: _map_leaves(v, leaf) for k, v in value.items()}
+        return {k: map_leaves(v, leaf) for k, v in value.items()}
     if isinstance(value, list):
-        return [_map_leaves(v, leaf) for v in value]
+        return [map_leaves(v, leaf) for v in value]
     if isinstance(value, tuple):
-        return tuple(_map_leaves(v, leaf) for v in value)
+        return tuple(map_leaves(v, leaf) for v in value)
     return leaf(value)
 
 
 def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
     """``value`` with every tensor replaced by a TensorRef into ``tensors``."""
-    return _map_leaves(value, lambda v: _ref(v, tensors) if isinstance(v, torch.Tensor) else v)
+    return map_leaves(value, lambda v: _ref(v, tensors) if isinstance(v, torch.Tensor) else v)
 
 
 def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
     """The inverse of ``_strip``: a DTensor's shard comes back as a ``_Shard`` until placed."""
-    return _map_leaves(value, lambda v: (_Shard(tensors[v.index]) if v.dtensor else tensors[v.index])
+    return map_leaves(value, lambda v: (_Shard(tensors[v.index]) if v.dtensor else tensors[v.index])
                        if isinstance(v, TensorRef) else v)
 
 
@@ -160,7 +160,7 @@ def _with_layouts(target: Any, loaded: Any, key: str) -> Any:
 
 def _holds_shard(value: Any) -> bool:
     found: list[bool] = []
-    _map_leaves(value, lambda v: found.append(isinstance(v, _Shard)))
+    map_leaves(value, lambda v: found.append(isinstance(v, _Shard)))
     return any(found)
 
 
@@ -507,7 +507,7 @@ def load_snapshot(directory: str, rank: int, world_size: int, step: int, state: 
         fh.seek(HEADER_BYTES)
         if fh.readinto(payload.numpy().data) != header.payload_bytes:
             raise SnapshotError(f"snapshot of step {step} is short")
-    tensors = [payload.narrow(0, s.offset, _nbytes(s)).view(getattr(torch, s.dtype)).view(s.shape) for s in specs]
+    tensors = [payload.narrow(0, s.offset, spec_nbytes(s)).view(getattr(torch, s.dtype)).view(s.shape) for s in specs]
     tree = {"state": _assemble(_fill(static, tensors), _fill(per_step["dynamic"], tensors)),
             "rng": _fill(per_step["rng"], tensors)}
     view = snapshot_view(state)
@@ -533,7 +533,7 @@ def load_snapshot(directory: str, rank: int, world_size: int, step: int, state: 
     return meta
 
 
-def _nbytes(spec: TensorSpec) -> int:
+def spec_nbytes(spec: TensorSpec) -> int:
     n = 1
     for d in spec.shape:
         n *= d

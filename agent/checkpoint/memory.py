@@ -196,6 +196,11 @@ class MemoryTier(LocalDirTier):
             raise CheckpointError(f"tier {self.name}: {staged} is not a staging directory of {job} step {step}")
         return path
 
+    def hand_over(self, job: str, step: int) -> None:
+        """Forget a staged checkpoint that another process commits or drops (a background writer)."""
+        with self._stage_lock:
+            self._staged.pop((job, step), None)
+
     def abort(self, job: str, step: int) -> None:
         """Drop a staged checkpoint (a rank failed during the save)."""
         with self._stage_lock:
