@@ -41,7 +41,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -78,6 +80,19 @@ class ReuseFileSystem(FileSystem):
             return
         with open_for_overwrite(path) as stream:
             yield stream  # type: ignore[misc]
+
+
+class ObjectsFastPlanner(DefaultSavePlanner):
+    """DCP's default save planner, but each plain value (every flattened optimizer hyperparameter is
+    one: 1,300 of a 1,800-item state) is pickled in torch's legacy format: 23 us against 112 us for
+    the zip format for a float, and ``torch.load`` (DCP's loader) reads either."""
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
+        if write_item.type != WriteItemType.BYTE_IO:
+            return object
+        raw = io.BytesIO()
+        torch.save(object, raw, _use_new_zipfile_serialization=False)
+        return raw
 
 
 class _ModuleState(Stateful):
@@ -249,7 +264,7 @@ class TierWriter:
             if alone and rank == 0:
                 job = self._stage_background(label, path, resolved, world, meta)
             if not alone:
-                dcp.save(resolved, storage_writer=_writer(path))
+                dcp.save(resolved, storage_writer=_writer(path), planner=ObjectsFastPlanner())
             _write_rng(os.path.join(path, "rng", f"rank{rank}.pt"))
             ok = self._all_ok(True)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a checkpoint that cannot be written must not stop training
@@ -303,7 +318,7 @@ class TierWriter:
                      meta: Mapping[str, Any]) -> None:
         """DCP files, meta.json and the commit of a checkpoint one rank writes alone (here, or in
         the background writer: no collective)."""
-        dcp.save(tree, storage_writer=_writer(path), no_dist=True)
+        dcp.save(tree, storage_writer=_writer(path), planner=ObjectsFastPlanner(), no_dist=True)
         _write_meta(path, label, world, meta)
         assert self._tier is not None
         self._tier.commit(self.tier_job, label, self._commit_extra(world), staged=path, prune=False)
