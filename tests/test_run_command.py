@@ -104,6 +104,20 @@ def test_a_silent_script_is_never_called_hung(agent_factory: Any, tmp_path: Path
     assert agent.client().job("silent")["restarts"] == 0
 
 
+def test_a_script_ends_as_under_python_its_exit_handlers_run(agent_factory: Any, tmp_path: Path) -> None:
+    """Ranks start from the agent's warm launcher (a fork, not an exec); a script's atexit handlers
+    (a logger's flush, wandb.finish) must still run when it ends, as under ``python script.py``."""
+    agent = agent_factory(config=CONFIG)
+    script = tmp_path / "bye.py"
+    script.write_text("import atexit, os, sys\n"
+                      "atexit.register(lambda: open(f'bye{os.environ[\"RANK\"]}', 'w').write('ok'))\n"
+                      "sys.exit(0 if os.environ['RANK'] == '0' else None)\n")
+    cli = run_cli(agent, tmp_path, "--nproc", "2", "--job", "bye", "--", sys.executable, str(script))
+    out, err = cli.communicate(timeout=60)
+    assert cli.returncode == 0, err
+    assert [(tmp_path / f"bye{r}").read_text() for r in (0, 1) if (tmp_path / f"bye{r}").exists()] == ["ok", "ok"]
+
+
 def test_hang_timeout_finds_a_stopped_rank_by_cpu_activity(agent_factory: Any, tmp_path: Path) -> None:
     """SIGSTOP of one rank: its peer waits in the all-reduce, nobody uses the CPU; with
     --hang-timeout the agent declares the hang, restarts, and the job finishes."""

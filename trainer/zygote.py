@@ -13,6 +13,7 @@ and ``{"ev": "exit", "pid": p, "code": c, "signal": s}`` on stdout.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
@@ -109,6 +110,9 @@ def _child(req: dict[str, Any]) -> None:
         code = 1
     finally:
         try:
+            # As the interpreter ends: the script's atexit handlers run (a logger's flush,
+            # wandb.finish, trainguard's background checkpoint writer), which os._exit alone skips.
+            atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
