@@ -4,6 +4,7 @@ never from here: this checks that the scripts run and report, not what they meas
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CPU_ISOLATION
+from trainguard.trainer.data import build_corpus
+from trainguard.trainer.testing import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,16 +51,22 @@ def test_quick_bench_runs_to_its_result_line(script: str) -> None:
 PEERS_VENV = REPO / ".venv-peers"
 
 
+def _peers_venv() -> Path:
+    """The peers' venv, built when missing (~40 s: torch comes from the local wheel)."""
+    if not (PEERS_VENV / "bin" / "torchft_lighthouse").exists():
+        built = subprocess.run(["bash", "bench/peers_venv.sh", str(PEERS_VENV)], cwd=REPO, capture_output=True,
+                               text=True, timeout=600)
+        assert built.returncode == 0, built.stderr[-3000:]
+    return PEERS_VENV
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quick_recovery_bench_runs_every_arm_peers_included() -> None:
     """bench/recovery.py --quick with its peers (torchft, nvidia-resiliency-ext's ft_launcher) in
     their own venv beside the same torch, built here when missing (~40 s: torch comes from the
     local wheel): every arm recovers from both kills and the RESULT line carries each peer's ratio."""
-    if not (PEERS_VENV / "bin" / "torchft_lighthouse").exists():
-        built = subprocess.run(["bash", "bench/peers_venv.sh", str(PEERS_VENV)], cwd=REPO, capture_output=True,
-                               text=True, timeout=600)
-        assert built.returncode == 0, built.stderr[-3000:]
+    _peers_venv()
     out = subprocess.run([sys.executable, "bench/recovery.py", "--quick", "--peers-venv", str(PEERS_VENV)], cwd=REPO,
                          capture_output=True, text=True, timeout=800)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])  # nonzero: an arm did not finish
@@ -68,3 +77,25 @@ def test_quick_recovery_bench_runs_every_arm_peers_included() -> None:
     for arm in ("trainguard", "ft_launcher", "torchft"):
         found = [name for name in rows if name.split("/")[0] == arm]
         assert found and rows[found[0]][2] == "2", (arm, out.stdout[-3000:])  # both kills seen and recovered
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("ddp", ["shipped", "allreduce"])
+def test_torchft_train_recovers_a_kill_in_its_smallest_configuration(ddp: str, tmp_path: Path) -> None:
+    """bench/torchft_train.py (the recovery bench's torchft arm) on its own: 2 replica groups, 40
+    steps of the bench's smallest model, one kill of group 1, through the bench's own launcher
+    (``run_torchft``: lighthouse, one torchrun per group). Both its DDP modes: ``allreduce`` runs
+    in the full bench only when the shipped wrapper fails, so nothing else would keep it working."""
+    spec = importlib.util.spec_from_file_location("recovery_bench", REPO / "bench" / "recovery.py")
+    assert spec is not None and spec.loader is not None
+    recovery = sys.modules.setdefault("recovery_bench", importlib.util.module_from_spec(spec))
+    if not hasattr(recovery, "run_torchft"):
+        spec.loader.exec_module(recovery)
+    cache = str(tmp_path / "corpus")
+    trainer = tiny_config(cache, steps=40, parallel={"dp": 2, "dp_mode": "ddp"},
+                          model={"layers": 2, "d_model": 64, "heads": 4, "context": 64}).to_dict()
+    build_corpus(cache, trainer["data"]["max_bytes"])
+    res = recovery.run_torchft(f"torchft-{ddp}", 2, trainer, [20], tmp_path, _peers_venv(), ddp)
+    assert res.ok, res.note
+    assert res.final_step == 40 and len(res.failures) == 1, (res.final_step, res.failures)
