@@ -333,16 +333,16 @@ class TierWriter:
     def _stage_background(self, label: int, path: str, tree: Mapping[str, Any], world: int,
                           meta: Mapping[str, Any]) -> SaveJob | None:
         """The state copied into the background writer's buffer; None: write it here instead."""
-        if not self.background or self._writer_starts > WRITER_STARTS:
+        if not self.background:
             return None
         if self._saver is not None and not self._saver.alive:
             self._saver.close()
             self._saver = None
         try:
             if self._saver is None:
-                self._writer_starts += 1
-                if self._writer_starts > WRITER_STARTS:
+                if self._writer_starts >= WRITER_STARTS:
                     return None
+                self._writer_starts += 1
                 self._saver = SaveWriter(self._write_job)
             return self._saver.stage(label, path, dict(tree), {"world": world, "meta": dict(meta)})
         except (SaveWriterError, OSError) as exc:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from trainguard.snapshot import TensorRef, TensorSpec, map_leaves, spec_nbytes
+from trainguard.snapshot import TensorRef, TensorSpec, map_leaves, spec_nbytes, unmap
 
 _ALIGN = 64
 _LENGTH = struct.Struct("<Q")
@@ -150,7 +150,7 @@ class _Buffer:
         self.dsts, self.signature = [], None
         if size > self.size or self.mm is None:
             if self.mm is not None:
-                self.mm.close()
+                unmap(self.mm)
             # Allocated and touched now: a full /dev/shm fails here (ENOSPC), not as a SIGBUS
             # in the middle of a copy, and later copies find their pages in place.
             os.posix_fallocate(self.fd, 0, size)
@@ -164,10 +164,7 @@ class _Buffer:
     def close(self) -> None:
         self.dsts = []
         if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:
-                pass  # a view still alive: the mapping goes with it
+            unmap(self.mm)
             self.mm = None
         os.close(self.fd)
 
@@ -197,10 +194,7 @@ def _serve(req_fd: int, resp_fd: int, buf_fd: int, write: Callable[[SaveJob, Any
                 write(job, _fill(job.tree, tensors))
             finally:
                 tensors = []
-                try:
-                    mm.close()
-                except BufferError:
-                    pass
+                unmap(mm)
             result = SaveResult(job.label, True, seconds=time.perf_counter() - t0)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the rank as its answer
             shutil.rmtree(job.staging, ignore_errors=True)

@@ -283,6 +283,15 @@ def _signature(tensors: list[torch.Tensor]) -> tuple[tuple[torch.dtype, tuple[in
     return tuple((t.dtype, tuple(t.shape)) for t in tensors)
 
 
+def unmap(mm: mmap.mmap) -> None:
+    """Close a mapping tensors were made over; while a view of it is still alive the mapping goes
+    when that view does."""
+    try:
+        mm.close()
+    except BufferError:
+        pass
+
+
 class _Slot:
     """One mapped slot file; the destination views stay while the tensors keep their layout."""
 
@@ -369,10 +378,7 @@ class _Slot:
     def close_map(self) -> None:
         self.dsts, self.runs, self.buf, self.signature = [], [], None, None
         if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:
-                pass  # a view still alive: the mapping goes with it
+            unmap(self.mm)
             self.mm = None
 
     def close(self) -> None:
