@@ -225,3 +225,18 @@ def test_a_full_memory_tier_never_stops_training(agent_factory: Any, tmp_path: P
     restarts = [e["message"] for e in agent.client().events(since=0, limit=1000)["events"]
                 if e.get("job") == "full" and e["kind"] in ("rank_exit", "job_restarting", "hang_detected", "job_resumed")]
     assert agent.client().job("full")["restarts"] == 0, restarts
+
+
+def test_a_job_id_used_again_streams_only_its_own_output(agent_factory: Any, tmp_path: Path) -> None:
+    """The agent keeps a job's logs under its id; submitting the id again must not replay the
+    previous run's lines as the new run's output (the old ones are kept aside as ``.log.1``)."""
+    agent = agent_factory(config=CONFIG)
+    outs = []
+    for word in ("first", "second"):
+        cli = run_cli(agent, tmp_path, "--nproc", "1", "--job", "again", "--", sys.executable, "-c", f"print('{word}')")
+        out, err = cli.communicate(timeout=60)
+        assert cli.returncode == 0, err
+        outs.append(out)
+    assert outs == ["[rank0]:first\n", "[rank0]:second\n"]
+    logs = Path(agent.state_dir) / "jobs" / "again"
+    assert (logs / "rank0.log.1").read_text() == "first\n" and (logs / "rank0.log").read_text() == "second\n"

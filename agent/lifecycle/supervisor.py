@@ -26,6 +26,20 @@ from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.records import AdoptedProcess, RecordStore, SavedJob
 
 
+def _set_logs_aside(log_dir: str) -> None:
+    """Rename a previous run's ``*.log`` files to ``*.log.1`` (one generation is kept)."""
+    try:
+        names = os.listdir(log_dir)
+    except OSError:
+        return
+    for name in names:
+        if name.endswith(".log"):
+            try:
+                os.replace(os.path.join(log_dir, name), os.path.join(log_dir, name + ".1"))
+            except OSError:
+                pass  # a log that cannot be moved is appended to, as before
+
+
 @dataclass
 class JobRecord:
     spec: JobSpec
@@ -168,6 +182,11 @@ class Supervisor:
             record = JobRecord(spec, block=block, on_failure=on_failure)
             self.jobs[spec.job] = record
             self.plans.reset(spec.job)
+        if block is None:
+            # A job id used before (by this agent or an earlier one) keeps its logs in the same
+            # folder: the new run must not start with the old one's output (``trainguard run``
+            # would stream it as its own). A part of a spanning job is a restart, not a new run.
+            _set_logs_aside(self.context_for(spec).log_dir)
         if self.on_submit is not None:
             self.on_submit(spec.job)
         self.events.emit("job_submitted", f"job {spec.job} submitted with {spec.nproc} ranks", job=spec.job, nproc=spec.nproc)
