@@ -217,7 +217,8 @@ def _view(job: str, rank: int, state: _Counts, recent: list[Telemetry]) -> RankV
 class RankTable:
     """Thread-safe store of recent telemetry per (job, rank).
 
-    ``samples`` and ``tokens`` in a message are per step; the table sums them into totals.
+    ``samples`` and ``tokens`` in a message count all the steps it sums up (``Telemetry.steps``);
+    the table adds them into totals.
     """
 
     def __init__(

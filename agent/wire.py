@@ -82,6 +82,7 @@ _OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]]
     "restore_begin": (_NUM, 0, None),
     "restore_end": (_NUM, 0, None),
     "update_cos": (_NUM, -1.0, 1.0),
+    "steps": ((int,), 1, 1 << 20),
 }
 # Free-text fields: name -> longest accepted length.
 _TEXT_FIELDS = {"ckpt_error": 300}
@@ -137,8 +138,16 @@ class Telemetry:
     update_cos: float | None = None
     """Cosine between this step's gradient and the previous step's parameter update, reversed
     (trainguard.alignment): persistently positive means the LR is too low (hypergradient sign)."""
+    steps: int = 1
+    """How many steps this message sums up (a sender may gather short steps): ``step`` is the
+    last of them, ``samples``/``tokens`` their total, the times and the loss, gradient and
+    alignment figures their mean per step, ``batch_size`` the last step's."""
     has_loss: bool = True
     """False when the sender reported no loss (``loss`` is then NaN and means nothing)."""
+
+    @property
+    def samples_per_step(self) -> float:
+        return self.samples / self.steps
 
     @property
     def compute_s(self) -> float:

@@ -307,7 +307,7 @@ def bad_datagrams(draw: st.DrawFn) -> tuple[bytes, str | None]:
         del body[draw(st.sampled_from(sorted(k for k in body if k not in ("v", "loss"))))]  # loss may be absent
         return json.dumps(body).encode(), "schema"
     if kind == "unknown":
-        body[draw(st.sampled_from(["extra", "Rank", "steps"]))] = 1
+        body[draw(st.sampled_from(["extra", "Rank", "Steps"]))] = 1
         return json.dumps(body).encode(), "schema"
     if kind == "version":
         body["v"] = draw(st.sampled_from([0, 2, "1", None, 1.5]))

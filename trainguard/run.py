@@ -1,6 +1,7 @@
 """The public API a training script uses: ``trainguard.init()`` and the ``Run`` it returns.
 
-A ``Run`` reports one telemetry datagram per step to the node agent (fire-and-forget), applies
+A ``Run`` reports per-step telemetry to the node agent (fire-and-forget; steps shorter than the
+link's flush interval gathered into one message, ``trainguard.stepwindow``), applies
 the agent's plan (LR, this rank's batch size, checkpoint-now, stop) at the same step on every
 rank, saves checkpoints into the agent's memory tier when they are due, and restores the one the
 agent picked after a restart. With no agent every call is a cheap no-op that never raises into
@@ -12,6 +13,7 @@ This module imports no torch (the agent imports the package); the parts that nee
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -28,6 +30,7 @@ from typing import Any
 from trainguard.agent.wire import Plan, Telemetry
 from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.link import PlanWatcher, TelemetrySender
+from trainguard.stepwindow import StepWindow, window_steps
 
 PHASES = ("data", "compute", "comm", "optim")
 
@@ -218,6 +221,14 @@ class Run:
         self._restore_span: tuple[float, float] | None = None
         self._started_at: float | None = None
         self._timeline_sends = 5  # the first datagrams carry the attempt's start-up times (one may drop)
+        self._window = StepWindow()
+        self._window_steps = 1
+        self._step_s_avg = 0.0
+        self._last_reported: dict[str, Any] = {}
+        self._last_samples = 0
+        if self.telemetry.path:
+            self._pid = os.getpid()
+            atexit.register(self._flush_at_exit)  # a script that never calls close() keeps its last steps
 
     # -- identity ----------------------------------------------------------------------------------
 
@@ -318,35 +329,58 @@ class Run:
 
     def _send(self, step: Step, step_s: float, step_cpu_s: float) -> None:
         r = step.reported
-        times = step.timings(step_s, step_cpu_s)
-        optional = {k: r[k] for k in ("flops_per_s", "mfu", "comm_bytes", "bubble_frac", "mem_frag", "val_loss",
-                                      "compress_ratio", "update_cos") if r.get(k) is not None}
+        window = self._window
+        if window.steps and window.plan_version != self._plan.version:
+            self._flush_window()  # one message, one plan: the agent tells a change's effect by version
+        window.add(step.step, step_s, step.timings(step_s, step_cpu_s), step.samples, step.tokens, r, self._plan.version)
+        self._last_reported = r
+        self._last_samples = step.samples
+        self._step_s_avg = step_s if self._step_s_avg <= 0 else 0.8 * self._step_s_avg + 0.2 * step_s
+        # A long step shortens the window at once; short ones lengthen it as the average follows.
+        flush_s = self.telemetry.flush_s
+        self._window_steps = min(window_steps(self._step_s_avg, flush_s), window_steps(step_s, flush_s))
+        # Sent at once: the start-up timeline (the recovery clock stops at the first step), a failed
+        # save (its alert), a loss gone bad; other steps wait for the window's end.
+        urgent = self._timeline_sends > 0 or self._failed_save is not None or window.bad_loss is not None
+        k = self._window_steps
+        if urgent or (step.step + 1) % k == 0 or window.steps >= k:
+            self._flush_window()
+
+    def _flush_at_exit(self) -> None:
+        if os.getpid() == self._pid:  # not in a child forked from this rank that exits through atexit
+            self._flush_window()
+
+    def _flush_window(self) -> None:
+        """Send the steps gathered since the last message as one (nothing when there are none)."""
+        window = self._window
+        if not window.steps or not self.telemetry.path:
+            return
+        r = self._last_reported
+        optional = {k: v for k, v in window.message_fields().items() if v is not None}
         lr = _finite(r.get("lr"), 0.0)
         try:
             msg = Telemetry(
                 job=self.env.job, rank=self.env.rank, local_rank=self.env.local_rank, pid=os.getpid(),
-                step=max(0, step.step + 1), wall_time=time.time(), step_s=step_s, data_s=times["data_s"],
-                fwd_bwd_s=times["fwd_bwd_s"], comm_s=times["comm_s"], opt_s=times["opt_s"], samples=step.samples,
-                tokens=step.tokens, loss=_finite(r.get("loss"), math.nan), grad_norm=_finite(r.get("grad_norm"), math.nan),
-                local_grad_sq=_finite(r.get("local_grad_sq"), math.nan), lr=lr if math.isfinite(lr) and 0 <= lr <= 1e3 else 0.0,
-                batch_size=step.samples, mem_bytes=int(r.get("mem_bytes") or _rss_bytes()),
-                plan_version=self._plan.version, dp_rank=self.dp_rank, world_size=self.env.world_size,
-                has_loss=r.get("loss") is not None,
+                step=max(0, window.last_step + 1), wall_time=time.time(), lr=lr if math.isfinite(lr) and 0 <= lr <= 1e3 else 0.0,
+                batch_size=self._last_samples, mem_bytes=int(r.get("mem_bytes") or _rss_bytes()),
+                plan_version=window.plan_version, dp_rank=self.dp_rank, world_size=self.env.world_size,
+                has_loss=window.has_loss,
                 ckpt_failed=self._failed_save[0] if self._failed_save else None,
-                ckpt_error=self._failed_save[1] if self._failed_save else None, **optional, **self._timeline())
+                ckpt_error=self._failed_save[1] if self._failed_save else None, **optional,
+                **self._timeline(window.last_step + 1, window.steps))
         except (TypeError, ValueError):
             self.telemetry.stats.dropped += 1
+            window.clear()
             return
-        # Sent at once: the start-up timeline (the recovery clock stops at the first step), a failed
-        # save (its alert), a loss gone bad; other steps may wait for the next send (link.FLUSH_S).
-        urgent = self._timeline_sends > 0 or self._failed_save is not None or (msg.has_loss and not math.isfinite(msg.loss))
-        if self.telemetry.send(msg, urgent=urgent):
+        window.clear()
+        if self.telemetry.send(msg, urgent=True):
             self._failed_save = None
 
-    def _timeline(self) -> dict[str, Any]:
+    def _timeline(self, end: int, steps: int) -> dict[str, Any]:
+        """Start-up and snapshot times for a message of ``steps`` steps that ends at step count ``end``."""
         out: dict[str, Any] = {}
-        if self._snapshots is not None and self._snapshots.stats.last_step == self.last_step + 1:
-            out["snapshot_s"] = self._snapshots.stats.last_stall_s
+        if self._snapshots is not None and self._snapshots.stats.last_step > end - steps:
+            out["snapshot_s"] = self._snapshots.stats.last_stall_s  # the window's last snapshot
         if self._timeline_sends <= 0:
             return out
         self._timeline_sends -= 1
@@ -563,6 +597,8 @@ class Run:
         if self._writer is not None:
             self._writer.close()
             self._background_failures(self._writer.poll())
+        self._flush_window()
+        atexit.unregister(self._flush_at_exit)
         self.telemetry.close()
         if self._snapshots is not None:
             self._snapshots.close()

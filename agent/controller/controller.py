@@ -99,6 +99,8 @@ class StepPoint:
     step_s: float
     fixed_s: float
     per_sample_s: float
+    steps: int = 1
+    """Steps the point stands for (a rank may send short steps gathered, ``Telemetry.steps``)."""
 
 
 @dataclass
@@ -288,8 +290,8 @@ class Controller:
         if len(small) == jc.dp and math.isfinite(m.grad_norm):
             jc.noise.update(m.grad_norm**2, small)
         samples = sum(b for b, _ in small) if len(small) == jc.dp else jc.current.batch
-        point = StepPoint(m.step, max(1e-6, m.wall_time - jc.origin), m.loss, samples, m.plan_version, m.step_s,
-                          m.comm_s + m.opt_s, (m.fwd_bwd_s + m.data_s) / max(1, m.batch_size))
+        point = StepPoint(m.step, max(1e-6, m.wall_time - jc.origin), m.loss, samples * m.steps, m.plan_version,
+                          m.step_s, m.comm_s + m.opt_s, (m.fwd_bwd_s + m.data_s) / max(1, m.batch_size), m.steps)
         if self.config.strategy == "none":
             return
         w = jc.window
@@ -315,7 +317,8 @@ class Controller:
             return
         if math.isfinite(m.loss):
             jc.recent.append(m.loss)
-        if len(w.points) >= self.config.every_steps:
+        # Counted in steps, not messages; three points at least for the loss fit (gathered steps).
+        if sum(p.steps for p in w.points) >= self.config.every_steps and len(w.points) >= 3:
             result = self._result(jc, w, diverged=False)
             jc.window = None
             if result is not None:

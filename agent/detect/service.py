@@ -233,7 +233,7 @@ class StragglerService:
             if rank in st.excluded:
                 continue
             window = self.agent.table.window(job, rank, 2 * cfg.window + cfg.warmup_steps)
-            steps = [StepSample(m.step, m.fwd_bwd_s, m.opt_s, m.samples) for m in window]
+            steps = [StepSample(m.step, m.fwd_bwd_s, m.opt_s, round(m.samples_per_step)) for m in window]
             if rank in local:
                 stats = ebpf.rank_stats(job, rank) if ebpf is not None else None
                 self.evidence.observe(job, rank, view.pid, view.step, now, stats)

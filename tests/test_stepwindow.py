@@ -1,0 +1,133 @@
+"""Short steps gathered into one telemetry message (``trainguard.stepwindow``), over a real socket:
+nothing is lost (samples and tokens add up to every step's, also when the script exits without
+``close()``), windows end at multiples of their length, a bad loss and a new plan version are
+never averaged into other steps, long steps go alone."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import trainguard
+from trainguard.agent.wire import Plan, Telemetry, write_plan_file
+from trainguard.stepwindow import MAX_STEPS, StepWindow, window_steps
+from trainguard.trainer.testing import TelemetryCapture
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_window_length_is_a_power_of_two_that_fits_the_flush_interval() -> None:
+    assert window_steps(0.1, 0.05) == 1 and window_steps(0.03, 0.05) == 1  # fewer than two fit
+    assert window_steps(0.02, 0.05) == 2 and window_steps(0.003, 0.05) == 16
+    assert window_steps(1e-6, 0.05) == MAX_STEPS and window_steps(0.0, 0.05) == 1 and window_steps(math.nan, 0.05) == 1
+
+
+def test_a_window_sums_totals_and_averages_the_rest() -> None:
+    w = StepWindow()
+    times = {"data_s": 0.001, "fwd_bwd_s": 0.002, "comm_s": 0.0, "opt_s": 0.001}
+    w.add(0, 0.004, times, 8, 80, {"loss": 2.0, "grad_norm": 1.0, "mfu": 0.5}, 3)
+    w.add(1, 0.006, times, 4, 40, {"loss": 4.0, "mfu": 0.3, "val_loss": 9.0}, 3)
+    f = w.message_fields()
+    assert f["steps"] == 2 and f["samples"] == 12 and f["tokens"] == 120
+    assert math.isclose(f["step_s"], 0.005) and math.isclose(f["loss"], 3.0) and f["grad_norm"] == 1.0
+    assert math.isclose(f["mfu"], 0.4) and f["val_loss"] == 9.0 and math.isnan(f["local_grad_sq"])
+    w.add(2, 0.005, times, 4, 40, {"loss": math.inf}, 3)
+    assert w.message_fields()["loss"] == math.inf  # a diverged step is not averaged away
+    w.clear()
+    assert w.steps == 0 and not w.has_loss
+
+
+def _fast_steps(run: trainguard.Run, steps: range, samples: int, nan_at: int = -1) -> None:
+    for step in steps:
+        with run.step(step, samples=samples, tokens=10 * samples) as s:
+            with s.phase("compute"):
+                pass
+            s.report(loss=math.nan if step == nan_at else float(step))
+
+
+def _wait_for(cap: TelemetryCapture, samples: int) -> list[Telemetry]:
+    deadline = time.monotonic() + 5
+    while sum(m.samples for m in cap.messages) < samples and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return list(cap.messages)
+
+
+def test_fast_steps_are_gathered_and_nothing_is_lost(tmp_path: Path) -> None:
+    sock, plan_path = str(tmp_path / "t.sock"), str(tmp_path / "plan.json")
+    cap = TelemetryCapture(sock)
+    try:
+        run = trainguard.init(environ={"TRAINGUARD_SOCKET": sock, "TRAINGUARD_JOB": "j", "TRAINGUARD_PLAN": plan_path})
+        _fast_steps(run, range(0, 300), 4, nan_at=200)
+        write_plan_file(plan_path, Plan(version=1, lr_scale=0.5))
+        deadline = time.monotonic() + 5
+        step = 300
+        while run.plan.version < 1 and time.monotonic() < deadline:
+            _fast_steps(run, range(step, step + 1), 4)
+            step += 1
+        applied_after = step
+        _fast_steps(run, range(step, step + 100), 4)
+        step += 100
+        _fast_steps(run, range(step, step + 3), 4)  # not a window's end: sent by close()
+        step += 3
+        run.close()
+        msgs = _wait_for(cap, 4 * step)
+    finally:
+        cap.close()
+    assert sum(m.samples for m in msgs) == 4 * step and sum(m.tokens for m in msgs) == 40 * step
+    assert sum(m.steps for m in msgs) == step and msgs[-1].step == step
+    gathered = [m for m in msgs if m.steps > 1]
+    assert gathered and max(m.steps for m in msgs) <= MAX_STEPS
+    [bad] = [m for m in msgs if m.has_loss and not math.isfinite(m.loss)]
+    assert bad.step == 201  # sent at once, with the steps before it in its window
+    for m in gathered:
+        if m not in (bad, msgs[-1]) and m.step != applied_after:
+            # A window ends where the step count is a multiple of its length, a power of two at
+            # least as long as the steps it holds (one cut short by an urgent send holds fewer).
+            assert m.step % (1 << (m.steps - 1).bit_length()) == 0, (m.step, m.steps)
+        first = m.step - m.steps
+        assert math.isclose(m.loss, sum(range(first, m.step)) / m.steps) or m is bad
+    # One plan version per message: the first under the new plan starts at a step it was applied at.
+    first_new = next(m for m in msgs if m.plan_version == 1)
+    assert all(m.plan_version == 0 for m in msgs[: msgs.index(first_new)])
+    assert msgs[msgs.index(first_new) - 1].step == applied_after  # the old plan's steps sent apart
+    assert first_new.step - first_new.steps == applied_after
+
+
+def test_a_script_that_never_closes_its_run_still_sends_its_last_steps(tmp_path: Path) -> None:
+    sock = str(tmp_path / "t.sock")
+    cap = TelemetryCapture(sock)
+    script = ("import trainguard\nrun = trainguard.init()\n"
+              "for step in range(203):\n"
+              "    with run.step(step, samples=2):\n        pass\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, timeout=60, capture_output=True, text=True,
+                              env={**os.environ, "TRAINGUARD_SOCKET": sock, "TRAINGUARD_JOB": "j",
+                                   "PYTHONPATH": str(REPO)})
+        assert proc.returncode == 0, proc.stderr
+        msgs = _wait_for(cap, 2 * 203)
+    finally:
+        cap.close()
+    assert sum(m.samples for m in msgs) == 2 * 203 and msgs[-1].step == 203
+    assert any(m.steps > 1 for m in msgs)
+
+
+def test_a_long_step_goes_alone(tmp_path: Path) -> None:
+    sock = str(tmp_path / "t.sock")
+    cap = TelemetryCapture(sock)
+    try:
+        run = trainguard.init(environ={"TRAINGUARD_SOCKET": sock, "TRAINGUARD_JOB": "j"})
+        _fast_steps(run, range(0, 64), 1)
+        with run.step(64, samples=1):
+            time.sleep(run.telemetry.flush_s * 1.5)
+        _fast_steps(run, range(65, 70), 1)
+        run.close()
+        msgs = _wait_for(cap, 70)
+    finally:
+        cap.close()
+    [long] = [m for m in msgs if m.step == 65]
+    assert long.steps == 1 and long.step_s >= run.telemetry.flush_s
+    assert sum(m.samples for m in msgs) == 70

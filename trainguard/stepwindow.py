@@ -1,0 +1,129 @@
+"""Short steps gathered into one telemetry message.
+
+A message per step costs a rank ~25 us of Python (the dataclass, its JSON) and the agent a decode
+and a table entry; at a few milliseconds per step, on a node whose cores the ranks already fill,
+that was most of what the API cost (bench/integration.py). Steps shorter than the sender's flush
+interval are therefore summed: one message per ``window_steps`` steps carries their means (times,
+loss, gradient figures), their total samples and tokens, and ``steps``; a step that takes longer is
+sent alone, as before.
+
+Windows end where the step count is a multiple of their length, a power of two: ranks of one job
+step in lockstep and so pick the same length, and where two ranks' lengths differ, the longer
+window's ends are ends of the shorter one's too, so the agent still finds every rank's message for
+the steps it compares (the controller matches ranks by step).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+MAX_STEPS = 64
+"""The most steps one message sums up."""
+
+_MEAN_EXTRAS = ("flops_per_s", "mfu", "comm_bytes", "bubble_frac", "mem_frag", "compress_ratio", "update_cos")
+_LAST_EXTRAS = ("val_loss",)
+EXTRAS = _MEAN_EXTRAS + _LAST_EXTRAS
+"""Optional per-step figures a step may report (wire names)."""
+
+
+def window_steps(step_s: float, flush_s: float) -> int:
+    """Steps per message for steps of ``step_s`` seconds: the largest power of two of them that
+    lasts at most ``flush_s`` (1 for a step as long as that), at most ``MAX_STEPS``."""
+    if not step_s > 0:
+        return 1
+    fit = flush_s / step_s
+    if fit < 2:
+        return 1
+    return min(MAX_STEPS, 1 << (int(fit).bit_length() - 1))
+
+
+class StepWindow:
+    """Sums of the steps since the last message."""
+
+    __slots__ = ("steps", "step_s", "data_s", "fwd_bwd_s", "comm_s", "opt_s", "samples", "tokens", "loss_sum",
+                 "loss_n", "bad_loss", "grad_sum", "grad_n", "gsq_sum", "gsq_n", "extras", "plan_version",
+                 "last_step")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.steps = 0
+        self.step_s = self.data_s = self.fwd_bwd_s = self.comm_s = self.opt_s = 0.0
+        self.samples = self.tokens = 0
+        self.loss_sum = self.grad_sum = self.gsq_sum = 0.0
+        self.loss_n = self.grad_n = self.gsq_n = 0
+        self.bad_loss: float | None = None
+        self.extras: dict[str, list[float]] = {}
+        self.plan_version = -1
+        self.last_step = -1
+
+    def add(self, step: int, step_s: float, times: dict[str, float], samples: int, tokens: int, reported: dict[str, Any],
+            plan_version: int) -> None:
+        """One step: its number, seconds, ``Step.timings``, samples and tokens, what it reported."""
+        self.steps += 1
+        self.last_step = step
+        self.step_s += step_s
+        self.data_s += times["data_s"]
+        self.fwd_bwd_s += times["fwd_bwd_s"]
+        self.comm_s += times["comm_s"]
+        self.opt_s += times["opt_s"]
+        self.samples += samples
+        self.tokens += tokens
+        self.plan_version = plan_version
+        if not reported:
+            return
+        loss = _number(reported.get("loss"))
+        if loss is not None:
+            if math.isfinite(loss):
+                self.loss_sum += loss
+                self.loss_n += 1
+            else:
+                self.bad_loss = loss  # a diverged step is not averaged away
+        grad = _number(reported.get("grad_norm"))
+        if grad is not None:
+            self.grad_sum += grad
+            self.grad_n += 1
+        gsq = _number(reported.get("local_grad_sq"))
+        if gsq is not None:
+            self.gsq_sum += gsq
+            self.gsq_n += 1
+        for name in EXTRAS:
+            value = reported.get(name)
+            if value is not None:
+                self.extras.setdefault(name, []).append(value)
+
+    @property
+    def has_loss(self) -> bool:
+        return self.loss_n > 0 or self.bad_loss is not None
+
+    def message_fields(self) -> dict[str, Any]:
+        """The wire fields the window decides (means per step, totals, ``steps``)."""
+        n = max(1, self.steps)
+        out: dict[str, Any] = {
+            "steps": n, "step_s": self.step_s / n, "data_s": self.data_s / n, "fwd_bwd_s": self.fwd_bwd_s / n,
+            "comm_s": self.comm_s / n, "opt_s": self.opt_s / n, "samples": self.samples, "tokens": self.tokens,
+            "loss": self.bad_loss if self.bad_loss is not None else (self.loss_sum / self.loss_n if self.loss_n else math.nan),
+            "grad_norm": self.grad_sum / self.grad_n if self.grad_n else math.nan,
+            "local_grad_sq": self.gsq_sum / self.gsq_n if self.gsq_n else math.nan,
+        }
+        for name, values in self.extras.items():
+            if name in _LAST_EXTRAS:
+                out[name] = values[-1]
+                continue
+            try:
+                mean = sum(values) / len(values)
+            except TypeError:
+                continue  # not numbers: the wire would refuse them
+            out[name] = round(mean) if all(isinstance(v, int) and not isinstance(v, bool) for v in values) else mean
+        return out
+
+
+def _number(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
