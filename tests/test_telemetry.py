@@ -26,6 +26,8 @@ from trainguard.agent.wire import (
     MAX_MESSAGE_BYTES,
     SCHEMA_VERSION,
     Telemetry,
+    WireError,
+    decode_telemetry,
     split_datagram,
 )
 from trainguard.link import TelemetrySender
@@ -274,6 +276,18 @@ def _body(msg: Telemetry) -> dict[str, Any]:
     return body
 
 
+def test_a_message_without_steps_or_loss_is_one_step_with_no_loss() -> None:
+    body = _body(make_msg(step=7, samples=12))
+    del body["steps"], body["loss"]
+    msg = decode_telemetry(json.dumps(body).encode())
+    assert (msg.step, msg.steps, msg.samples_per_step) == (7, 1, 12.0)
+    assert not msg.has_loss and math.isnan(msg.loss)
+    body["steps"] = 0  # a message sums up at least one step
+    with pytest.raises(WireError) as err:
+        decode_telemetry(json.dumps(body).encode())
+    assert err.value.reason == "range"
+
+
 @st.composite
 def bad_datagrams(draw: st.DrawFn) -> tuple[bytes, str | None]:
     """(datagram, expected drop reason or None when any reason will do)."""
@@ -304,7 +318,8 @@ def bad_datagrams(draw: st.DrawFn) -> tuple[bytes, str | None]:
         body["pad"] = "x" * draw(st.integers(MAX_MESSAGE_BYTES, 3 * MAX_MESSAGE_BYTES))
         return json.dumps(body).encode(), "size"
     if kind == "missing":
-        del body[draw(st.sampled_from(sorted(k for k in body if k not in ("v", "loss"))))]  # loss may be absent
+        # loss may be absent (no loss reported), steps too (one step per message)
+        del body[draw(st.sampled_from(sorted(k for k in body if k not in ("v", "loss", "steps"))))]
         return json.dumps(body).encode(), "schema"
     if kind == "unknown":
         body[draw(st.sampled_from(["extra", "Rank", "Steps"]))] = 1
