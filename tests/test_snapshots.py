@@ -5,6 +5,7 @@ snapshots cannot carry are clear errors, never a SIGBUS or a half-restored state
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -149,6 +150,43 @@ def test_the_agent_waits_for_a_survivor_still_copying_the_step_the_dead_rank_fin
     assert snaps.common_step(3) == 5
     for w in writers:
         w.close()
+
+
+Cursor = collections.namedtuple("Cursor", "epoch offset")
+
+
+class _Sampler:
+    """A per-step state of a user's own: an OrderedDict state_dict holding a tensor twice."""
+
+    def __init__(self, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.loaded: dict | None = None
+
+    def state_dict(self) -> collections.OrderedDict:
+        rng = self.gen.get_state()
+        return collections.OrderedDict(rng=rng, again=rng, order=(3, 1, 2))
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+        self.gen.set_state(state["rng"])
+
+
+def test_containers_of_a_users_own_come_back_as_plain_ones_with_their_tensors(tmp_path: Path) -> None:
+    model, opt = _trained()
+    sampler = _Sampler(5)
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0)
+    writer.take(2, {"model": model, "optim": opt, "sampler": sampler, "cursor": Cursor(1, 640)}, {})
+    expected = torch.randint(0, 1000, (4,), generator=sampler.gen)
+    writer.check_restorable()
+    writer.close()
+
+    fresh = _Sampler(99)
+    restored = {"model": _trained(seed=1, steps=0)[0], "optim": opt, "sampler": fresh, "cursor": None}
+    load_snapshot(str(tmp_path), 0, 1, 2, restored)
+    assert restored["cursor"] == (1, 640) and type(restored["cursor"]) is tuple
+    assert fresh.loaded is not None and type(fresh.loaded) is dict and fresh.loaded["order"] == (3, 1, 2)
+    assert torch.equal(fresh.loaded["again"], fresh.loaded["rng"])
+    assert torch.equal(torch.randint(0, 1000, (4,), generator=fresh.gen), expected)
 
 
 class Opaque:
