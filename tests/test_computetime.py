@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard
+import trainguard.computetime as computetime
 import trainguard.run as run_module
 from trainguard.computetime import ClockStamps, GradientClock
 from trainguard.trainer.testing import TelemetryCapture
@@ -67,6 +68,53 @@ def test_the_clock_spans_begin_to_the_last_gradient_and_clears_each_step() -> No
     clock.begin()
     model(torch.ones(1, 3)).sum().backward()
     assert clock.take() is None  # hooks removed
+
+
+class _Ticks:
+    """Hooks that advance the fake clock by one at each gradient landing, before the clock's own."""
+
+    def __init__(self, stamps: _Stamps, params: list[nn.Parameter]) -> None:
+        self.handles = [p.register_post_accumulate_grad_hook(lambda _p: self.tick()) for p in params]
+        self.stamps = stamps
+
+    def tick(self) -> None:
+        self.stamps.t += 1
+
+
+def test_once_the_same_parameter_comes_last_only_it_stays_hooked_and_the_span_is_unchanged(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(computetime, "VERIFY_EVERY", 4)
+    first, second = nn.Linear(3, 3), nn.Linear(3, 3)
+    params = [*first.parameters(), *second.parameters()]
+    stamps = _Stamps()
+    _Ticks(stamps, params)
+    clock = GradientClock(stamps)
+    assert clock.watch(params) == 4
+
+    def step(*layers: nn.Module) -> float | None:
+        clock.begin()
+        stamps.begin()
+        x = torch.ones(1, 3)
+        for layer in layers:
+            x = layer(x)
+        x.sum().backward()
+        return clock.take()
+
+    spans = [step(first, second) for _ in range(computetime.LEARN_STEPS)]
+    assert spans == [4.0] * computetime.LEARN_STEPS  # every gradient ticked; the span ends at the last
+    assert clock.hooked == 1
+    assert step(first, second) == 4.0  # one hook, the same span
+    # The graph changes: the second layer runs first, its gradients now land last. The one hook
+    # still fires (too early) until the next check with every hook finds the new last parameter.
+    after = [step(second, first) for _ in range(computetime.VERIFY_EVERY + computetime.LEARN_STEPS + 2)]
+    assert after[-1] == 4.0 and clock.hooked == 1
+    assert any(span != 4.0 for span in after)  # what the checks are there for
+    # A step that gives the hooked parameter no gradient: unmeasured, and every hook comes back.
+    assert step(first) is None
+    assert clock.hooked == 4
+    assert step(first) == 2.0  # the first layer alone: its two gradients
+    clock.close()
+    assert clock.hooked == 0
 
 
 def test_a_mark_from_another_thread_leaves_the_step_unmeasured() -> None:
