@@ -391,7 +391,10 @@ def main() -> int:
     if args.quick:
         nproc, steps, n_kills = 2, 160, 2
     else:
-        nproc, steps, n_kills = 4, 1800, 4  # ~30 s of training between kills at ~70 ms per step
+        # A kill every ~30 s of training (issue: effective time with a kill every ~30 s): 740 steps
+        # between kills at the 37-42 ms per step measured here with 4 ranks (1800 steps before
+        # 2026-12-04, sized for 70 ms steps: a kill every ~17 s once steps were faster).
+        nproc, steps, n_kills = 4, 3000, 4
     kills = kill_steps(random.Random(args.seed), steps, n_kills)
     work = Path(tempfile.mkdtemp(prefix="tg-recovery-"))
     cache = str(work / "corpus")
