@@ -125,8 +125,16 @@ def test_controller_in_real_agent_and_training(tmp_path: Path) -> None:
             m1 = next((m for m in r1 if m.plan_version >= v), None)
             if m0 is None or m1 is None:
                 continue  # published after the last step
-            assert m0.step == m1.step, (e["message"], m0.step, m1.step)  # one step on every rank
-            assert m0.lr == m1.lr
+            # A message may gather steps (never across plans): the plan took effect at its first one.
+            first0, first1 = m0.step - m0.steps + 1, m1.step - m1.steps + 1
+            assert first0 == first1, (e["message"], first0, first1)  # one step on every rank
+            # The LR moves with the schedule within a message (its last step's): compared where
+            # both ranks' messages end at one step, which windows of powers of two guarantee.
+            ends1 = {m.step: m for m in r1 if m.plan_version == m1.plan_version}
+            same = next((m for m in r0 if m.plan_version == m0.plan_version and m.step in ends1), None)
+            assert same is not None, (e["message"], [m.step for m in r0 if m.plan_version == m0.plan_version],
+                                      sorted(ends1))
+            assert same.lr == ends1[same.step].lr
             assert m0.batch_size + m1.batch_size == e["batch_to"]
         # The diverging change was rolled back (by the controller, or by the agent's recovery
         # service noticing first) to the last good setting with the LR cut.

@@ -274,7 +274,6 @@ class ApiServer:
             sock.do_handshake()
             return True
         except (ssl.SSLError, OSError) as exc:
-            self.stats.incr("tls_refused_total")
             reason = getattr(exc, "reason", None) or type(exc).__name__
             if self._auth_reports.take():
                 log.warning("api: TLS handshake with %s failed: %s", remote, reason)
@@ -283,6 +282,8 @@ class ApiServer:
                         self._on_auth_failure(remote, f"(TLS handshake: {reason})")
                     except Exception:
                         log.exception("api: on_auth_failure callback failed")
+            # Counted after the report: whoever sees the count move finds the event already there.
+            self.stats.incr("tls_refused_total")
             try:
                 sock.close()
             except OSError:
