@@ -86,6 +86,8 @@ _OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]]
 }
 # Free-text fields: name -> longest accepted length.
 _TEXT_FIELDS = {"ckpt_error": 300}
+CKPT_FAILED_ELSEWHERE = "another rank could not write its shard"
+"""The ``ckpt_error`` of a rank whose own part of a save was fine: the cause is another rank's."""
 _NONFINITE_OK = {"loss", "grad_norm", "local_grad_sq", "val_loss"}
 
 

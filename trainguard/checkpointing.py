@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from trainguard.agent.checkpoint.errors import CheckpointError
 from trainguard.agent.checkpoint.memory import MemoryTier, open_for_overwrite
 from trainguard.agent.checkpoint.tier import step_dirname
-from trainguard.agent.wire import part_key
+from trainguard.agent.wire import CKPT_FAILED_ELSEWHERE, part_key
 from trainguard.environment import RunEnvironment
 from trainguard.savewriter import SaveJob, SaveResult, SaveWriter, SaveWriterError, WriteFailed
 
@@ -274,7 +274,7 @@ class TierWriter:
             ok = False
         if not ok:
             self._abort(label, path)
-            return self._failed(label, error or "another rank could not write its shard")
+            return self._failed(label, error or CKPT_FAILED_ELSEWHERE)
         final = os.path.join(os.path.dirname(path), step_dirname(label))
         if alone:
             # Rank 0 commits alone: the others are done (a failure there is rank 0's to report).

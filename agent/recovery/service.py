@@ -33,7 +33,7 @@ from trainguard.agent.paths import agent_tag
 from trainguard.agent.recovery.activity import ActivityProbe, descends_from
 from trainguard.agent.recovery.detectors import Finding, HangDetector, LossDetector
 from trainguard.agent.recovery.stacks import probe_all
-from trainguard.agent.wire import PART_MARK
+from trainguard.agent.wire import CKPT_FAILED_ELSEWHERE, PART_MARK
 from trainguard.environment import ENV_SNAPSHOT_DIR, ENV_SNAPSHOT_EVERY, ENV_SNAPSHOT_STEP
 
 if TYPE_CHECKING:
@@ -109,6 +109,10 @@ def recovery_timeline(failed_at: float, launched_at: float | None, window: list[
     return out
 
 
+SECONDHAND_WAIT_S = 5.0
+"""How long a save failure reported only as another rank's waits for that rank's own report."""
+
+
 class RecoveryService:
     def __init__(self, agent: Agent, checkpoints: CheckpointManager) -> None:
         self.agent = agent
@@ -118,6 +122,7 @@ class RecoveryService:
         self.losses = LossDetector(self.cfg.loss_spike_factor)
         self.activity = ActivityProbe()
         self._failed_saves: set[tuple[str, int]] = set()
+        self._secondhand_saves: dict[tuple[str, int], tuple[float, int, str]] = {}
         self._attempt_seen: dict[str, int] = {}
         self._restored: dict[str, Restored] = {}
         self._busy: set[str] = set()
@@ -227,20 +232,35 @@ class RecoveryService:
                                    "checkpoint(s) of ranks that died during a save", job=job, tier="memory",
                                    removed=removed)
 
-    def _note_save_failures(self, job: str, ranks: list[Any]) -> None:
+    def _note_save_failures(self, job: str, ranks: list[Any], now: float) -> None:
         """Checkpoints the ranks could not write (they skip them and train on): one event per
-        checkpoint, with the first reporting rank's error, and the tier's failure count (the alert)."""
+        checkpoint, with the error of the rank that had it, and the tier's failure count (the alert).
+        A rank that only knows another rank failed may report first (the failing one can be rank 0,
+        whose write runs in the background); its word waits ``SECONDHAND_WAIT_S`` for the cause."""
         for view in sorted(ranks, key=lambda v: v.rank):
             for msg in self.agent.table.window(job, view.rank, 64):
-                if msg.ckpt_failed is None or (job, msg.ckpt_failed) in self._failed_saves:
+                key = (job, msg.ckpt_failed)
+                if msg.ckpt_failed is None or key in self._failed_saves:
                     continue
-                self._failed_saves.add((job, msg.ckpt_failed))
                 error = msg.ckpt_error or "unknown error"
-                self.checkpoints.status.observe_failure("memory", error)
-                self.agent.events.emit(
-                    "checkpoint_write_failed", f"job {job}: rank {view.rank} could not write the memory "
-                    f"checkpoint of step {msg.ckpt_failed} ({error}); training goes on without it",
-                    severity="error", job=job, rank=view.rank, tier="memory", step=msg.ckpt_failed, error=error)
+                if error == CKPT_FAILED_ELSEWHERE:
+                    self._secondhand_saves.setdefault(key, (now, view.rank, error))
+                    continue
+                self._save_failed(job, msg.ckpt_failed, view.rank, error)
+        for key, (seen, rank, error) in list(self._secondhand_saves.items()):
+            if key in self._failed_saves:
+                del self._secondhand_saves[key]
+            elif key[0] == job and now - seen >= SECONDHAND_WAIT_S:
+                self._save_failed(job, key[1], rank, error)
+
+    def _save_failed(self, job: str, step: int, rank: int, error: str) -> None:
+        self._failed_saves.add((job, step))
+        self._secondhand_saves.pop((job, step), None)
+        self.checkpoints.status.observe_failure("memory", error)
+        self.agent.events.emit(
+            "checkpoint_write_failed", f"job {job}: rank {rank} could not write the memory "
+            f"checkpoint of step {step} ({error}); training goes on without it",
+            severity="error", job=job, rank=rank, tier="memory", step=step, error=error)
 
     def tick(self, agent: Agent, now: float) -> None:
         try:
@@ -263,7 +283,7 @@ class RecoveryService:
                              if v.pid in pids or (record.spec.is_command and descends_from(v.pid, pids))]
             max_step = max((v.step for v in attempt_ranks), default=-1)
             self._note_recovered(job, record, attempt_ranks, now)
-            self._note_save_failures(job, attempt_ranks)
+            self._note_save_failures(job, attempt_ranks, now)
             medians = [v.median_step_s for v in attempt_ranks if v.median_step_s]
             if record.spec.is_command:
                 finding = self._command_hang(record, max_step, max(medians) if medians else None, now)
@@ -340,6 +360,9 @@ class RecoveryService:
         self.hangs.forget(job)
         self.losses.forget(job)
         self.activity.forget(job)
+        for key, (_, rank, error) in list(self._secondhand_saves.items()):
+            if key[0] == job:  # the job ended before the failing rank's own word came: told as it was
+                self._save_failed(job, key[1], rank, error)
 
     def _count(self, job: str, action: str, cause: str) -> None:
         key = (job, action, cause)
