@@ -239,8 +239,7 @@ class RecoveryService:
         whose write runs in the background); its word waits ``SECONDHAND_WAIT_S`` for the cause."""
         for view in sorted(ranks, key=lambda v: v.rank):
             for msg in self.agent.table.window(job, view.rank, 64):
-                key = (job, msg.ckpt_failed)
-                if msg.ckpt_failed is None or key in self._failed_saves:
+                if msg.ckpt_failed is None or (key := (job, msg.ckpt_failed)) in self._failed_saves:
                     continue
                 error = msg.ckpt_error or "unknown error"
                 if error == CKPT_FAILED_ELSEWHERE:
