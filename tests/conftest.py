@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from trainguard.agent.config import AgentConfig, apply_state_dir
 from trainguard.nodefaults import CpuCgroup, cpu_cgroup_unavailable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,3 +134,13 @@ def cpu_priority() -> Iterator[None]:
         yield
     finally:
         group.remove()
+
+
+def in_process_agent_config(state_dir: Path) -> AgentConfig:
+    """An agent config for a daemon run inside the test's process: its state under ``state_dir``,
+    metrics on a free loopback port, no eBPF or GPU collector."""
+    cfg = apply_state_dir(AgentConfig(), str(state_dir))
+    cfg.metrics.addr = "127.0.0.1:0"
+    cfg.collectors.ebpf = False
+    cfg.collectors.gpu = False
+    return cfg

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from trainguard.agent.config import AgentConfig, apply_state_dir
+from tests.conftest import in_process_agent_config
 from trainguard.agent.controller import (
     ControllerConfig,
     Proposal,
@@ -77,11 +77,7 @@ def _telemetry(agent: Agent, rank: int) -> list[Telemetry]:
 
 
 def test_controller_in_real_agent_and_training(tmp_path: Path) -> None:
-    cfg = apply_state_dir(AgentConfig(), str(tmp_path / "agent"))
-    cfg.metrics.addr = "127.0.0.1:0"
-    cfg.collectors.ebpf = False
-    cfg.collectors.gpu = False
-    agent = Agent(cfg)
+    agent = Agent(in_process_agent_config(tmp_path / "agent"))
     agent.start()
     journal = str(tmp_path / "study.log")
     ccfg = ControllerConfig(strategy="optuna", every_steps=10, warmup_steps=10, storage=journal, seed=0,
@@ -179,11 +175,7 @@ def test_controller_in_real_agent_and_training(tmp_path: Path) -> None:
 def test_rl_and_goodput_drive_real_training(tmp_path: Path, strategy: str) -> None:
     """The other two strategies inside the same real agent + 2-rank job: they decide, every
     decision is logged with a reason, and each change lands at one step on both ranks."""
-    cfg = apply_state_dir(AgentConfig(), str(tmp_path / "agent"))
-    cfg.metrics.addr = "127.0.0.1:0"
-    cfg.collectors.ebpf = False
-    cfg.collectors.gpu = False
-    agent = Agent(cfg)
+    agent = Agent(in_process_agent_config(tmp_path / "agent"))
     agent.start()
     try:
         install(agent, ControllerConfig(strategy=strategy, every_steps=8, warmup_steps=8, seed=1, batch_min=4, batch_max=16))

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import in_process_agent_config
 from tests.test_telemetry import make_msg
-from trainguard.agent.config import AgentConfig, apply_state_dir
 from trainguard.agent.daemon import Agent
 from trainguard.agent.recovery.service import SECONDHAND_WAIT_S
 from trainguard.agent.wire import CKPT_FAILED_ELSEWHERE
@@ -19,11 +19,7 @@ JOB = "job-1"
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[Agent]:
-    cfg = apply_state_dir(AgentConfig(), str(tmp_path / "agent"))
-    cfg.metrics.addr = ""
-    cfg.collectors.ebpf = False
-    cfg.collectors.gpu = False
-    agent = Agent(cfg)
+    agent = Agent(in_process_agent_config(tmp_path / "agent"))
     agent.start()
     agent.table.register_job(JOB)
     try:

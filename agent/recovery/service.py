@@ -246,11 +246,13 @@ class RecoveryService:
                     self._secondhand_saves.setdefault(key, (now, view.rank, error))
                     continue
                 self._save_failed(job, msg.ckpt_failed, view.rank, error)
-        for key, (seen, rank, error) in list(self._secondhand_saves.items()):
-            if key in self._failed_saves:
-                del self._secondhand_saves[key]
-            elif key[0] == job and now - seen >= SECONDHAND_WAIT_S:
-                self._save_failed(job, key[1], rank, error)
+        self._tell_secondhand(job, now - SECONDHAND_WAIT_S)
+
+    def _tell_secondhand(self, job: str, seen_by: float) -> None:
+        """Secondhand save failures of ``job`` first seen at or before ``seen_by``, told as they are."""
+        for (owner, step), (seen, rank, error) in list(self._secondhand_saves.items()):
+            if owner == job and seen <= seen_by:
+                self._save_failed(job, step, rank, error)
 
     def _save_failed(self, job: str, step: int, rank: int, error: str) -> None:
         self._failed_saves.add((job, step))
@@ -359,9 +361,7 @@ class RecoveryService:
         self.hangs.forget(job)
         self.losses.forget(job)
         self.activity.forget(job)
-        for key, (_, rank, error) in list(self._secondhand_saves.items()):
-            if key[0] == job:  # the job ended before the failing rank's own word came: told as it was
-                self._save_failed(job, key[1], rank, error)
+        self._tell_secondhand(job, float("inf"))  # the job ended before the failing rank's own word came
 
     def _count(self, job: str, action: str, cause: str) -> None:
         key = (job, action, cause)
