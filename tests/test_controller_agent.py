@@ -76,6 +76,28 @@ def _telemetry(agent: Agent, rank: int) -> list[Telemetry]:
     return agent.table.window(JOB, rank, None)
 
 
+def _first_under_plan(e: dict[str, Any], r0: list[Telemetry],
+                      r1: list[Telemetry]) -> tuple[Telemetry, Telemetry] | None:
+    """Each rank's first message under decision ``e``'s plan (None when it came after the last
+    step), having checked that the plan took effect at one step on both ranks, with one LR."""
+    v = e["plan_version"]
+    # Telemetry in arrival order (a rollback restarts the job: steps repeat, plans only grow).
+    m0 = next((m for m in r0 if m.plan_version >= v), None)
+    m1 = next((m for m in r1 if m.plan_version >= v), None)
+    if m0 is None or m1 is None:
+        return None
+    # A message may gather steps (never across plans): the plan took effect at its first one.
+    first0, first1 = m0.step - m0.steps + 1, m1.step - m1.steps + 1
+    assert first0 == first1, (e["message"], first0, first1)  # one step on every rank
+    # The LR moves with the schedule within a message (its last step's): compared where both
+    # ranks' messages end at one step, which windows of powers of two guarantee.
+    ends1 = {m.step: m for m in r1 if m.plan_version == m1.plan_version}
+    same = next((m for m in r0 if m.plan_version == m0.plan_version and m.step in ends1), None)
+    assert same is not None, (e["message"], [m.step for m in r0 if m.plan_version == m0.plan_version], sorted(ends1))
+    assert same.lr == ends1[same.step].lr, e["message"]
+    return m0, m1
+
+
 def test_controller_in_real_agent_and_training(tmp_path: Path) -> None:
     agent = Agent(in_process_agent_config(tmp_path / "agent"))
     agent.start()
@@ -115,22 +137,10 @@ def test_controller_in_real_agent_and_training(tmp_path: Path) -> None:
         changed = [e for e in decisions + rollbacks if e["changed"]]
         assert changed, decisions
         for e in changed:
-            v = e["plan_version"]
-            # Telemetry in arrival order (a rollback restarts the job: steps repeat, plans only grow).
-            m0 = next((m for m in r0 if m.plan_version >= v), None)
-            m1 = next((m for m in r1 if m.plan_version >= v), None)
-            if m0 is None or m1 is None:
+            firsts = _first_under_plan(e, r0, r1)
+            if firsts is None:
                 continue  # published after the last step
-            # A message may gather steps (never across plans): the plan took effect at its first one.
-            first0, first1 = m0.step - m0.steps + 1, m1.step - m1.steps + 1
-            assert first0 == first1, (e["message"], first0, first1)  # one step on every rank
-            # The LR moves with the schedule within a message (its last step's): compared where
-            # both ranks' messages end at one step, which windows of powers of two guarantee.
-            ends1 = {m.step: m for m in r1 if m.plan_version == m1.plan_version}
-            same = next((m for m in r0 if m.plan_version == m0.plan_version and m.step in ends1), None)
-            assert same is not None, (e["message"], [m.step for m in r0 if m.plan_version == m0.plan_version],
-                                      sorted(ends1))
-            assert same.lr == ends1[same.step].lr
+            m0, m1 = firsts
             assert m0.batch_size + m1.batch_size == e["batch_to"]
         # The diverging change was rolled back (by the controller, or by the agent's recovery
         # service noticing first) to the last good setting with the LR cut.
@@ -197,9 +207,6 @@ def test_rl_and_goodput_drive_real_training(tmp_path: Path, strategy: str) -> No
         assert decisions and all(e["cause"] for e in decisions), events
         r0, r1 = _telemetry(agent, 0), _telemetry(agent, 1)
         for e in (e for e in decisions if e["changed"]):
-            m0 = next((m for m in r0 if m.plan_version >= e["plan_version"]), None)
-            m1 = next((m for m in r1 if m.plan_version >= e["plan_version"]), None)
-            if m0 is not None and m1 is not None:
-                assert m0.step == m1.step and m0.lr == m1.lr, e["message"]
+            _first_under_plan(e, r0, r1)
     finally:
         agent.shutdown()
