@@ -23,7 +23,8 @@ from trainguard.agent.checkpoint.snapshots import (
     slot_path,
     snapshot_dir,
 )
-from trainguard.snapshot import SnapshotError, SnapshotWriter, load_snapshot
+from trainguard.snapshot import SnapshotError, SnapshotWriter
+from trainguard.snapshot_load import load_snapshot
 
 
 def _trained(seed: int = 0, steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer]:

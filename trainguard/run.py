@@ -506,8 +506,10 @@ class Run:
 
         try:
             if self._snapshots is None:
+                # Replicas share their common tensors out only where every slot is on this node.
+                one_node = not self.env.part and self.env.local_world_size == self.env.world_size
                 self._snapshots = SnapshotWriter(self.env.snapshot_dir, self.env.rank, self.env.world_size,
-                                                 self.env.attempt)
+                                                 self.env.attempt, share=one_node)
             stall = self._snapshots.take(step + 1, state, self.checkpoint_meta())
             if self._snapshots.stats.taken == 1:
                 self._snapshots.check_restorable()
@@ -591,7 +593,8 @@ class Run:
         return int(meta.get("step", 0))
 
     def _restore_snapshot(self, state: Mapping[str, Any]) -> int | None:
-        from trainguard.snapshot import SnapshotError, load_snapshot
+        from trainguard.snapshot import SnapshotError
+        from trainguard.snapshot_load import load_snapshot
 
         step = self.env.snapshot_step
         meta: dict[str, Any] = {}

@@ -1,4 +1,5 @@
-"""Per-step snapshots of a rank's state into pre-faulted shared memory, and their restore.
+"""Per-step snapshots of a rank's state into pre-faulted shared memory (``trainguard.snapshot_load``
+restores them).
 
 The file format and the agent's side are in ``trainguard.agent.checkpoint.snapshots``. Here a
 snapshot is: the state's ``state_dict()``s walked into a list of tensors and a skeleton (the
@@ -13,8 +14,9 @@ else: no collective, no planning, no file creation after the first snapshot.
 snapshot that instead: the same state as raw modules and optimizers (the embedded trainer's
 checkpoint state is built for DCP resharding, whose ``state_dict`` costs milliseconds).
 
-A restore reads the slot into fresh memory and loads it into the same objects; the skeleton is
-read by an unpickler that admits plain values and tensor placeholders only.
+Data-parallel replicas on one node share out the tensors they hold alike (``share``): each rank's
+slot keeps its part of them and says which rank's slot keeps each of the others
+(``trainguard.replicas``), so the ranks together copy and keep one copy, not one each.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import pickle
 import struct
 import time
 import zlib
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +47,7 @@ from trainguard.agent.checkpoint.snapshots import (
     read_header,
     slot_path,
 )
+from trainguard.replicas import holders, replicated_ids
 
 _ALIGN = 64
 _SKELETON_RESERVE = 64 << 10
@@ -65,17 +68,13 @@ class TensorRef:
 
 
 @dataclass(frozen=True)
-class _Shard:
-    """A DTensor's local shard as loaded, until the live object it goes into says its layout."""
-
-    local: torch.Tensor
-
-
-@dataclass(frozen=True)
 class TensorSpec:
     offset: int
     dtype: str
     shape: tuple[int, ...]
+    holder: int = -1
+    """-1: the bytes are in this slot at ``offset``; else the rank whose slot of the same step holds
+    them (a data-parallel replica's share, ``trainguard.replicas``; ``offset`` is -1 then)."""
 
 
 class _SkeletonUnpickler(pickle.Unpickler):
@@ -87,12 +86,12 @@ class _SkeletonUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"a snapshot skeleton may not hold {module}.{name}")
 
 
-def _loads(raw: bytes) -> Any:
+def loads_skeleton(raw: bytes) -> Any:
     return _SkeletonUnpickler(io.BytesIO(raw)).load()
 
 
-def _read_skeleton(raw: bytes) -> tuple[list[TensorSpec], dict[str, Any], dict[str, Any]]:
-    """(tensor specs, static tree, per-step values) of a slot's skeleton."""
+def skeleton_parts(raw: bytes) -> list[bytes]:
+    """The pickled parts of a slot's skeleton: tensor specs, static tree, per-step values."""
     if len(raw) < _PARTS.size:
         raise pickle.UnpicklingError("skeleton too short")
     lengths = _PARTS.unpack_from(raw)
@@ -100,9 +99,15 @@ def _read_skeleton(raw: bytes) -> tuple[list[TensorSpec], dict[str, Any], dict[s
         raise pickle.UnpicklingError("skeleton parts do not add up")
     out, at = [], _PARTS.size
     for n in lengths:
-        out.append(_loads(raw[at:at + n]))
+        out.append(raw[at:at + n])
         at += n
-    return out[0], out[1], out[2]
+    return out
+
+
+def _read_skeleton(raw: bytes) -> tuple[list[TensorSpec], dict[str, Any], dict[str, Any]]:
+    """(tensor specs, static tree, per-step values) of a slot's skeleton."""
+    specs, static, per_step = map(loads_skeleton, skeleton_parts(raw))
+    return specs, static, per_step
 
 
 def snapshot_view(state: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -149,49 +154,6 @@ def _pickle_stripped(value: Any, tensors: list[torch.Tensor]) -> bytes:
     return out.getvalue()
 
 
-def _fill(value: Any, tensors: list[torch.Tensor], own: bool = False) -> Any:
-    """The inverse of ``_pickle_stripped``: a DTensor's shard comes back as a ``_Shard`` until
-    placed. ``own``: each tensor in memory of its own, not a view into the payload (code that reads
-    a tensor's storage, as ``Generator.set_state`` does, reads it from the payload's start)."""
-    def placed(ref: TensorRef) -> Any:
-        tensor = tensors[ref.index].clone() if own else tensors[ref.index]
-        return _Shard(tensor) if ref.dtensor else tensor
-    return map_leaves(value, lambda v: placed(v) if isinstance(v, TensorRef) else v)
-
-
-def _as_dtensor(shard: Any, like: Any, where: str) -> Any:
-    if not isinstance(shard, _Shard):
-        return shard
-    if not isinstance(like, DTensor) or tuple(like.to_local().shape) != tuple(shard.local.shape):
-        raise SnapshotError(f"{where}: a DTensor shard with no DTensor of its layout to go into")
-    return DTensor.from_local(shard.local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
-
-
-def _with_layouts(target: Any, loaded: Any, key: str) -> Any:
-    """``loaded`` with every DTensor shard made a DTensor again, on the layout of the live
-    module's parameters (an optimizer's state: of the parameter it belongs to)."""
-    if isinstance(target, nn.Module) and isinstance(loaded, dict):
-        live = target.state_dict()
-        return {k: _as_dtensor(v, live.get(k), f"{key}.{k}") for k, v in loaded.items()}
-    if isinstance(target, torch.optim.Optimizer) and isinstance(loaded, dict):
-        params = [p for group in target.param_groups for p in group["params"]]
-        state = {}
-        for idx, entry in loaded.get("state", {}).items():
-            param = params[idx] if isinstance(idx, int) and 0 <= idx < len(params) else None
-            state[idx] = {n: _as_dtensor(v, param, f"{key}.state.{idx}.{n}") for n, v in entry.items()}
-        return {**loaded, "state": state}
-    if _holds_shard(loaded):
-        raise SnapshotError(f"{key}: holds DTensor shards, restorable only into modules and optimizers")
-    return loaded
-
-
-def _holds_shard(value: Any) -> bool:
-    found: list[bool] = []
-    map_leaves(value, lambda v: found.append(isinstance(v, _Shard)))
-    return any(found)
-
-
 def _rng_state() -> dict[str, Any]:
     return {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
@@ -226,7 +188,8 @@ class _Plan:
     ``state_dict()``s (a sampler's position), plain values, the RNG.
     """
 
-    def __init__(self, view: Mapping[str, Any]) -> None:
+    def __init__(self, view: Mapping[str, Any], share: tuple[int, int] | None = None) -> None:
+        """``share``: (rank, world size) of a job whose replicated tensors the ranks share out."""
         self.objects = dict(view)
         self.tensors: list[torch.Tensor] = []
         self.static: dict[str, Any] = {}
@@ -243,6 +206,13 @@ class _Plan:
             self.dynamic_keys.append(key)
         self.static_bytes = pickle.dumps(self.static, protocol=5)
         self.signature = _signature(self.tensors)
+        self.holders: tuple[int, ...] = ()
+        """Per plan tensor, whose slot keeps it (-1: this rank's; ``trainguard.replicas.holders``)."""
+        if share is not None:
+            ids = replicated_ids(view)
+            sizes = [t.numel() * t.element_size() if id(t) in ids else None for t in self.tensors]
+            if any(s is not None for s in sizes):
+                self.holders = holders(sizes, share[1], share[0])
         # The checks as columns, so that holds() runs them in C (~100 per snapshot).
         self._tables = [table for table, _, _ in self._checks]
         self._keys = [key for _, key, _ in self._checks]
@@ -297,21 +267,6 @@ class _Plan:
         return out
 
 
-def _assemble(static: dict[str, Any], dynamic: dict[str, Any]) -> dict[str, Any]:
-    """Each key's ``state_dict`` (or plain value) as its object's ``load_state_dict`` takes it."""
-    out: dict[str, Any] = {}
-    for key, entry in static.items():
-        if entry[0] == "module":
-            out[key] = entry[1]
-        else:
-            _, state, groups = entry
-            out[key] = {"state": state, "param_groups": [{**hyper, "params": params}
-                                                         for hyper, params in zip(dynamic[key], groups, strict=True)]}
-    for key, value in dynamic.items():
-        out.setdefault(key, value)
-    return out
-
-
 def _signature(tensors: list[torch.Tensor]) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
     return tuple((t.dtype, tuple(t.shape)) for t in tensors)
 
@@ -333,7 +288,8 @@ class _Slot:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
         self.mm: mmap.mmap | None = None
         self.buf: torch.Tensor | None = None
-        self.signature: tuple[tuple[torch.dtype, tuple[int, ...]], ...] | None = None
+        self.signature: Any = None
+        """(tensor signature, holders) the layout was made for."""
         self.dsts: list[torch.Tensor] = []
         self.runs: list[tuple[int, int, torch.Tensor]] = []
         """(first, end, flat destination) of each run of packed stable tensors."""
@@ -341,6 +297,9 @@ class _Slot:
         self.specs: list[TensorSpec] = []
         self.specs_bytes = b""
         self.payload_bytes = 0
+        self.stored: list[int] = []
+        """Indices of the tensors this slot keeps the bytes of (``dsts`` is theirs), in order."""
+        self.stored_stable = 0
         header = read_header(path)
         self.step = header.step if header is not None and header.state == DONE else -1
 
@@ -355,38 +314,47 @@ class _Slot:
         self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.buf[HEADER_BYTES:].zero_()  # fault the mapping's pages in once
 
-    def layout(self, tensors: list[torch.Tensor], skeleton_hint: int,
-               signature: tuple[tuple[torch.dtype, tuple[int, ...]], ...], stable: int = 0) -> None:
+    def layout(self, tensors: list[torch.Tensor], skeleton_hint: int, signature: Any, stable: int = 0,
+               holders: tuple[int, ...] = ()) -> None:
         """Place ``tensors``; the first ``stable`` (the plan's, the same objects every snapshot)
         are packed back to back while their dtype stays the same, so that each such run is one
-        flat destination (``runs``)."""
-        if signature == self.signature and self.mm is not None and self._room(skeleton_hint):
+        flat destination (``runs``). ``holders``: for each of the first ones, the rank whose slot
+        keeps its bytes instead of this one (-1: this one)."""
+        if (signature, holders) == self.signature and self.mm is not None and self._room(skeleton_hint):
             return
         specs: list[TensorSpec] = []
         runs: list[list[int]] = []  # [first, end, byte offset]
+        stored: list[int] = []
         offset = 0
         for i, t in enumerate(tensors):
-            packed = 0 < i < stable and t.dtype == tensors[i - 1].dtype
+            dtype = str(t.dtype).removeprefix("torch.")
+            holder = holders[i] if i < len(holders) else -1
+            if holder >= 0:
+                specs.append(TensorSpec(-1, dtype, tuple(t.shape), holder))
+                continue
+            packed = 0 < i < stable and bool(stored) and stored[-1] == i - 1 and t.dtype == tensors[i - 1].dtype
             if packed:
                 runs[-1][1] = i + 1
             else:
                 offset = -(-offset // _ALIGN) * _ALIGN
                 if i < stable:
                     runs.append([i, i + 1, offset])
-            specs.append(TensorSpec(offset, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+            stored.append(i)
+            specs.append(TensorSpec(offset, dtype, tuple(t.shape)))
             offset += t.numel() * t.element_size()
         offset = -(-offset // _ALIGN) * _ALIGN
         need = HEADER_BYTES + offset + max(_SKELETON_RESERVE, 2 * skeleton_hint)
         if self.mm is None or len(self.mm) < need:
             self._map(need)
         assert self.buf is not None
-        self.dsts = [self.buf.narrow(0, HEADER_BYTES + s.offset, t.numel() * t.element_size()).view(t.dtype).view(t.shape)
-                     for s, t in zip(specs, tensors, strict=True)]
+        self.dsts = [self.buf.narrow(0, HEADER_BYTES + specs[i].offset, tensors[i].numel() * tensors[i].element_size())
+                     .view(tensors[i].dtype).view(tensors[i].shape) for i in stored]
         self.runs = [(start, end, self.buf.narrow(0, HEADER_BYTES + at, sum(t.numel() * t.element_size()
                                                                             for t in tensors[start:end]))
                       .view(tensors[start].dtype)) for start, end, at in runs]
-        self.stable = stable
-        self.specs, self.signature, self.payload_bytes = specs, signature, offset
+        self.stable, self.stored = stable, stored
+        self.stored_stable = sum(1 for i in stored if i < stable)
+        self.specs, self.signature, self.payload_bytes = specs, (signature, holders), offset
         self.specs_bytes = pickle.dumps(specs, protocol=5)
 
     def _room(self, skeleton_bytes: int) -> bool:
@@ -401,15 +369,15 @@ class _Slot:
         """Copy ``tensors`` into their places; ``flats``: flat views of the stable ones (None when
         they cannot go by runs: not all on the CPU, or not contiguous)."""
         if flats is None or len(flats) != self.stable:
-            torch._foreach_copy_(self.dsts, tensors)
+            torch._foreach_copy_(self.dsts, [tensors[i] for i in self.stored])
             return
         for start, end, dst in self.runs:
             torch.cat(flats[start:end], out=dst)
         if len(tensors) > self.stable:
-            torch._foreach_copy_(self.dsts[self.stable:], tensors[self.stable:])
+            torch._foreach_copy_(self.dsts[self.stored_stable:], tensors[self.stable:])
 
     def close_map(self) -> None:
-        self.dsts, self.runs, self.buf, self.signature = [], [], None, None
+        self.dsts, self.runs, self.buf, self.signature, self.stored = [], [], None, None, []
         if self.mm is not None:
             unmap(self.mm)
             self.mm = None
@@ -429,11 +397,13 @@ class SnapshotStats:
 
 
 class SnapshotWriter:
-    """One rank's snapshots (see the module docstring)."""
+    """One rank's snapshots (see the module docstring). ``share``: the ranks of this job share out
+    the tensors they hold alike (data-parallel replicas on one node: ``trainguard.replicas``)."""
 
-    def __init__(self, directory: str, rank: int, world_size: int, attempt: int) -> None:
+    def __init__(self, directory: str, rank: int, world_size: int, attempt: int, *, share: bool = False) -> None:
         self.directory = directory
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
+        self.share = share and world_size > 1
         self.stats = SnapshotStats()
         os.makedirs(directory, exist_ok=True)
         self._slots = [_Slot(str(slot_path(directory, rank, s))) for s in SLOTS]
@@ -453,7 +423,7 @@ class SnapshotWriter:
         t0 = time.perf_counter()
         view = snapshot_view(state)
         if self._plan is None or not self._plan.holds(view):
-            self._plan = _Plan(view)
+            self._plan = _Plan(view, (self.rank, self.world_size) if self.share else None)
         plan = self._plan
         tensors = list(plan.tensors)
         try:
@@ -466,14 +436,14 @@ class SnapshotWriter:
         skeleton_hint = max(self._last_skeleton, len(plan.static_bytes) + len(dynamic) + 4096)
         signature = plan.signature + _signature(tensors[len(plan.tensors):])
         try:
-            slot.layout(tensors, skeleton_hint, signature, len(plan.tensors))
+            slot.layout(tensors, skeleton_hint, signature, len(plan.tensors), plan.holders)
         except OSError as exc:
             raise SnapshotError(f"no room for a snapshot of {sum(t.numel() * t.element_size() for t in tensors)} "
                                 f"bytes in {self.directory}: {exc}") from exc
         parts = (slot.specs_bytes, plan.static_bytes, dynamic)
         skeleton = _PARTS.pack(*map(len, parts)) + b"".join(parts)
         if not slot._room(len(skeleton)):
-            slot.layout(tensors, 2 * len(skeleton), signature, len(plan.tensors))  # a skeleton that outgrew its reserve: a new layout
+            slot.layout(tensors, 2 * len(skeleton), signature, len(plan.tensors), plan.holders)  # a skeleton that outgrew its reserve: a new layout
             parts = (slot.specs_bytes, plan.static_bytes, dynamic)
             skeleton = _PARTS.pack(*map(len, parts)) + b"".join(parts)
         slot.write_header(SlotHeader(WRITING, step, self.attempt, self.world_size, self.rank, 0, 0, 0))
@@ -521,55 +491,6 @@ class SnapshotWriter:
     def close(self) -> None:
         for slot in self._slots:
             slot.close()
-
-
-def load_snapshot(directory: str, rank: int, world_size: int, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
-    """Load this rank's snapshot of ``step`` into ``state`` (in place; plain values are written back
-    into the mapping) and set the RNG; returns the meta saved with it. Raises SnapshotError."""
-    for name in SLOTS:
-        path = slot_path(directory, rank, name)
-        found = read_done(path)
-        if found is not None and found[0].step == step:
-            break
-    else:
-        raise SnapshotError(f"rank {rank} has no complete snapshot of step {step} in {directory}")
-    header, raw = found
-    if header.world_size != world_size or header.rank != rank:
-        raise SnapshotError(f"the snapshot of step {step} is of rank {header.rank} of {header.world_size}, "
-                            f"not rank {rank} of {world_size}")
-    try:
-        specs, static, per_step = _read_skeleton(raw)
-    except (pickle.UnpicklingError, AttributeError, ImportError, EOFError) as exc:
-        raise SnapshotError(f"snapshot skeleton unreadable: {exc}") from exc
-    payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
-    with open(path, "rb") as fh:
-        fh.seek(HEADER_BYTES)
-        if fh.readinto(payload.numpy().data) != header.payload_bytes:
-            raise SnapshotError(f"snapshot of step {step} is short")
-    tensors = [payload.narrow(0, s.offset, spec_nbytes(s)).view(getattr(torch, s.dtype)).view(s.shape) for s in specs]
-    # Modules and optimizers copy out of what they are given; a user's own state_dict may keep it.
-    tree = {"state": _assemble(_fill(static, tensors), _fill(per_step["dynamic"], tensors, own=True)),
-            "rng": _fill(per_step["rng"], tensors, own=True)}
-    view = snapshot_view(state)
-    missing = sorted(set(view) - set(tree["state"]))
-    if missing:
-        raise SnapshotError(f"the snapshot lacks {', '.join(missing)} (the script's state changed)")
-    for key, target in view.items():
-        loaded = _with_layouts(target, tree["state"][key], key)
-        load_into = getattr(target, "load_state_dict", None)
-        if callable(load_into) and not isinstance(target, type):
-            try:
-                load_into(loaded)
-            except (RuntimeError, KeyError, ValueError, TypeError) as exc:
-                raise SnapshotError(f"{key}: {exc}") from exc
-        elif isinstance(state, MutableMapping) and key in state:
-            state[key] = loaded
-    rng = tree["rng"]
-    torch.set_rng_state(rng["torch"])
-    if rng.get("cuda") is not None and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state(rng["cuda"])
-    meta: dict[str, Any] = dict(per_step["meta"])
-    return meta
 
 
 def spec_nbytes(spec: TensorSpec) -> int:
