@@ -1,7 +1,8 @@
 """Snapshots of data-parallel replicas shared out among the ranks (trainguard/replicas.py): real
 gloo ranks with a DDP model and AdamW each keep about a third of the common tensors, restore the
 whole state bit-equal from the three slots, keep what is theirs alone (a buffer, the RNG, plain
-values) in their own slot, and refuse a restore whose share is gone instead of half-loading it."""
+values) in their own slot, and refuse a restore whose share is gone or of another structure instead
+of half-loading it."""
 
 from __future__ import annotations
 
@@ -77,12 +78,23 @@ _RANK = textwrap.dedent("""
         for slot in ("a", "b"):
             mark_empty(slot_path(directory, 1, slot))  # rank 1's slot, with its share, is gone
     dist.barrier()
-    if rank != 1:
+    def refusal(step):
         try:
-            load_snapshot(directory, rank, world, 4, state)
-            result["refused"] = ""
+            load_snapshot(directory, rank, world, step, state)
         except SnapshotError as exc:
-            result["refused"] = str(exc)
+            return str(exc)
+        return ""
+
+    if rank != 1:
+        result["refused"] = refusal(4)
+    # Step 5 of a rank 1 whose state holds one more module: its slot is not the others' share.
+    other = dict(state, extra=nn.Linear(4, 4)) if rank == 1 else state
+    again = SnapshotWriter(directory, rank, world, 0, share=True)
+    again.take(5, other, {})
+    again.close()
+    dist.barrier()
+    if rank != 1:
+        result["refused_other"] = refusal(5)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
     dist.destroy_process_group()
@@ -124,6 +136,7 @@ def test_three_ddp_ranks_keep_a_third_each_and_restore_the_whole_state(tmp_path:
     # Rank 1's share gone: the others refuse the step (the caller falls back to a checkpoint).
     for rank in (0, 2):
         assert "rank 1 has no complete snapshot of step 4" in results[rank]["refused"], results[rank]
+        assert "rank 1's snapshot of step 5 holds another structure" in results[rank]["refused_other"], results[rank]
 
 
 def test_shares_are_contiguous_about_equal_and_the_same_on_every_rank() -> None:

@@ -147,10 +147,10 @@ def _slot_tensors(directory: str, mine: _SlotRead, world_size: int, step: int) -
         share = shares.get(spec.holder)
         if share is None:
             share = shares[spec.holder] = _read_slot(directory, spec.holder, world_size, step)
-            if share.parts[1] != mine.parts[1] or len(share.specs) < len(mine.specs):
+            if share.parts[1] != mine.parts[1]:
                 raise SnapshotError(f"rank {spec.holder}'s snapshot of step {step} holds another structure")
-        theirs = share.specs[index]
-        if theirs.holder >= 0 or (theirs.dtype, theirs.shape) != (spec.dtype, spec.shape):
+        theirs = share.specs[index] if index < len(share.specs) else None
+        if theirs is None or theirs.holder >= 0 or (theirs.dtype, theirs.shape) != (spec.dtype, spec.shape):
             raise SnapshotError(f"rank {spec.holder}'s snapshot of step {step} does not hold tensor {index} as kept")
         tensors.append(share.tensor(index))
     return tensors
