@@ -179,13 +179,13 @@ def analyse(name: str, rows: list[dict[str, Any]], ckpt_every: int, recovered: d
     return res
 
 
-def wait_for(pred, timeout: float, what: str):  # noqa: ANN001, ANN201
+def wait_for(pred, timeout: float, what: str, every: float = 0.1):  # noqa: ANN001, ANN201
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = pred()
         if value:
             return value
-        time.sleep(0.1)
+        time.sleep(every)
     raise TimeoutError(what)
 
 
@@ -207,7 +207,10 @@ def run_trainguard(nproc: int, trainer: dict[str, Any], kills: list[int], work: 
         client = ApiClient.local(str(sock), timeout=30)
         client.submit_job({"job": name, "nproc": nproc, "trainer": trainer, "faults": [f"kill:rank=1,step={k}" for k in kills],
                            "max_restarts": len(kills) + 2})
-        wait_for(lambda: client.job(name)["state"] in ("succeeded", "failed", "stopped"), 3600, "job end")
+        # Once a second: the torchrun arms' harness asks nothing of them while they train, and ten
+        # API requests a second (a thread and the job's cgroup files read for each) were ~1 % of a
+        # core of the agent under test.
+        wait_for(lambda: client.job(name)["state"] in ("succeeded", "failed", "stopped"), 3600, "job end", every=1.0)
         job = client.job(name)
         events = client.events(since=0, limit=10000)["events"]
         rows = parse_rows((state / "jobs" / name / "rank0.log").read_text(errors="replace").splitlines())

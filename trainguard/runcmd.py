@@ -84,15 +84,22 @@ class OutputFollower:
         self.out.flush()
 
 
-def follow(client: Any, job: str, *, out: TextIO = sys.stdout, err: TextIO = sys.stderr, poll_s: float = 0.2) -> int:
-    """Stream the job's output and notable events until it ends; return its exit code."""
+def follow(client: Any, job: str, *, out: TextIO = sys.stdout, err: TextIO = sys.stderr, poll_s: float = 0.2,
+           idle_poll_s: float = 1.0) -> int:
+    """Stream the job's output and notable events until it ends; return its exit code. Polls every
+    ``poll_s`` while the job prints, backing off to ``idle_poll_s`` while it is quiet: each poll is
+    a few requests to the agent (the job, each rank's output, the events), CPU that a busy
+    training node's ranks would otherwise have."""
     follower = OutputFollower(client, job, out)
     seen = client.events(since=0, limit=1)["next"]
     info: dict[str, Any] = {}
+    wait = poll_s
     try:
         while True:
             info = client.job(job)
+            before = dict(follower.offsets)
             follower.poll(sorted({r["rank"] for r in info.get("ranks", [])}) or list(range(info.get("nproc", 1))))
+            wait = poll_s if follower.offsets != before else min(idle_poll_s, wait * 2)
             batch = client.events(since=seen, limit=500)
             for e in batch["events"]:
                 if e.get("job") == job and e["kind"] in NOTABLE and not (e["kind"] == "rank_exit" and e["severity"] == "info"):
@@ -102,7 +109,7 @@ def follow(client: Any, job: str, *, out: TextIO = sys.stdout, err: TextIO = sys
             if info.get("state") in FINISHED:
                 follower.poll(sorted({r["rank"] for r in info.get("ranks", [])}))
                 break
-            time.sleep(poll_s)
+            time.sleep(wait)
     except KeyboardInterrupt:
         err.write(f"trainguard: stopping job {job}\n")
         client.stop_job(job, reason="interrupted by the user (Ctrl-C)")
