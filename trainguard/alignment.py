@@ -13,7 +13,7 @@ first 100): about +0.1 to +0.25 at 10x below the default LR, within +-0.03 at th
 the loss, where the strategies look).
 
 Call ``after_step()`` after ``optimizer.step()`` and before the gradients are cleared; it keeps two
-copies of the parameters (the last ones and the last update). Under DDP the gradients are the
+flat copies of the parameters (the last ones and the last update). Under DDP the gradients are the
 reduced ones, so every rank reports the same value; with sharded parameters (FSDP, TP) it is this
 rank's shard's cosine, an estimate of the whole.
 """
@@ -33,31 +33,53 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class UpdateAlignment:
+    """Keeps the parameters and the last update as one flat vector each, so that a step costs a
+    few whole-vector operations (two concatenations, three dot products, a subtraction) rather than
+    a handful per parameter: per parameter it was ~150 small ops a step for the bench's GPT, a
+    few percent of a CPU step."""
+
     def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
         self.params = [p for p in params if p.requires_grad]
-        self._last: list[torch.Tensor] | None = None
-        self._update: list[torch.Tensor] | None = None
+        self._last: torch.Tensor | None = None
+        self._update: torch.Tensor | None = None
+
+    @staticmethod
+    def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([_local(t.detach()).reshape(-1).float() for t in tensors])
 
     @torch.no_grad()
     def after_step(self) -> float | None:
         """This step's cos(g_t, -u_{t-1}); None for the first two steps or without gradients."""
         cos: float | None = None
         if self._update is not None:
-            sums: list[torch.Tensor] = []
-            for p, u in zip(self.params, self._update, strict=True):
-                if p.grad is not None:
-                    g = _local(p.grad.detach()).float()
-                    sums.append(torch.stack([-(g * u).sum(), g.pow(2).sum(), u.pow(2).sum()]))
-            if sums:
-                dot, gg, uu = torch.stack(sums).sum(0).tolist()  # one device sync for the step
-                denom = math.sqrt(gg * uu)
-                cos = max(-1.0, min(1.0, dot / denom)) if denom > 0 else None
-        if self._last is None:
-            self._last = [_local(p.detach()).float().clone() for p in self.params]
-            return cos
-        if self._update is None:
-            self._update = [torch.empty_like(t) for t in self._last]
-        for p, last, u in zip(self.params, self._last, self._update, strict=True):
-            u.copy_(_local(p.detach())).sub_(last)
-            last.copy_(_local(p.detach()))
+            cos = self._cosine(self._update)
+        current = self._flat(self.params) if self.params else None
+        if current is not None and self._last is not None and current.shape == self._last.shape:
+            self._update = current - self._last
+        else:
+            self._update = None
+        self._last = current
         return cos
+
+    def _cosine(self, update: torch.Tensor) -> float | None:
+        grads = [p.grad for p in self.params]
+        if all(g is not None for g in grads):
+            g = self._flat(g for g in grads if g is not None)
+            if g.shape != update.shape:
+                return None
+            dot, gg, uu = torch.stack([-torch.dot(g, update), torch.dot(g, g), torch.dot(update, update)]).tolist()
+        else:
+            # Parameters without a gradient this step are left out of all three sums.
+            sums: list[torch.Tensor] = []
+            at = 0
+            for p, grad in zip(self.params, grads, strict=True):
+                n = _local(p.detach()).numel()
+                if grad is not None:
+                    gp, up = _local(grad.detach()).reshape(-1).float(), update[at:at + n]
+                    sums.append(torch.stack([-torch.dot(gp, up), torch.dot(gp, gp), torch.dot(up, up)]))
+                at += n
+            if not sums:
+                return None
+            dot, gg, uu = torch.stack(sums).sum(0).tolist()  # one device sync for the step
+        denom = math.sqrt(gg * uu)
+        return max(-1.0, min(1.0, dot / denom)) if denom > 0 else None
