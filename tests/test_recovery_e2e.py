@@ -55,8 +55,10 @@ def test_sigkill_resumes_from_the_killed_step_bit_exact(agent_factory, corpus_ca
     assert selected[-1]["fields"]["fallback"] == {"tier": "memory", "step": 10}
     log = (agent.state_dir / "jobs" / "faulty" / "rank0.log").read_text()
     assert "restored step 12 from a snapshot" in log
-    resumed = [e for e in events_of(client, "job_resumed") if e.get("job") == "faulty"]
-    assert resumed, "no job_resumed event"
+    # Told at the agent's first tick after the new attempt's steps came in, which may be after the
+    # job ended (8 short steps: both can fall between two ticks).
+    resumed = wait_for(lambda: [e for e in events_of(client, "job_resumed") if e.get("job") == "faulty"], 10,
+                       "a job_resumed event")
     # Where the recovery time went, phase by phase, adding up to the whole.
     timeline = resumed[-1]["fields"]["timeline"]
     assert list(timeline) == ["teardown_s", "fork_s", "setup_s", "restore_s", "first_step_s"], timeline

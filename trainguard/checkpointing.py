@@ -237,11 +237,13 @@ class TierWriter:
         dist.broadcast_object_list(box, src=0)
         return tuple(box[0])  # type: ignore[return-value]
 
-    def _stage_among_replicas(self, label: int, layout: int) -> tuple[str | None, str | None, bool]:
+    def _stage_among_replicas(self, label: int, layout: int) -> tuple[str | None, str | None, bool, list[bytes]]:
         """(staging directory or None, error or None, whether every rank's layout hash is
-        ``layout``), agreed in one all-gather of a fixed-size row per rank: its layout hash, and
-        on rank 0 the staging path or the error (a broadcast of the path -- two collectives and a
-        pickle -- and an all-reduce of the hashes were ~2 ms of a ~6 ms save on two loaded cores)."""
+        ``layout``, every rank's RNG states), agreed in one all-gather of a fixed-size row per
+        rank: its layout hash and RNG states, and on rank 0 the staging path or the error (a
+        broadcast of the path -- two collectives and a pickle -- and an all-reduce of the hashes
+        were ~2 ms of a ~6 ms save on two loaded cores; each rank writing its own RNG file and an
+        all-reduce to agree they all could, ~0.8 ms more)."""
         staged, error = self._stage_here(label)
         text = (staged or error or "").encode()  # only rank 0's is read
         if len(text) > _ROW_TEXT:
@@ -251,15 +253,21 @@ class TierWriter:
             text = text[:_ROW_TEXT]
         head = layout.to_bytes(8, "little", signed=True) + bytes([1 if staged is not None else 0])
         head += len(text).to_bytes(2, "little")
-        row = torch.zeros(_ROW_HEAD + _ROW_TEXT, dtype=torch.uint8)
+        rng = _rng_blob()
+        rng = rng if len(rng) <= _ROW_RNG - 4 else b""  # not expected: the RNG file is then left out
+        row = torch.zeros(_ROW_HEAD + _ROW_TEXT + _ROW_RNG, dtype=torch.uint8)
         row[:_ROW_HEAD + len(text)] = torch.frombuffer(bytearray(head + text), dtype=torch.uint8)
+        at = _ROW_HEAD + _ROW_TEXT
+        row[at:at + 4 + len(rng)] = torch.frombuffer(bytearray(len(rng).to_bytes(4, "little") + rng), dtype=torch.uint8)
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, row)
-        layouts = [int.from_bytes(r[:8].numpy().tobytes(), "little", signed=True) for r in rows]
-        first = rows[0].numpy().tobytes()
+        raw = [r.numpy().tobytes() for r in rows]
+        layouts = [int.from_bytes(r[:8], "little", signed=True) for r in raw]
+        rngs = [r[at + 4:at + 4 + int.from_bytes(r[at:at + 4], "little")] for r in raw]
+        first = raw[0]
         told = first[_ROW_HEAD:_ROW_HEAD + int.from_bytes(first[9:11], "little")].decode(errors="replace")
         alone = layout >= 0 and all(v == layout for v in layouts)
-        return (told, None, alone) if first[8] == 1 else (None, told, alone)
+        return (told, None, alone, rngs) if first[8] == 1 else (None, told, alone, rngs)
 
     def save(self, label: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> str | None:
         """Collective save of ``state`` as checkpoint ``label`` (steps done); the checkpoint's path
@@ -271,6 +279,7 @@ class TierWriter:
         world = dist.get_world_size() if self._distributed() else 1
         replicas_possible = world > 1 and not self.env.part  # else there is no second copy to leave out
         early: Mapping[str, Any] | None = None
+        rngs: list[bytes] = []
         if replicas_possible:
             try:
                 early = _resolved(_dcp_state(state))
@@ -280,21 +289,25 @@ class TierWriter:
             # Every rank holds the same keys, shapes and plain tensors (data-parallel replicas):
             # DCP would keep one copy of each anyway, so rank 0 writes it alone, without DCP's
             # dozen collectives (~50 ms on two loaded cores, for any state size).
-            path, error, alone = self._stage_among_replicas(label, layout)
+            path, error, alone, rngs = self._stage_among_replicas(label, layout)
         else:
             path, error = self._staging_path(label)
             alone = world == 1
+            rngs = [_rng_blob()]
         if path is None:
             return self._failed(label, error or "no staging directory")
-        job: SaveJob | None = None
+        final = os.path.join(os.path.dirname(path), step_dirname(label))
+        if alone:
+            failed = self._save_alone(label, path, state, early, world, meta, rngs) if rank == 0 else None
+            if failed is not None:
+                return self._failed(label, failed)
+            if rank != 0:
+                self._saved(label)
+            self.stats.last_stall_s = time.perf_counter() - t0
+            return final
         try:
-            resolved: Mapping[str, Any] = early if early is not None else _dcp_state(state)
-            if alone and not replicas_possible:  # one rank
-                resolved = _resolved(resolved)
-            if alone and rank == 0:
-                job = self._stage_background(label, path, resolved, world, meta)
-            if not alone:
-                dcp.save(resolved, storage_writer=_writer(path), planner=ObjectsFastPlanner())
+            resolved = _dcp_state(state)
+            dcp.save(resolved, storage_writer=_writer(path), planner=ObjectsFastPlanner())
             _write_rng(os.path.join(path, "rng", f"rank{rank}.pt"))
             ok = self._all_ok(True)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a checkpoint that cannot be written must not stop training
@@ -305,20 +318,6 @@ class TierWriter:
         if not ok:
             self._abort(label, path)
             return self._failed(label, error or CKPT_FAILED_ELSEWHERE)
-        final = os.path.join(os.path.dirname(path), step_dirname(label))
-        if alone:
-            # Rank 0 commits alone: the others are done (a failure there is rank 0's to report).
-            if rank == 0 and not self._submit(job):
-                try:
-                    self._write_alone(label, path, resolved, world, meta)
-                except (Exception, CheckpointException) as exc:  # noqa: BLE001 - as above
-                    self._abort(label, path)
-                    return self._failed(label, _describe(exc))
-                self._saved(label)
-            elif rank != 0:
-                self._saved(label)
-            self.stats.last_stall_s = time.perf_counter() - t0
-            return final
         try:
             if rank == 0:
                 _write_meta(path, label, world, meta)
@@ -344,11 +343,32 @@ class TierWriter:
             extra |= {"job": self.env.job, "part": self.env.part, "parts": list(self.env.parts)}
         return extra
 
+    def _save_alone(self, label: int, path: str, state: Mapping[str, Any], early: Mapping[str, Any] | None,
+                    world: int, meta: Mapping[str, Any], rngs: list[bytes]) -> str | None:
+        """Rank 0's part of a checkpoint it writes alone (one rank, or data-parallel replicas): the
+        state handed to the background writer, or written here; the other ranks are done once
+        their RNG states came in the all-gather (a failure is rank 0's to report). The error, or
+        None."""
+        try:
+            tree = early if early is not None else _resolved(_dcp_state(state))
+            job = self._stage_background(label, path, tree, world, meta, rngs)
+            if self._submit(job):
+                return None
+            self._write_alone(label, path, tree, world, meta, rngs)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a checkpoint that cannot be written must not stop training
+            self._abort(label, path)
+            return _describe(exc)
+        self._saved(label)
+        return None
+
     def _write_alone(self, label: int, path: str, tree: Mapping[str, Any], world: int,
-                     meta: Mapping[str, Any]) -> None:
-        """DCP files, meta.json and the commit of a checkpoint one rank writes alone (here, or in
-        the background writer: no collective)."""
+                     meta: Mapping[str, Any], rngs: list[bytes]) -> None:
+        """DCP files, every rank's RNG file, meta.json and the commit of a checkpoint one rank
+        writes alone (here, or in the background writer: no collective)."""
         dcp.save(tree, storage_writer=_writer(path), planner=ObjectsFastPlanner(), no_dist=True)
+        for rank, blob in enumerate(rngs):
+            if blob:
+                _write_rng(os.path.join(path, "rng", f"rank{rank}.pt"), _rng_states(blob))
         _write_meta(path, label, world, meta)
         assert self._tier is not None
         self._tier.commit(self.tier_job, label, self._commit_extra(world), staged=path, prune=False)
@@ -356,12 +376,13 @@ class TierWriter:
     def _write_job(self, job: SaveJob, tree: Any) -> None:
         """What the background writer runs for each save (in its own process)."""
         try:
-            self._write_alone(job.label, job.staging, tree, job.context["world"], job.context["meta"])
+            self._write_alone(job.label, job.staging, tree, job.context["world"], job.context["meta"],
+                              job.context["rngs"])
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - told back to the rank in one line
             raise WriteFailed(_describe(exc)) from None
 
     def _stage_background(self, label: int, path: str, tree: Mapping[str, Any], world: int,
-                          meta: Mapping[str, Any]) -> SaveJob | None:
+                          meta: Mapping[str, Any], rngs: list[bytes]) -> SaveJob | None:
         """The state copied into the background writer's buffer; None: write it here instead."""
         if not self.background:
             return None
@@ -374,7 +395,7 @@ class TierWriter:
                     return None
                 self._writer_starts += 1
                 self._saver = SaveWriter(self._write_job)
-            return self._saver.stage(label, path, dict(tree), {"world": world, "meta": dict(meta)})
+            return self._saver.stage(label, path, dict(tree), {"world": world, "meta": dict(meta), "rngs": rngs})
         except (SaveWriterError, OSError) as exc:
             self._note(f"writing the checkpoint of step {label} in the training process: {exc}")
             return None
@@ -452,6 +473,7 @@ class TierWriter:
 
 _ROW_HEAD = 11  # layout hash (8 bytes), staged or not (1), text length (2)
 _ROW_TEXT = 4085
+_ROW_RNG = 8192  # the rank's RNG states: their length (4 bytes) and ``_rng_blob`` (CPU ~5 KB, CUDA 16 bytes)
 
 
 def _writer(path: str) -> dcp.FileSystemWriter:
@@ -460,12 +482,26 @@ def _writer(path: str) -> dcp.FileSystemWriter:
     return writer
 
 
-def _write_rng(path: str) -> None:
-    """This rank's RNG state, pickled in memory first: torch.save straight into a full filesystem
-    fails with a zip writer's "unexpected pos" instead of the OSError that says why."""
+def _rng_blob() -> bytes:
+    """This rank's RNG states as bytes: the CPU generator's, then CUDA's (absent when unused)."""
+    cpu = torch.get_rng_state().numpy().tobytes()
+    cuda = torch.cuda.get_rng_state().numpy().tobytes() if torch.cuda.is_initialized() else b""
+    return len(cpu).to_bytes(4, "little") + cpu + cuda
+
+
+def _rng_states(blob: bytes) -> dict[str, torch.Tensor | None]:
+    """``_rng_blob``'s states as ``load`` restores them."""
+    n = int.from_bytes(blob[:4], "little")
+    cpu, cuda = blob[4:4 + n], blob[4 + n:]
+    return {"torch": torch.frombuffer(bytearray(cpu), dtype=torch.uint8),
+            "cuda": torch.frombuffer(bytearray(cuda), dtype=torch.uint8) if cuda else None}
+
+
+def _write_rng(path: str, states: dict[str, torch.Tensor | None] | None = None) -> None:
+    """RNG states (this rank's by default), pickled in memory first: torch.save straight into a
+    full filesystem fails with a zip writer's "unexpected pos" instead of the OSError that says why."""
     raw = io.BytesIO()
-    torch.save({"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}, raw)
+    torch.save(states if states is not None else _rng_states(_rng_blob()), raw)
     with open(path, "wb") as fh:
         fh.write(raw.getbuffer())
 

@@ -273,15 +273,16 @@ class RecoveryService:
             job = record.job
             if record.state != JobState.RUNNING or job in self._busy:
                 if record.state.finished:
+                    if job in self._failure_at and job not in self._busy:
+                        # An attempt that resumed and ended between two ticks still resumed (told
+                        # at the first tick after the end: the ranks' last telemetry is in by then).
+                        self._note_recovered(job, record, self._attempt_ranks(record, snapshot), now)
                     self._finish(job)
                 continue
             if self._attempt_seen.get(job) != record.attempt:
                 self._attempt_seen[job] = record.attempt
                 self.hangs.reset(job, now)
-            ranks = snapshot.jobs.get(job, {})
-            pids = {r.pid for r in record.ranks}
-            attempt_ranks = [v for v in ranks.values()
-                             if v.pid in pids or (record.spec.is_command and descends_from(v.pid, pids))]
+            attempt_ranks = self._attempt_ranks(record, snapshot)
             max_step = max((v.step for v in attempt_ranks), default=-1)
             self._note_recovered(job, record, attempt_ranks, now)
             self._note_save_failures(job, attempt_ranks, now)
@@ -297,6 +298,13 @@ class RecoveryService:
                 finding = self.losses.observe(job, [(t.step, t.loss) for t in window if t.pid == lead.pid and t.has_loss])
             if finding is not None:
                 self._handle(record, finding)
+
+    @staticmethod
+    def _attempt_ranks(record: JobRecord, snapshot: Any) -> list[Any]:
+        """The rank views of the job's current attempt (a user's command: its processes' too)."""
+        pids = {r.pid for r in record.ranks}
+        return [v for v in snapshot.jobs.get(record.job, {}).values()
+                if v.pid in pids or (record.spec.is_command and descends_from(v.pid, pids))]
 
     def _command_hang(self, record: JobRecord, max_step: int, median_step_s: float | None,
                       now: float) -> Finding | None:
@@ -353,6 +361,7 @@ class RecoveryService:
         self.detections[key] = self.detections.get(key, 0) + 1
 
     def _finish(self, job: str) -> None:
+        self._failure_at.pop(job, None)  # a job submitted again under this name starts with no failure
         restored = self._restored.pop(job, None)
         if restored is not None:
             restored.release()
