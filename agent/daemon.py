@@ -424,12 +424,14 @@ class Agent:
 
     def _forget_finished(self, now: float) -> None:
         """Finished jobs leave status and /metrics after agent.job_retention_s (their events stay)."""
-        for job in self.supervisor.forget_finished(self.cfg.agent.job_retention_s, now):
+        def clear(job: str) -> None:  # before the job leaves the status: then /metrics has none of it either
             self.table.forget_job(job)
             self.plans.forget(job)
             self.controller.forget(job)
             self.supervisor.launcher.forget(job)
             self._oom_seen.pop(job, None)
+
+        for job in self.supervisor.forget_finished(self.cfg.agent.job_retention_s, now, before=clear):
             self.events.emit("job_forgotten", f"job {job} ended more than {self.cfg.agent.job_retention_s:g}s ago: "
                              "removed from status and metrics", job=job)
 

@@ -334,16 +334,28 @@ class Supervisor:
             if not self.jobs[job].state.finished:
                 self.stop(job, reason)
 
-    def forget_finished(self, older_than_s: float, now: float | None = None) -> list[str]:
-        """Drop jobs that ended more than ``older_than_s`` ago; returns their ids."""
+    def forget_finished(self, older_than_s: float, now: float | None = None,
+                        before: Callable[[str], None] | None = None) -> list[str]:
+        """Drop jobs that ended more than ``older_than_s`` ago; returns their ids. ``before(job)``
+        runs first for each (outside the lock), so that whatever else tells of the job (its
+        metrics) is gone by the time the job leaves the status."""
         now = time.time() if now is None else now
         with self._lock:
-            gone = [j for j, r in self.jobs.items()
-                    if r.state.finished and r.finished_at is not None and now - r.finished_at >= older_than_s]
-            for job in gone:
+            due = {j: r.finished_at for j, r in self.jobs.items()
+                   if r.state.finished and r.finished_at is not None and now - r.finished_at >= older_than_s}
+        if before is not None:
+            for job in due:
+                before(job)
+        gone = []
+        with self._lock:
+            for job, finished_at in due.items():
+                record = self.jobs.get(job)
+                if record is None or not record.state.finished or record.finished_at != finished_at:
+                    continue  # submitted again meanwhile
                 del self.jobs[job]
                 if self.records is not None:
                     self.records.forget(job)
+                gone.append(job)
         return gone
 
     def note_progress(self, job: str, step: int) -> None:
