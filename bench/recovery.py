@@ -417,8 +417,8 @@ def main() -> int:
     else:
         # A kill every ~30 s of training (issue #17's effective-time goal), whatever this machine's
         # step time is today (it has measured 20-70 ms for the same job): the steps between kills
-        # from a short plain torchrun run's median step.
-        calib = run_torchrun("torchrun-pace", nproc, job(120), [], disk_every, work)
+        # from a short plain torchrun run's median step (400 steps: the first ~100 run slower).
+        calib = run_torchrun("torchrun-pace", nproc, job(400), [], disk_every, work)
         step_s = calib.median_step_s if calib.ok and calib.median_step_s > 0 else 0.04
         steps = n_kills * max(200, round(args.kill_every_s / step_s))
         pace = f", a kill every ~{args.kill_every_s:g} s of {step_s * 1000:.1f} ms steps"
