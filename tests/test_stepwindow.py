@@ -56,6 +56,34 @@ def _wait_for(cap: TelemetryCapture, samples: int) -> list[Telemetry]:
     return list(cap.messages)
 
 
+def test_a_slow_step_does_not_cut_a_window_off_its_multiples(tmp_path: Path) -> None:
+    """A slower step shortens the window; the one in progress still ends at a multiple of a power
+    of two (where the other ranks' windows end too), not at once where it stood."""
+    sock = str(tmp_path / "t.sock")
+    cap = TelemetryCapture(sock)
+    slow_took = 0.0
+    try:
+        run = trainguard.init(environ={"TRAINGUARD_SOCKET": sock, "TRAINGUARD_JOB": "j"})
+        _fast_steps(run, range(0, 100), 4)
+        with run.step(100, samples=4, tokens=40) as s:
+            t0 = time.perf_counter()
+            time.sleep(0.001)  # 32 of these fit the link's 50 ms, not 64: the window shrinks
+            slow_took = time.perf_counter() - t0
+            s.report(loss=100.0)
+        _fast_steps(run, range(101, 200), 4)
+        run.close()
+        msgs = _wait_for(cap, 4 * 200)
+    finally:
+        cap.close()
+    assert sum(m.steps for m in msgs) == 200 and msgs[-1].step == 200
+    holding = next(m for m in msgs if m.step - m.steps <= 100 < m.step)
+    assert holding.steps > 1, holding  # the slow step went with the window it fell in
+    for m in msgs[:-1]:
+        aligned = m.step % (1 << (m.steps - 1).bit_length()) == 0
+        # (A sleep stretched past half the flush interval by a loaded machine is a step sent alone.)
+        assert aligned or (m is holding and slow_took >= 0.025), (m.step, m.steps, slow_took)
+
+
 def test_fast_steps_are_gathered_and_nothing_is_lost(tmp_path: Path) -> None:
     sock, plan_path = str(tmp_path / "t.sock"), str(tmp_path / "plan.json")
     cap = TelemetryCapture(sock)

@@ -360,8 +360,11 @@ class Run:
         # Sent at once: the start-up timeline (the recovery clock stops at the first step), a failed
         # save (its alert), a loss gone bad; other steps wait for the window's end.
         urgent = self._timeline_sends > 0 or self._failed_save is not None or window.bad_loss is not None
-        k = self._window_steps
-        if urgent or (step.step + 1) % k == 0 or window.steps >= k:
+        # Only where the step count is a multiple of the window's length, also when a slow step just
+        # shortened it: a window cut at once where it stood ended off the multiples that the other
+        # ranks' windows end at (the agent compares ranks at those steps), and the next multiple of
+        # the shorter length comes within it, so no window outgrows the longer one it started as.
+        if urgent or (step.step + 1) % self._window_steps == 0:
             self._flush_window()
 
     def _flush_at_exit(self) -> None:
