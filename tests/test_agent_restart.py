@@ -117,7 +117,9 @@ def test_records_name_a_rank_by_pid_and_start_time_and_survive_bad_files(tmp_pat
 @pytest.mark.slow
 def test_an_adopted_rank_that_dies_is_seen_and_the_job_restarted(agent_factory: Any, tmp_path: Path) -> None:
     job = "adoptcrash"
-    first, pids = _running_job(agent_factory, str(tmp_path / "corpus"), job, steps=120)
+    # Long enough to be still running when the second agent is up to adopt it: 120 steps of the
+    # tiny model were over before that once, on a loaded machine (no job_adopted event then).
+    first, pids = _running_job(agent_factory, str(tmp_path / "corpus"), job, steps=300)
     _kill_agent(first)
     second = agent_factory(config=CONFIG)
     client = second.client()
