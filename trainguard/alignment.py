@@ -32,6 +32,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def _terms(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """-g.u, g.g and u.u of two flat vectors, the sums the cosine is made of."""
+    return torch.stack([-torch.dot(g, u), torch.dot(g, g), torch.dot(u, u)])
+
+
 class UpdateAlignment:
     """Keeps the parameters and the last update as one flat vector each, so that a step costs a
     few whole-vector operations (two concatenations, three dot products, a subtraction) rather than
@@ -67,7 +72,7 @@ class UpdateAlignment:
             g = self._flat(g for g in grads if g is not None)
             if g.shape != update.shape:
                 return None
-            dot, gg, uu = torch.stack([-torch.dot(g, update), torch.dot(g, g), torch.dot(update, update)]).tolist()
+            dot, gg, uu = _terms(g, update).tolist()
         else:
             # Parameters without a gradient this step are left out of all three sums.
             sums: list[torch.Tensor] = []
@@ -75,8 +80,7 @@ class UpdateAlignment:
             for p, grad in zip(self.params, grads, strict=True):
                 n = _local(p.detach()).numel()
                 if grad is not None:
-                    gp, up = _local(grad.detach()).reshape(-1).float(), update[at:at + n]
-                    sums.append(torch.stack([-torch.dot(gp, up), torch.dot(gp, gp), torch.dot(up, up)]))
+                    sums.append(_terms(_local(grad.detach()).reshape(-1).float(), update[at:at + n]))
                 at += n
             if not sums:
                 return None

@@ -59,6 +59,7 @@ from trainguard.agent.checkpoint.tier import step_dirname
 from trainguard.agent.wire import CKPT_FAILED_ELSEWHERE, part_key
 from trainguard.environment import RunEnvironment
 from trainguard.savewriter import SaveJob, SaveResult, SaveWriter, SaveWriterError, WriteFailed
+from trainguard.snapshot import rng_states, set_rng_states
 
 META = "meta.json"
 SAVE_WAIT_S = 120.0
@@ -279,7 +280,6 @@ class TierWriter:
         world = dist.get_world_size() if self._distributed() else 1
         replicas_possible = world > 1 and not self.env.part  # else there is no second copy to leave out
         early: Mapping[str, Any] | None = None
-        rngs: list[bytes] = []
         if replicas_possible:
             try:
                 early = _resolved(_dcp_state(state))
@@ -484,8 +484,9 @@ def _writer(path: str) -> dcp.FileSystemWriter:
 
 def _rng_blob() -> bytes:
     """This rank's RNG states as bytes: the CPU generator's, then CUDA's (absent when unused)."""
-    cpu = torch.get_rng_state().numpy().tobytes()
-    cuda = torch.cuda.get_rng_state().numpy().tobytes() if torch.cuda.is_initialized() else b""
+    states = rng_states()
+    cpu = states["torch"].numpy().tobytes()
+    cuda = states["cuda"].numpy().tobytes() if states["cuda"] is not None else b""
     return len(cpu).to_bytes(4, "little") + cpu + cuda
 
 
@@ -497,11 +498,11 @@ def _rng_states(blob: bytes) -> dict[str, torch.Tensor | None]:
             "cuda": torch.frombuffer(bytearray(cuda), dtype=torch.uint8) if cuda else None}
 
 
-def _write_rng(path: str, states: dict[str, torch.Tensor | None] | None = None) -> None:
+def _write_rng(path: str, states: Mapping[str, Any] | None = None) -> None:
     """RNG states (this rank's by default), pickled in memory first: torch.save straight into a
     full filesystem fails with a zip writer's "unexpected pos" instead of the OSError that says why."""
     raw = io.BytesIO()
-    torch.save(states if states is not None else _rng_states(_rng_blob()), raw)
+    torch.save(states if states is not None else rng_states(), raw)
     with open(path, "wb") as fh:
         fh.write(raw.getbuffer())
 
@@ -524,9 +525,7 @@ def save_dir(path: str, state: Mapping[str, Any], meta: Mapping[str, Any]) -> st
     if distributed:
         dist.barrier()
     dcp.save(_dcp_state(state), checkpoint_id=tmp)
-    torch.save({"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None},
-               os.path.join(tmp, "rng", f"rank{rank}.pt"))
+    _write_rng(os.path.join(tmp, "rng", f"rank{rank}.pt"))
     if distributed:
         dist.barrier()
     if rank == 0:
@@ -556,10 +555,7 @@ def load(path: str, state: MutableMapping[str, Any] | Mapping[str, Any], *, rank
                 state[key] = value
     rng_file = os.path.join(path, "rng", f"rank{rank}.pt")
     if os.path.exists(rng_file):
-        rng = torch.load(rng_file, weights_only=True)  # never unpickle arbitrary objects
-        torch.set_rng_state(rng["torch"])
-        if rng.get("cuda") is not None and torch.cuda.is_initialized():
-            torch.cuda.set_rng_state(rng["cuda"])
+        set_rng_states(torch.load(rng_file, weights_only=True))  # never unpickle arbitrary objects
     return meta
 
 

@@ -154,9 +154,17 @@ def _pickle_stripped(value: Any, tensors: list[torch.Tensor]) -> bytes:
     return out.getvalue()
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_states() -> dict[str, Any]:
+    """This process's RNG states, as snapshots and checkpoints keep them."""
     return {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
+
+
+def set_rng_states(rng: Mapping[str, Any]) -> None:
+    """Put back what ``rng_states`` gave (CUDA's only where CUDA is in use)."""
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(rng["cuda"])
 
 
 def _ref(tensor: torch.Tensor, tensors: list[torch.Tensor]) -> TensorRef:
@@ -427,7 +435,7 @@ class SnapshotWriter:
         plan = self._plan
         tensors = list(plan.tensors)
         try:
-            dynamic = _pickle_stripped({"dynamic": plan.dynamic(view), "rng": _rng_state(), "meta": dict(meta)},
+            dynamic = _pickle_stripped({"dynamic": plan.dynamic(view), "rng": rng_states(), "meta": dict(meta)},
                                        tensors)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             self._plan = None

@@ -26,6 +26,7 @@ from trainguard.snapshot import (
     TensorSpec,
     loads_skeleton,
     map_leaves,
+    set_rng_states,
     skeleton_parts,
     snapshot_view,
     spec_nbytes,
@@ -183,9 +184,6 @@ def load_snapshot(directory: str, rank: int, world_size: int, step: int, state: 
                 raise SnapshotError(f"{key}: {exc}") from exc
         elif isinstance(state, MutableMapping) and key in state:
             state[key] = loaded
-    rng = tree["rng"]
-    torch.set_rng_state(rng["torch"])
-    if rng.get("cuda") is not None and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state(rng["cuda"])
+    set_rng_states(tree["rng"])
     meta: dict[str, Any] = dict(per_step["meta"])
     return meta
