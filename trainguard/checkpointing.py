@@ -57,6 +57,7 @@ from trainguard.agent.checkpoint.errors import CheckpointError
 from trainguard.agent.checkpoint.memory import MemoryTier, open_for_overwrite
 from trainguard.agent.checkpoint.tier import step_dirname
 from trainguard.agent.wire import CKPT_FAILED_ELSEWHERE, part_key
+from trainguard.dcpreplay import ReplaySaver, object_bytes
 from trainguard.environment import RunEnvironment
 from trainguard.savewriter import SaveJob, SaveResult, SaveWriter, SaveWriterError, WriteFailed
 from trainguard.snapshot import rng_states, set_rng_states
@@ -85,15 +86,14 @@ class ReuseFileSystem(FileSystem):
 
 class ObjectsFastPlanner(DefaultSavePlanner):
     """DCP's default save planner, but each plain value (every flattened optimizer hyperparameter is
-    one: 1,300 of a 1,800-item state) is pickled in torch's legacy format: 23 us against 112 us for
-    the zip format for a float, and ``torch.load`` (DCP's loader) reads either."""
+    one: 1,300 of a 1,800-item state) is written in torch's legacy format (``dcpreplay.object_bytes``:
+    0.4 us for a float, against 112 us for ``torch.save``'s zip format); ``torch.load``, DCP's
+    loader, reads either."""
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
         if write_item.type != WriteItemType.BYTE_IO:
             return object
-        raw = io.BytesIO()
-        torch.save(object, raw, _use_new_zipfile_serialization=False)
-        return raw
+        return io.BytesIO(object_bytes(object))
 
 
 class _ModuleState(Stateful):
@@ -200,6 +200,7 @@ class TierWriter:
         self._writer_starts = 0
         self.failed_in_background: list[tuple[int, str]] = []
         self._notes: set[str] = set()
+        self._replay = ReplaySaver()  # the background writer's copy keeps its template from save to save
 
     @property
     def tier_job(self) -> str:
@@ -365,7 +366,7 @@ class TierWriter:
                      meta: Mapping[str, Any], rngs: list[bytes]) -> None:
         """DCP files, every rank's RNG file, meta.json and the commit of a checkpoint one rank
         writes alone (here, or in the background writer: no collective)."""
-        dcp.save(tree, storage_writer=_writer(path), planner=ObjectsFastPlanner(), no_dist=True)
+        self._replay.save(path, tree, _save_alone_dcp)
         for rank, blob in enumerate(rngs):
             if blob:
                 _write_rng(os.path.join(path, "rng", f"rank{rank}.pt"), _rng_states(blob))
@@ -474,6 +475,10 @@ class TierWriter:
 _ROW_HEAD = 11  # layout hash (8 bytes), staged or not (1), text length (2)
 _ROW_TEXT = 4085
 _ROW_RNG = 8192  # the rank's RNG states: their length (4 bytes) and ``_rng_blob`` (CPU ~5 KB, CUDA 16 bytes)
+
+
+def _save_alone_dcp(path: str, tree: Mapping[str, Any]) -> None:
+    dcp.save(dict(tree), storage_writer=_writer(path), planner=ObjectsFastPlanner(), no_dist=True)
 
 
 def _writer(path: str) -> dcp.FileSystemWriter:
