@@ -148,9 +148,9 @@ def failure_after(rows: list[dict[str, Any]], kill_ts: float, restored: int | No
 
 
 def analyse(name: str, rows: list[dict[str, Any]], ckpt_every: int, recovered: dict[int, Failure] | None = None) -> RunResult:
-    """Failures are where the step sequence goes back (a restore) or restarts at 1, and those in
-    ``recovered`` (row index of the first row after a recovery -> its failure, for recoveries that
-    continue the step sequence); the time between two consecutive steps beyond the step itself is
+    """Failures are where the step sequence goes back (a restore) or restarts at 1 or the rows'
+    attempt changes, and those in ``recovered`` (row index of the first row after a recovery -> its
+    failure, for recoveries that continue the step sequence); the time between two consecutive steps beyond the step itself is
     overhead (a checkpoint's stall at the ``ckpt_every`` steps), never a recovery's."""
     res = RunResult(name)
     if not rows:
@@ -165,7 +165,9 @@ def analyse(name: str, rows: list[dict[str, Any]], ckpt_every: int, recovered: d
         if i in recovered:
             res.failures.append(recovered[i])
             continue
-        if row["step"] <= prev["step"]:
+        # A restart shows as the step count going back, or (a kill right after a checkpoint) only
+        # as a new attempt carrying on from the killed step.
+        if row["step"] <= prev["step"] or row.get("attempt", 0) != prev.get("attempt", 0):
             res.failures.append(Failure(prev["step"], prev["time"], row["time"], row["step"] - 1))
             continue
         if row["step"] != prev["step"] + 1:

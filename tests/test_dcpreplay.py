@@ -1,4 +1,5 @@
-"""Saves replayed from a DCP template (trainguard.dcpreplay) read back exactly as dcp.save's own."""
+"""Saves replayed from a DCP template (trainguard.dcpreplay) read back exactly as dcp.save's own; the
+state a save resolves is what DCP's own getters give."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from trainguard.checkpointing import TierWriter, _dcp_state, _resolved, _save_alone_dcp, load
+from trainguard.checkpointing import _OPTIM_OPTS, TierWriter, _dcp_state, _resolved, _save_alone_dcp, load
 from trainguard.dcpreplay import ReplaySaver, object_bytes
 from trainguard.environment import RunEnvironment
 
@@ -146,3 +148,17 @@ def test_tier_writer_saves_replay_and_load_restores_the_state(tmp_path: Any) -> 
     meta = load(str(paths[-1]), fresh, rank=0)
     assert meta["step"] == 3 and fresh["step"] == 3
     assert _flat_equal(_tree(fresh), _tree(state))
+
+
+def test_one_model_and_its_optimizer_resolve_as_dcps_two_getters_give_them() -> None:
+    state = _state()
+    tree = _tree(state)
+    model_sd = get_model_state_dict(state["model"])
+    optim_sd = get_optimizer_state_dict(state["model"], state["optim"], options=_OPTIM_OPTS)
+    assert _flat_equal(tree["model"], model_sd) and list(tree["model"]) == list(model_sd)
+    assert _flat_equal(tree["optim"], optim_sd) and list(tree["optim"]) == list(optim_sd)
+    assert tree["step"] == 3 and tree["name"] == "run-a"
+    # Two models: each goes through its own getter.
+    two = {"a": nn.Linear(2, 2), "b": nn.Linear(2, 3)}
+    resolved = _tree(two)
+    assert _flat_equal(resolved["b"], get_model_state_dict(two["b"]))

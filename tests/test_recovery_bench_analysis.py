@@ -43,3 +43,14 @@ def test_a_restore_to_an_earlier_step_is_found_from_the_steps() -> None:
     all_rows = rows(range(1, 41), 1000.0) + rows(range(33, 60), 1010.0)
     res = recovery.analyse("x", all_rows, 0)
     assert [(f.kill_step, f.restored_step, f.steps_lost) for f in res.failures] == [(40, 32, 8)]
+
+
+def test_a_restart_right_after_a_checkpoint_is_found_from_the_attempt() -> None:
+    """A kill just after a checkpoint step: the new attempt carries on from the killed step, so only
+    the rows' attempt tells the restart (the quick run's iso interval once fell on a kill step)."""
+    before = [dict(r, attempt=0) for r in rows(range(1, 41), 1000.0)]
+    after = [dict(r, attempt=1) for r in rows(range(41, 60), 1005.0)]
+    res = recovery.analyse("x", before + after, 40)
+    assert [(f.kill_step, f.restored_step, f.steps_lost) for f in res.failures] == [(40, 40, 0)]
+    assert math.isclose(res.failures[0].resume_s, after[0]["time"] - before[-1]["time"])
+    assert res.overhead < 0.1  # the restart's 5 s are not a checkpoint's stall

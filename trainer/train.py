@@ -425,6 +425,8 @@ class Trainer:
             if r.val_loss is not None:
                 row["val_loss"] = r.val_loss
             handle = self.run_handle
+            if handle is not None:
+                row["attempt"] = handle.restart_count  # a restart that lost no step shows here only
             snap = handle.snapshot_stats if handle is not None else None
             if handle is not None and snap is not None:  # the previous step's (this step's comes after the row)
                 row["snapshot_s"] = round(snap.last_stall_s, 6)
