@@ -362,10 +362,14 @@ steps = []
 for _ in range(6):
     t0 = time.perf_counter(); t.train_step(); steps.append(time.perf_counter() - t0)
 state, meta = t.checkpoint_state(), t.run_handle.checkpoint_meta()
-w = SnapshotWriter(tempfile.mkdtemp(dir="/dev/shm"), 0, 1, 0)
+# Its slots are two copies of the state in shared memory (600 MB for the large one): removed after.
+slots = tempfile.TemporaryDirectory(dir="/dev/shm")
+w = SnapshotWriter(slots.name, 0, 1, 0)
 w.take(1, state, meta)
 takes = [w.take(i, state, meta) for i in range(2, 22)]
 n = w.stats.state_bytes
+w.close()
+slots.cleanup()
 src = torch.ones(n, dtype=torch.uint8); dst = torch.empty_like(src); dst.copy_(src)
 copies = []
 for _ in range(10):
