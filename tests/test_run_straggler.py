@@ -72,19 +72,23 @@ def test_api_script_straggler_found_with_its_cause_and_migrated(agent_factory: A
         hogs = [start_cpu_hog(1) for _ in range(2)]
         for p in hogs:
             groups[1].add(p.pid)
-        found = wait_for(lambda: events(agent, job, "straggler_detected"), 90, "the straggler")
-        assert found[0]["rank"] == 1, found[0]
+        # Rank 1's verdict: the suite's other worker shares rank 0's core too, and once slowed
+        # rank 0 enough for a verdict of its own (cause unknown, rightly) before rank 1's came.
+        found = wait_for(lambda: [e for e in events(agent, job, "straggler_detected") if e["rank"] == 1], 90,
+                         "the straggler")
         cause = found[0]["cause"]
         if cause == "unknown":
             # Detected on its first slow steps, before the run delay caught up (CI saw it once):
             # the agent names the cause with the next ticks' evidence.
-            named = wait_for(lambda: events(agent, job, "straggler_cause"), 30, "the straggler's cause named")
-            assert named[0]["rank"] == 1, named[0]
+            named = wait_for(lambda: [e for e in events(agent, job, "straggler_cause") if e["rank"] == 1], 30,
+                             "the straggler's cause named")
             cause = named[0]["cause"]
         assert cause == "cpu_contention", found[0]["fields"]
-        moved = wait_for(lambda: events(agent, job, "shard_migration"), 60, "a shard migration")
+        moved = wait_for(lambda: [e for e in events(agent, job, "shard_migration")
+                                  if e["fields"]["batch_sizes"][1] < e["fields"]["batch_sizes"][0]], 60,
+                         "samples moved off rank 1")
         sizes = moved[0]["fields"]["batch_sizes"]
-        assert sizes[1] < sizes[0] and sum(sizes) == 96, sizes
+        assert sum(sizes) == 96, sizes
         # The script applies the plan: rank 1 now reports fewer samples per step than rank 0.
         wait_for(lambda: (r := _ranks(agent, job)) and r[1]["telemetry"]["batch_size"] < r[0]["telemetry"]["batch_size"],
                  60, "the smaller batch in rank 1's telemetry")
