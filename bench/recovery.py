@@ -150,8 +150,9 @@ def failure_after(rows: list[dict[str, Any]], kill_ts: float, restored: int | No
 def analyse(name: str, rows: list[dict[str, Any]], ckpt_every: int, recovered: dict[int, Failure] | None = None) -> RunResult:
     """Failures are where the step sequence goes back (a restore) or restarts at 1 or the rows'
     attempt changes, and those in ``recovered`` (row index of the first row after a recovery -> its
-    failure, for recoveries that continue the step sequence); the time between two consecutive steps beyond the step itself is
-    overhead (a checkpoint's stall at the ``ckpt_every`` steps), never a recovery's."""
+    failure, for recoveries that continue the step sequence); the time between two consecutive
+    steps beyond the step itself is overhead (a checkpoint's stall at the ``ckpt_every`` steps),
+    never a recovery's."""
     res = RunResult(name)
     if not rows:
         res.ok, res.note = False, "no step rows"

@@ -172,12 +172,10 @@ class ReplaySaver:
         offset = 0
         with open_for_overwrite(os.path.join(path, template.data_name)) as fh:
             for key, head, data in items:
-                length = 0
                 if head is not None:
                     fh.write(head)
-                    length = len(head)
                 fh.write(data)
-                length += data.nbytes if hasattr(data, "nbytes") else len(data)
+                length = len(head or b"") + memoryview(data).nbytes  # bytes, or a tensor's numpy view
                 table[key] = _StorageInfo(template.data_name, offset, length)
                 offset += length
         metadata = dataclasses.replace(template.metadata, storage_data=table,
