@@ -23,6 +23,7 @@ import trainguard
 from trainguard.agent.checkpoint.memory import MemoryTier
 from trainguard.agent.checkpoint.snapshots import SnapshotSet, snapshot_dir
 from trainguard.agent.wire import Plan, write_plan_file
+from trainguard.plansync import MAX_GAP, SYNC_TARGET_S
 from trainguard.trainer.testing import TelemetryCapture
 
 
@@ -142,17 +143,20 @@ def _plan_job(tmp_path: Path, steps: int, write_at: int, step_sleep: float) -> t
 def test_every_rank_applies_a_plan_at_the_same_step(tmp_path: Path) -> None:
     versions, _ = _plan_job(tmp_path, 40, 7, 0.03)
     first = versions.index(9)
-    # Written during step 7; steps of 30 ms or more keep sync points every 4 steps: rank 0 sees it at
-    # the one after step 8 and every rank takes it at the next (after step 12), within 2 x 4 steps.
-    assert 8 <= first <= 7 + 2 * 4
+    # Written during step 7; steps of 30 ms or more have a sync point at least every
+    # ceil(SYNC_TARGET_S / 0.03) steps: rank 0 sees it at the first one after step 7 and every rank
+    # takes it at the next, within two gaps.
+    assert 8 <= first <= 7 + 2 * max(4, math.ceil(SYNC_TARGET_S / 0.03))
 
 
 def test_short_steps_sync_less_often_and_still_agree(tmp_path: Path) -> None:
-    """Steps of ~2 ms: rank 0 widens the gaps between sync points (about one per 0.1 s, not one per
-    4 steps), and every rank still switches to a new plan at the same step."""
-    versions, points = _plan_job(tmp_path, 400, 100, 0.0)
+    """Steps of ~1 ms: rank 0 widens the gaps between sync points (about one per SYNC_TARGET_S, at
+    most MAX_GAP steps apart, not one per 4 steps), and every rank still switches to a new plan at
+    the same step."""
+    steps = 5 * MAX_GAP  # the plan arrives within two gaps of its writing, whatever the step time
+    versions, points = _plan_job(tmp_path, steps, 100, 0.0)
     assert versions.index(9) > 100
-    assert points[0] == points[1] and points[0] < 400 // 4 // 2, points  # fewer than half the fixed schedule's
+    assert points[0] == points[1] and points[0] < steps // 4 // 2, points  # fewer than half the fixed schedule's
 
 
 def _uneven(rank: int, nproc: int, port: int, plan_path: str, out: str) -> None:

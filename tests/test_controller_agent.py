@@ -35,7 +35,7 @@ from trainguard.trainer.config import config_from_cli
 from trainguard.trainer.data import build_corpus
 
 JOB = "ctl-real"
-STEPS = 160
+STEPS = 320  # a plan reaches ~3 ms steps ~0.6 s (~200 steps) after the decision (plansync)
 
 
 class TooHotOnce:

@@ -24,9 +24,12 @@ from trainguard.agent.wire import (
     read_plan_file,
 )
 
-FLUSH_S = 0.05
-"""Seconds between two telemetry sends while steps are shorter than that (the steps between wait
-for the next send)."""
+FLUSH_S = 0.25
+"""Seconds between two telemetry datagrams (messages in between wait for the next one). A quarter
+of the agent's 1 s detection interval, so its detectors see every rank's steps at most that late.
+Each datagram wakes the agent, which on a node whose cores the ranks fill then takes a rank's core
+to decode it: one per 33 ms step cost a 4-rank job on 2 cores ~0.5 ms a step on each rank (~1.5 %
+of its training time, bench/recovery.py's job)."""
 
 
 @dataclass
@@ -39,9 +42,9 @@ class TelemetrySender:
     """Fire-and-forget datagrams to the agent's telemetry socket.
 
     Messages are gathered and sent together, one per line, once ``flush_s`` has passed since the
-    last send (or the datagram would grow too large): a step of 4 ms would otherwise cost a
+    last send (or the datagram would grow too large): each message would otherwise cost a
     datagram, a wake-up of the agent and, on a node with few cores, the agent's turn on this rank's
-    CPU, every step. A step longer than ``flush_s`` is sent at once, as is anything ``urgent``; what
+    CPU. A step longer than ``flush_s`` is sent at once, as is anything ``urgent``; what
     is gathered goes at ``flush``/``close`` (and at exit). With no socket configured, or no agent
     listening, messages are dropped and counted.
     """

@@ -29,7 +29,7 @@ from typing import Any
 from trainguard.agent.wire import Plan, Telemetry
 from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.link import PlanWatcher, TelemetrySender
-from trainguard.stepwindow import StepWindow, window_steps
+from trainguard.stepwindow import WINDOW_S, StepWindow, window_steps
 
 PHASES = ("data", "compute", "comm", "optim")
 
@@ -355,24 +355,24 @@ class Run:
         self._last_samples = step.samples
         self._step_s_avg = step_s if self._step_s_avg <= 0 else 0.8 * self._step_s_avg + 0.2 * step_s
         # A long step shortens the window at once; short ones lengthen it as the average follows.
-        flush_s = self.telemetry.flush_s
-        self._window_steps = min(window_steps(self._step_s_avg, flush_s), window_steps(step_s, flush_s))
+        self._window_steps = min(window_steps(self._step_s_avg, WINDOW_S), window_steps(step_s, WINDOW_S))
         # Sent at once: the start-up timeline (the recovery clock stops at the first step), a failed
-        # save (its alert), a loss gone bad; other steps wait for the window's end.
+        # save (its alert), a loss gone bad; other windows' messages wait for the link's next send.
         urgent = self._timeline_sends > 0 or self._failed_save is not None or window.bad_loss is not None
         # Only where the step count is a multiple of the window's length, also when a slow step just
         # shortened it: a window cut at once where it stood ended off the multiples that the other
         # ranks' windows end at (the agent compares ranks at those steps), and the next multiple of
         # the shorter length comes within it, so no window outgrows the longer one it started as.
         if urgent or (step.step + 1) % self._window_steps == 0:
-            self._flush_window()
+            self._flush_window(urgent)
 
     def _flush_at_exit(self) -> None:
         if os.getpid() == self._pid:  # not in a child forked from this rank that exits through atexit
-            self._flush_window()
+            self._flush_window(urgent=True)
 
-    def _flush_window(self) -> None:
-        """Send the steps gathered since the last message as one (nothing when there are none)."""
+    def _flush_window(self, urgent: bool = False) -> None:
+        """End the window: the steps gathered since the last message become one (nothing when there
+        are none), sent with the link's next datagram, or at once when ``urgent``."""
         window = self._window
         if not window.steps or not self.telemetry.path:
             return
@@ -394,7 +394,7 @@ class Run:
             window.clear()
             return
         window.clear()
-        if self.telemetry.send(msg, urgent=True):
+        if self.telemetry.send(msg, urgent=urgent):
             self._failed_save = None
 
     def _timeline(self, end: int, steps: int) -> dict[str, Any]:
@@ -626,7 +626,7 @@ class Run:
         if self._writer is not None:
             self._writer.close()
             self._background_failures(self._writer.poll())
-        self._flush_window()
+        self._flush_window(urgent=True)
         atexit.unregister(self._flush_at_exit)
         self.telemetry.close()
         if self._snapshots is not None:

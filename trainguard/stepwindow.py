@@ -2,8 +2,8 @@
 
 A message per step costs a rank ~25 us of Python (the dataclass, its JSON) and the agent a decode
 and a table entry; at a few milliseconds per step, on a node whose cores the ranks already fill,
-that was most of what the API cost (bench/integration.py). Steps shorter than the sender's flush
-interval are therefore summed: one message per ``window_steps`` steps carries their means (times,
+that was most of what the API cost (bench/integration.py). Steps shorter than ``WINDOW_S`` are
+therefore summed: one message per ``window_steps`` steps carries their means (times,
 loss, gradient figures), their total samples and tokens, and ``steps``; a step that takes longer is
 sent alone, as before.
 
@@ -20,6 +20,11 @@ from typing import Any
 
 MAX_STEPS = 64
 """The most steps one message sums up."""
+WINDOW_S = 0.05
+"""Seconds of steps one message sums up at most (one step when a step takes longer): each message
+is one sample of straggler detection (the median of a rank's last 16) and one point of the
+controller's loss fit. The link sends the messages of several windows in one datagram
+(``trainguard.link.FLUSH_S``)."""
 
 _MEAN_EXTRAS = ("flops_per_s", "mfu", "comm_bytes", "bubble_frac", "mem_frag", "compress_ratio", "update_cos")
 _LAST_EXTRAS = ("val_loss",)

@@ -308,7 +308,13 @@ class Controller:
                     self._decide(agent, jc, None)
             return
         if m.plan_version < w.version:
-            return  # the change is not applied yet: the ranks still run the previous setting
+            # The change is not applied yet: the ranks still run the previous setting, whose loss
+            # is the reference the next change is judged against (a plan takes up to ~0.6 s to
+            # reach the ranks, hundreds of short steps: without these the reference would be the
+            # losses of long ago, from before the loss fell).
+            if math.isfinite(m.loss):
+                jc.recent.append(m.loss)
+            return
         w.points.append(point)
         if m.update_cos is not None and math.isfinite(m.update_cos):
             w.aligns.append(m.update_cos)
