@@ -84,6 +84,7 @@ _OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]]
     "update_cos": (_NUM, -1.0, 1.0),
     "steps": ((int,), 1, 1 << 20),
 }
+MAX_PARTS = 32
 # Free-text fields: name -> longest accepted length.
 _TEXT_FIELDS = {"ckpt_error": 300}
 CKPT_FAILED_ELSEWHERE = "another rank could not write its shard"
@@ -144,6 +145,10 @@ class Telemetry:
     """How many steps this message sums up (a sender may gather short steps): ``step`` is the
     last of them, ``samples``/``tokens`` their total, the times and the loss, gradient and
     alignment figures their mean per step, ``batch_size`` the last step's."""
+    parts: list[list[float]] | None = None
+    """The steps' compute in consecutive parts, oldest first: ``[steps, fwd_bwd_s, opt_s,
+    samples]`` each (times their mean per step, samples their total); their steps add up to
+    ``steps``. Straggler detection takes each part as one sample (``trainguard.stepwindow``)."""
     has_loss: bool = True
     """False when the sender reported no loss (``loss`` is then NaN and means nothing)."""
 
@@ -200,6 +205,23 @@ def _check_number(name: str, value: Any, spec: tuple[tuple[type, ...], float | N
         raise WireError("range", f"{name}={value} outside [{lo}, {hi}]")
 
 
+_PART_SPECS = (((int,), 1, 1 << 20), _TELEMETRY_FIELDS["fwd_bwd_s"], _TELEMETRY_FIELDS["opt_s"], _TELEMETRY_FIELDS["samples"])
+
+
+def _check_parts(parts: Any, steps: int, samples: int) -> list[list[float]]:
+    if not isinstance(parts, list) or not 0 < len(parts) <= MAX_PARTS:
+        raise WireError("schema", f"parts must be a list of 1 to {MAX_PARTS} parts")
+    for part in parts:
+        if not isinstance(part, list) or len(part) != 4:
+            raise WireError("schema", "a part is [steps, fwd_bwd_s, opt_s, samples]")
+        for name, value, spec in zip(("part steps", "part fwd_bwd_s", "part opt_s", "part samples"), part, _PART_SPECS,
+                                     strict=True):
+            _check_number(name, value, spec)
+    if sum(p[0] for p in parts) != steps or sum(p[3] for p in parts) != samples:
+        raise WireError("range", "parts do not add up to the message's steps and samples")
+    return parts
+
+
 def split_datagram(data: bytes) -> list[bytes]:
     """The messages of one datagram (one per line; a datagram of one message has no newline)."""
     if b"\n" not in data:
@@ -243,6 +265,9 @@ def decode_telemetry(data: bytes) -> Telemetry:
         if not isinstance(text, str) or len(text) > limit:
             raise WireError("type", f"{name} must be a string of at most {limit} characters")
         values[name] = text
+    parts = body.get("parts")
+    if parts is not None:
+        values["parts"] = _check_parts(parts, values.get("steps", 1), values["samples"])
     unknown = set(body) - set(values) - {"v"}
     if unknown:
         raise WireError("schema", f"unknown field {sorted(unknown)[0]}")

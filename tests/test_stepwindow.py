@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 import trainguard
+from trainguard.agent.detect.service import step_samples
 from trainguard.agent.wire import Plan, Telemetry, write_plan_file
-from trainguard.stepwindow import MAX_STEPS, StepWindow, window_steps
+from trainguard.stepwindow import MAX_PARTS, MAX_STEPS, PART_S, WINDOW_S, StepWindow, window_steps
 from trainguard.trainer.testing import TelemetryCapture
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +40,33 @@ def test_a_window_sums_totals_and_averages_the_rest() -> None:
     assert w.message_fields()["loss"] == math.inf  # a diverged step is not averaged away
     w.clear()
     assert w.steps == 0 and not w.has_loss
+
+
+def test_a_window_carries_its_compute_in_parts() -> None:
+    w = StepWindow()
+    for step in range(8, 14):  # parts of 2 steps (ending at multiples of 2), then a cut-off one
+        w.add(step, 0.01, {"data_s": 0.0, "fwd_bwd_s": 0.001 * step, "comm_s": 0.0, "opt_s": 0.0005}, 4, 40, {}, 0, 2)
+    f = w.message_fields()
+    assert f["parts"] == [[2, 0.0085, 0.0005, 8], [2, 0.0105, 0.0005, 8], [2, 0.0125, 0.0005, 8]]
+    w.add(14, 0.01, {"data_s": 0.0, "fwd_bwd_s": 0.014, "comm_s": 0.0, "opt_s": 0.0}, 3, 30, {}, 0, 2)
+    assert w.message_fields()["parts"][-1] == [1, 0.014, 0.0, 3]  # the part in progress goes too
+    assert math.isclose(w.message_fields()["fwd_bwd_s"], sum(0.001 * s for s in range(8, 15)) / 7)
+    w.clear()
+    w.add(0, 0.01, {"data_s": 0.0, "fwd_bwd_s": 0.001, "comm_s": 0.0, "opt_s": 0.0}, 4, 40, {}, 0, 1)
+    assert "parts" not in w.message_fields()  # one part is the message itself
+    for step in range(1, MAX_PARTS):
+        w.add(step, 0.01, {"data_s": 0.0, "fwd_bwd_s": 0.001, "comm_s": 0.0, "opt_s": 0.0}, 4, 40, {}, 0, 1)
+    assert w.parts_full
+
+
+def test_the_detector_takes_each_part_as_a_sample() -> None:
+    base = dict(job="j", rank=0, local_rank=0, pid=1, wall_time=1.0, step_s=0.01, data_s=0.0, comm_s=0.0, loss=1.0,
+                grad_norm=1.0, local_grad_sq=0.0, lr=0.1, batch_size=4, mem_bytes=1, plan_version=0)
+    plain = Telemetry(step=4, steps=4, fwd_bwd_s=0.02, opt_s=0.001, samples=16, tokens=0, **base)
+    parted = Telemetry(step=10, steps=6, fwd_bwd_s=0.03, opt_s=0.001, samples=30, tokens=0,
+                       parts=[[4, 0.02, 0.001, 16], [2, 0.05, 0.001, 14]], **base)
+    got = [(s.step, s.fwd_bwd_s, s.opt_s, s.samples) for s in step_samples([plain, parted])]
+    assert got == [(4, 0.02, 0.001, 4), (8, 0.02, 0.001, 4), (10, 0.05, 0.001, 7)]
 
 
 def _fast_steps(run: trainguard.Run, steps: range, samples: int, nan_at: int = -1) -> None:
@@ -67,7 +95,7 @@ def test_a_slow_step_does_not_cut_a_window_off_its_multiples(tmp_path: Path) -> 
         _fast_steps(run, range(0, 100), 4)
         with run.step(100, samples=4, tokens=40) as s:
             t0 = time.perf_counter()
-            time.sleep(0.001)  # 32 of these fit the link's 50 ms, not 64: the window shrinks
+            time.sleep(0.003)  # 64 of these fit WINDOW_S, not 128: the window shrinks
             slow_took = time.perf_counter() - t0
             s.report(loss=100.0)
         _fast_steps(run, range(101, 200), 4)
@@ -81,7 +109,7 @@ def test_a_slow_step_does_not_cut_a_window_off_its_multiples(tmp_path: Path) -> 
     for m in msgs[:-1]:
         aligned = m.step % (1 << (m.steps - 1).bit_length()) == 0
         # (A sleep stretched past half the flush interval by a loaded machine is a step sent alone.)
-        assert aligned or (m is holding and slow_took >= 0.025), (m.step, m.steps, slow_took)
+        assert aligned or (m is holding and slow_took >= WINDOW_S / 2), (m.step, m.steps, slow_took)
 
 
 def test_fast_steps_are_gathered_and_nothing_is_lost(tmp_path: Path) -> None:
@@ -125,6 +153,34 @@ def test_fast_steps_are_gathered_and_nothing_is_lost(tmp_path: Path) -> None:
     assert first_new.step - first_new.steps == applied_after
 
 
+def test_steps_of_a_few_milliseconds_go_in_parts_of_at_most_the_part_span(tmp_path: Path) -> None:
+    """Over a real socket: a message of up to WINDOW_S of 3 ms steps carries parts of up to PART_S
+    whose steps, samples and compute add up to the message's."""
+    sock = str(tmp_path / "t.sock")
+    cap = TelemetryCapture(sock)
+    try:
+        run = trainguard.init(environ={"TRAINGUARD_SOCKET": sock, "TRAINGUARD_JOB": "j"})
+        for step in range(200):
+            with run.step(step, samples=2, tokens=20) as s:
+                with s.phase("compute"):
+                    deadline = time.perf_counter() + 0.003
+                    while time.perf_counter() < deadline:  # burns CPU: compute is thread CPU time
+                        pass
+                s.report(loss=1.0)
+        run.close()
+        msgs = _wait_for(cap, 2 * 200)
+    finally:
+        cap.close()
+    assert sum(m.steps for m in msgs) == 200
+    parted = [m for m in msgs if m.parts]
+    assert parted, [(m.step, m.steps) for m in msgs]
+    for m in parted:
+        assert sum(p[0] for p in m.parts) == m.steps and sum(p[3] for p in m.parts) == m.samples
+        assert math.isclose(sum(p[0] * p[1] for p in m.parts) / m.steps, m.fwd_bwd_s, abs_tol=1e-6)
+        # Steps of at least 3 ms: parts of at most the power of two of them that fits PART_S.
+        assert all(p[0] <= window_steps(0.003, PART_S) and p[1] > 0 for p in m.parts), m.parts
+
+
 def test_a_script_that_never_closes_its_run_still_sends_its_last_steps(tmp_path: Path) -> None:
     sock = str(tmp_path / "t.sock")
     cap = TelemetryCapture(sock)
@@ -146,16 +202,17 @@ def test_a_script_that_never_closes_its_run_still_sends_its_last_steps(tmp_path:
 def test_a_long_step_goes_alone(tmp_path: Path) -> None:
     sock = str(tmp_path / "t.sock")
     cap = TelemetryCapture(sock)
+    n = MAX_STEPS  # the fast steps' windows end where the long one begins
     try:
         run = trainguard.init(environ={"TRAINGUARD_SOCKET": sock, "TRAINGUARD_JOB": "j"})
-        _fast_steps(run, range(0, 64), 1)
-        with run.step(64, samples=1):
-            time.sleep(run.telemetry.flush_s * 1.5)
-        _fast_steps(run, range(65, 70), 1)
+        _fast_steps(run, range(0, n), 1)
+        with run.step(n, samples=1):
+            time.sleep(WINDOW_S * 1.5)
+        _fast_steps(run, range(n + 1, n + 6), 1)
         run.close()
-        msgs = _wait_for(cap, 70)
+        msgs = _wait_for(cap, n + 6)
     finally:
         cap.close()
-    [long] = [m for m in msgs if m.step == 65]
-    assert long.steps == 1 and long.step_s >= run.telemetry.flush_s
-    assert sum(m.samples for m in msgs) == 70
+    [long] = [m for m in msgs if m.step == n + 1]
+    assert long.steps == 1 and long.step_s >= WINDOW_S
+    assert sum(m.samples for m in msgs) == n + 6

@@ -29,7 +29,7 @@ from typing import Any
 from trainguard.agent.wire import Plan, Telemetry
 from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.link import PlanWatcher, TelemetrySender
-from trainguard.stepwindow import WINDOW_S, StepWindow, window_steps
+from trainguard.stepwindow import PART_S, WINDOW_S, StepWindow, window_steps
 
 PHASES = ("data", "compute", "comm", "optim")
 
@@ -241,6 +241,7 @@ class Run:
         self._timeline_sends = 5  # the first datagrams carry the attempt's start-up times (one may drop)
         self._window = StepWindow()
         self._window_steps = 1
+        self._part_steps = 1
         self._step_s_avg = 0.0
         self._last_reported: dict[str, Any] = {}
         self._last_samples = 0
@@ -350,12 +351,14 @@ class Run:
         window = self._window
         if window.steps and window.plan_version != self._plan.version:
             self._flush_window()  # one message, one plan: the agent tells a change's effect by version
-        window.add(step.step, step_s, step.timings(step_s, step_cpu_s), step.samples, step.tokens, r, self._plan.version)
+        window.add(step.step, step_s, step.timings(step_s, step_cpu_s), step.samples, step.tokens, r, self._plan.version,
+                   self._part_steps)
         self._last_reported = r
         self._last_samples = step.samples
-        self._step_s_avg = step_s if self._step_s_avg <= 0 else 0.8 * self._step_s_avg + 0.2 * step_s
+        avg = self._step_s_avg = step_s if self._step_s_avg <= 0 else 0.8 * self._step_s_avg + 0.2 * step_s
         # A long step shortens the window at once; short ones lengthen it as the average follows.
-        self._window_steps = min(window_steps(self._step_s_avg, WINDOW_S), window_steps(step_s, WINDOW_S))
+        self._window_steps = min(window_steps(avg, WINDOW_S), window_steps(step_s, WINDOW_S))
+        self._part_steps = min(window_steps(avg, PART_S), window_steps(step_s, PART_S))
         # Sent at once: the start-up timeline (the recovery clock stops at the first step), a failed
         # save (its alert), a loss gone bad; other windows' messages wait for the link's next send.
         urgent = self._timeline_sends > 0 or self._failed_save is not None or window.bad_loss is not None
@@ -363,7 +366,8 @@ class Run:
         # shortened it: a window cut at once where it stood ended off the multiples that the other
         # ranks' windows end at (the agent compares ranks at those steps), and the next multiple of
         # the shorter length comes within it, so no window outgrows the longer one it started as.
-        if urgent or (step.step + 1) % self._window_steps == 0:
+        # (Or when its parts fill the message: steps that slowed within one long window.)
+        if urgent or (step.step + 1) % self._window_steps == 0 or window.parts_full:
             self._flush_window(urgent)
 
     def _flush_at_exit(self) -> None:

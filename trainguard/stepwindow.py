@@ -11,6 +11,11 @@ Windows end where the step count is a multiple of their length, a power of two: 
 step in lockstep and so pick the same length, and where two ranks' lengths differ, the longer
 window's ends are ends of the shorter one's too, so the agent still finds every rank's message for
 the steps it compares (the controller matches ranks by step).
+
+A message also carries its steps' compute times in ``parts`` of at most ``PART_S`` each (whole
+steps, ending where the step count is a multiple of the part's length, a power of two): straggler
+detection judges a rank on the median of its last 16 samples, each part one sample, as when a
+message was at most ``PART_S`` long; the detector need not wait for 16 messages.
 """
 
 from __future__ import annotations
@@ -18,13 +23,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-MAX_STEPS = 64
+MAX_STEPS = 128
 """The most steps one message sums up."""
-WINDOW_S = 0.05
-"""Seconds of steps one message sums up at most (one step when a step takes longer): each message
-is one sample of straggler detection (the median of a rank's last 16) and one point of the
-controller's loss fit. The link sends the messages of several windows in one datagram
-(``trainguard.link.FLUSH_S``)."""
+WINDOW_S = 0.25
+"""Seconds of steps one message sums up at most (one step when a step takes longer). Each message
+costs its rank ~0.1-0.2 ms of Python on a node whose cores the ranks fill (the dataclass, its
+JSON: a message per 33 ms step was ~0.5 % of the step) and the agent a decode."""
+PART_S = 0.05
+"""Seconds of steps that one part of a message (one sample of straggler detection) spans at most
+(one step when a step takes longer)."""
+MAX_PARTS = 16
+"""The most parts one message carries: a window that holds this many is sent."""
 
 _MEAN_EXTRAS = ("flops_per_s", "mfu", "comm_bytes", "bubble_frac", "mem_frag", "compress_ratio", "update_cos")
 _LAST_EXTRAS = ("val_loss",)
@@ -48,7 +57,7 @@ class StepWindow:
 
     __slots__ = ("steps", "step_s", "data_s", "fwd_bwd_s", "comm_s", "opt_s", "samples", "tokens", "loss_sum",
                  "loss_n", "bad_loss", "grad_sum", "grad_n", "gsq_sum", "gsq_n", "extras", "plan_version",
-                 "last_step")
+                 "last_step", "parts", "_part")
 
     def __init__(self) -> None:
         self.clear()
@@ -63,10 +72,22 @@ class StepWindow:
         self.extras: dict[str, list[float]] = {}
         self.plan_version = -1
         self.last_step = -1
+        self.parts: list[list[float]] = []
+        """Closed parts: [steps, fwd_bwd_s sum, opt_s sum, samples]."""
+        self._part: list[float] = [0, 0.0, 0.0, 0]
 
     def add(self, step: int, step_s: float, times: dict[str, float], samples: int, tokens: int, reported: dict[str, Any],
-            plan_version: int) -> None:
-        """One step: its number, seconds, ``Step.timings``, samples and tokens, what it reported."""
+            plan_version: int, part_steps: int = 1) -> None:
+        """One step: its number, seconds, ``Step.timings``, samples and tokens, what it reported;
+        ``part_steps``: the length of the part it falls in (``window_steps`` for ``PART_S``)."""
+        part = self._part
+        part[0] += 1
+        part[1] += times["fwd_bwd_s"]
+        part[2] += times["opt_s"]
+        part[3] += samples
+        if (step + 1) % part_steps == 0:
+            self.parts.append(part)
+            self._part = [0, 0.0, 0.0, 0]
         self.steps += 1
         self.last_step = step
         self.step_s += step_s
@@ -100,6 +121,10 @@ class StepWindow:
                 self.extras.setdefault(name, []).append(value)
 
     @property
+    def parts_full(self) -> bool:
+        return len(self.parts) >= MAX_PARTS
+
+    @property
     def has_loss(self) -> bool:
         return self.loss_n > 0 or self.bad_loss is not None
 
@@ -122,6 +147,9 @@ class StepWindow:
             except TypeError:
                 continue  # not numbers: the wire would refuse them
             out[name] = round(mean) if all(isinstance(v, int) and not isinstance(v, bool) for v in values) else mean
+        parts = self.parts + [self._part] if self._part[0] else self.parts
+        if len(parts) > 1:  # one part is the message's own means
+            out["parts"] = [[n, round(fwd / n, 7), round(opt / n, 7), int(samples)] for n, fwd, opt, samples in parts]
         return out
 
 

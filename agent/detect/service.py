@@ -46,6 +46,7 @@ from trainguard.agent.detect.straggler import (
 )
 from trainguard.agent.heal.migration import Decision, MigrationPolicy, ReplicaModel, even_sizes
 from trainguard.agent.metricspec import MetricSpec
+from trainguard.agent.wire import Telemetry
 
 if TYPE_CHECKING:
     from trainguard.agent.daemon import Agent
@@ -99,6 +100,21 @@ class _JobState:
     detections: Counter[str] = field(default_factory=Counter)
     migrations: int = 0
     cause_retries: Counter[int] = field(default_factory=Counter)
+
+
+def step_samples(messages: list[Telemetry]) -> list[StepSample]:
+    """The detector's samples from a rank's messages: one per part of a message that carries its
+    steps' compute in parts, else one per message (means per step, samples per step)."""
+    out: list[StepSample] = []
+    for m in messages:
+        if not m.parts:
+            out.append(StepSample(m.step, m.fwd_bwd_s, m.opt_s, round(m.samples_per_step)))
+            continue
+        end = m.step - m.steps
+        for steps, fwd_bwd_s, opt_s, samples in m.parts:
+            end += int(steps)
+            out.append(StepSample(end, fwd_bwd_s, opt_s, round(samples / steps)))
+    return out
 
 
 def _layout(agent: Agent, job: str, views: Mapping[int, Any]) -> Layout:
@@ -233,7 +249,7 @@ class StragglerService:
             if rank in st.excluded:
                 continue
             window = self.agent.table.window(job, rank, 2 * cfg.window + cfg.warmup_steps)
-            steps = [StepSample(m.step, m.fwd_bwd_s, m.opt_s, round(m.samples_per_step)) for m in window]
+            steps = step_samples(window)
             if rank in local:
                 stats = ebpf.rank_stats(job, rank) if ebpf is not None else None
                 self.evidence.observe(job, rank, view.pid, view.step, now, stats)
