@@ -145,10 +145,11 @@ class Telemetry:
     """How many steps this message sums up (a sender may gather short steps): ``step`` is the
     last of them, ``samples``/``tokens`` their total, the times and the loss, gradient and
     alignment figures their mean per step, ``batch_size`` the last step's."""
-    parts: list[list[float]] | None = None
-    """The steps' compute in consecutive parts, oldest first: ``[steps, fwd_bwd_s, opt_s,
-    samples]`` each (times their mean per step, samples their total); their steps add up to
-    ``steps``. Straggler detection takes each part as one sample (``trainguard.stepwindow``)."""
+    parts: list[list[Any]] | None = None
+    """The steps in consecutive parts, oldest first: ``[steps, fwd_bwd_s, opt_s, samples, loss]``
+    each (times and loss their mean per step, a non-finite loss if one step had it, null when no
+    step reported one; samples their total); their steps add up to ``steps``. Straggler detection
+    and the controller take each part as one sample (``trainguard.stepwindow``)."""
     has_loss: bool = True
     """False when the sender reported no loss (``loss`` is then NaN and means nothing)."""
 
@@ -205,18 +206,20 @@ def _check_number(name: str, value: Any, spec: tuple[tuple[type, ...], float | N
         raise WireError("range", f"{name}={value} outside [{lo}, {hi}]")
 
 
-_PART_SPECS = (((int,), 1, 1 << 20), _TELEMETRY_FIELDS["fwd_bwd_s"], _TELEMETRY_FIELDS["opt_s"], _TELEMETRY_FIELDS["samples"])
+_PART_SPECS = (((int,), 1, 1 << 20), _TELEMETRY_FIELDS["fwd_bwd_s"], _TELEMETRY_FIELDS["opt_s"], _TELEMETRY_FIELDS["samples"],
+               _OPTIONAL_FIELDS["loss"])
+_PART_NAMES = ("part steps", "part fwd_bwd_s", "part opt_s", "part samples", "loss")  # loss: non-finite allowed
 
 
-def _check_parts(parts: Any, steps: int, samples: int) -> list[list[float]]:
+def _check_parts(parts: Any, steps: int, samples: int) -> list[list[Any]]:
     if not isinstance(parts, list) or not 0 < len(parts) <= MAX_PARTS:
         raise WireError("schema", f"parts must be a list of 1 to {MAX_PARTS} parts")
     for part in parts:
-        if not isinstance(part, list) or len(part) != 4:
-            raise WireError("schema", "a part is [steps, fwd_bwd_s, opt_s, samples]")
-        for name, value, spec in zip(("part steps", "part fwd_bwd_s", "part opt_s", "part samples"), part, _PART_SPECS,
-                                     strict=True):
-            _check_number(name, value, spec)
+        if not isinstance(part, list) or len(part) != 5:
+            raise WireError("schema", "a part is [steps, fwd_bwd_s, opt_s, samples, loss]")
+        for name, value, spec in zip(_PART_NAMES, part, _PART_SPECS, strict=True):
+            if value is not None or name != "loss":
+                _check_number(name, value, spec)
     if sum(p[0] for p in parts) != steps or sum(p[3] for p in parts) != samples:
         raise WireError("range", "parts do not add up to the message's steps and samples")
     return parts

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import trainguard
+from trainguard.agent.controller.controller import by_part
 from trainguard.agent.detect.service import step_samples
 from trainguard.agent.wire import Plan, Telemetry, write_plan_file
 from trainguard.stepwindow import MAX_PARTS, MAX_STEPS, PART_S, WINDOW_S, StepWindow, window_steps
@@ -42,14 +43,15 @@ def test_a_window_sums_totals_and_averages_the_rest() -> None:
     assert w.steps == 0 and not w.has_loss
 
 
-def test_a_window_carries_its_compute_in_parts() -> None:
+def test_a_window_carries_its_compute_and_loss_in_parts() -> None:
     w = StepWindow()
     for step in range(8, 14):  # parts of 2 steps (ending at multiples of 2), then a cut-off one
-        w.add(step, 0.01, {"data_s": 0.0, "fwd_bwd_s": 0.001 * step, "comm_s": 0.0, "opt_s": 0.0005}, 4, 40, {}, 0, 2)
+        w.add(step, 0.01, {"data_s": 0.0, "fwd_bwd_s": 0.001 * step, "comm_s": 0.0, "opt_s": 0.0005}, 4, 40,
+              {"loss": float(step)} if step < 12 else {}, 0, 2)
     f = w.message_fields()
-    assert f["parts"] == [[2, 0.0085, 0.0005, 8], [2, 0.0105, 0.0005, 8], [2, 0.0125, 0.0005, 8]]
-    w.add(14, 0.01, {"data_s": 0.0, "fwd_bwd_s": 0.014, "comm_s": 0.0, "opt_s": 0.0}, 3, 30, {}, 0, 2)
-    assert w.message_fields()["parts"][-1] == [1, 0.014, 0.0, 3]  # the part in progress goes too
+    assert f["parts"] == [[2, 0.0085, 0.0005, 8, 8.5], [2, 0.0105, 0.0005, 8, 10.5], [2, 0.0125, 0.0005, 8, None]]
+    w.add(14, 0.01, {"data_s": 0.0, "fwd_bwd_s": 0.014, "comm_s": 0.0, "opt_s": 0.0}, 3, 30, {"loss": math.inf}, 0, 2)
+    assert w.message_fields()["parts"][-1] == [1, 0.014, 0.0, 3, math.inf]  # the part in progress goes too
     assert math.isclose(w.message_fields()["fwd_bwd_s"], sum(0.001 * s for s in range(8, 15)) / 7)
     w.clear()
     w.add(0, 0.01, {"data_s": 0.0, "fwd_bwd_s": 0.001, "comm_s": 0.0, "opt_s": 0.0}, 4, 40, {}, 0, 1)
@@ -59,14 +61,27 @@ def test_a_window_carries_its_compute_in_parts() -> None:
     assert w.parts_full
 
 
-def test_the_detector_takes_each_part_as_a_sample() -> None:
-    base = dict(job="j", rank=0, local_rank=0, pid=1, wall_time=1.0, step_s=0.01, data_s=0.0, comm_s=0.0, loss=1.0,
+def _parted_messages() -> tuple[Telemetry, Telemetry]:
+    base = dict(job="j", rank=0, local_rank=0, pid=1, step_s=0.01, data_s=0.0, comm_s=0.0,
                 grad_norm=1.0, local_grad_sq=0.0, lr=0.1, batch_size=4, mem_bytes=1, plan_version=0)
-    plain = Telemetry(step=4, steps=4, fwd_bwd_s=0.02, opt_s=0.001, samples=16, tokens=0, **base)
-    parted = Telemetry(step=10, steps=6, fwd_bwd_s=0.03, opt_s=0.001, samples=30, tokens=0,
-                       parts=[[4, 0.02, 0.001, 16], [2, 0.05, 0.001, 14]], **base)
-    got = [(s.step, s.fwd_bwd_s, s.opt_s, s.samples) for s in step_samples([plain, parted])]
+    plain = Telemetry(step=4, steps=4, wall_time=1.0, fwd_bwd_s=0.02, opt_s=0.001, samples=16, tokens=0, loss=3.0, **base)
+    parted = Telemetry(step=10, steps=6, wall_time=2.0, fwd_bwd_s=0.03, opt_s=0.001, samples=30, tokens=0, loss=2.0,
+                       parts=[[4, 0.02, 0.001, 16, 2.5], [2, 0.05, 0.001, 14, None]], **base)
+    return plain, parted
+
+
+def test_the_detector_takes_each_part_as_a_sample() -> None:
+    got = [(s.step, s.fwd_bwd_s, s.opt_s, s.samples) for s in step_samples(list(_parted_messages()))]
     assert got == [(4, 0.02, 0.001, 4), (8, 0.02, 0.001, 4), (10, 0.05, 0.001, 7)]
+
+
+def test_the_controller_takes_each_part_as_a_point() -> None:
+    plain, parted = _parted_messages()
+    assert by_part(plain) == [plain]
+    first, last = by_part(parted)
+    assert (first.step, first.steps, first.samples, first.loss, first.fwd_bwd_s) == (8, 4, 16, 2.5, 0.02)
+    assert math.isclose(first.wall_time, 2.0 - 2 * 0.01) and first.parts is None
+    assert (last.step, last.steps, last.samples, last.loss, last.wall_time) == (10, 2, 14, 2.0, 2.0)  # no loss: the message's
 
 
 def _fast_steps(run: trainguard.Run, steps: range, samples: int, nan_at: int = -1) -> None:

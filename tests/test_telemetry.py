@@ -291,21 +291,24 @@ def test_a_message_without_steps_or_loss_is_one_step_with_no_loss() -> None:
 
 def test_parts_of_a_message_must_add_up_to_its_steps_and_samples() -> None:
     body = _body(make_msg(step=8, samples=32, steps=4))
-    body["parts"] = [[2, 0.01, 0.002, 16], [2, 0.02, 0.001, 16]]
+    body["parts"] = [[2, 0.01, 0.002, 16, 2.5], [2, 0.02, 0.001, 16, None]]
     msg = decode_telemetry(json.dumps(body).encode())
-    assert msg.parts == [[2, 0.01, 0.002, 16], [2, 0.02, 0.001, 16]]
+    assert msg.parts == [[2, 0.01, 0.002, 16, 2.5], [2, 0.02, 0.001, 16, None]]
     assert decode_telemetry(msg.encode()).parts == msg.parts  # the field goes back on the wire
+    body["parts"][1][4] = math.nan  # a diverged step's loss is information
+    assert math.isnan(decode_telemetry(json.dumps(body, allow_nan=True).encode()).parts[1][4])
     bad: list[tuple[Any, str]] = [
-        ([[2, 0.01, 0.002, 16], [1, 0.02, 0.001, 16]], "range"),  # 3 steps of 4
-        ([[2, 0.01, 0.002, 16], [2, 0.02, 0.001, 15]], "range"),  # 31 samples of 32
-        ([[4, math.nan, 0.0, 32]], "range"),
-        ([[4, -0.1, 0.0, 32]], "range"),
-        ([[4, 0.1, 0.0]], "schema"),
-        ([[4.0, 0.1, 0.0, 32]], "type"),
-        ([[True, 0.1, 0.0, 32]], "type"),
+        ([[2, 0.01, 0.002, 16, 1.0], [1, 0.02, 0.001, 16, 1.0]], "range"),  # 3 steps of 4
+        ([[2, 0.01, 0.002, 16, 1.0], [2, 0.02, 0.001, 15, 1.0]], "range"),  # 31 samples of 32
+        ([[4, math.nan, 0.0, 32, 1.0]], "range"),
+        ([[4, -0.1, 0.0, 32, 1.0]], "range"),
+        ([[4, 0.1, 0.0, 32]], "schema"),
+        ([[4, 0.1, 0.0, 32, "1"]], "type"),
+        ([[4.0, 0.1, 0.0, 32, 1.0]], "type"),
+        ([[True, 0.1, 0.0, 32, 1.0]], "type"),
         ([], "schema"),
         ("4", "schema"),
-        ([[1, 0.1, 0.0, 8]] * 33, "schema"),
+        ([[1, 0.1, 0.0, 8, 1.0]] * 33, "schema"),
     ]
     for parts, reason in bad:
         body["parts"] = parts

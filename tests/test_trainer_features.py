@@ -121,7 +121,9 @@ def test_plan_applies_at_one_step_on_every_rank(cache_dir: str, tmp_path) -> Non
                 written[2] = m.step
 
     ckpt = str(tmp_path / "ckpt")
-    cfg = tiny_config(cache_dir, parallel={"dp": 2, "dp_mode": "ddp"}, steps=60, ckpt_dir=ckpt,
+    # Room for two plans' round trips (telemetry up to ~0.5 s late, a plan ~0.6 s on its way to
+    # short steps): the stop ends the run long before its last step.
+    cfg = tiny_config(cache_dir, parallel={"dp": 2, "dp_mode": "ddp"}, steps=1000, ckpt_dir=ckpt,
                       optim={"warmup": 0, "cosine": False})
     result = run_job(cfg, 2, tmp_path / "run", plan_path=plan_path, on_telemetry=on_telemetry)
     assert result.rc == 0

@@ -12,10 +12,12 @@ step in lockstep and so pick the same length, and where two ranks' lengths diffe
 window's ends are ends of the shorter one's too, so the agent still finds every rank's message for
 the steps it compares (the controller matches ranks by step).
 
-A message also carries its steps' compute times in ``parts`` of at most ``PART_S`` each (whole
-steps, ending where the step count is a multiple of the part's length, a power of two): straggler
-detection judges a rank on the median of its last 16 samples, each part one sample, as when a
-message was at most ``PART_S`` long; the detector need not wait for 16 messages.
+A message also carries its steps' compute times and loss in ``parts`` of at most ``PART_S`` each
+(whole steps, ending where the step count is a multiple of the part's length, a power of two):
+straggler detection judges a rank on the median of its last 16 samples and the controller calls a
+loss divergent on the median of its last 3 points; each part is one sample and one point, as when a
+message was at most ``PART_S`` long, so neither waits for that many messages nor sees a loss spike
+averaged away.
 """
 
 from __future__ import annotations
@@ -72,9 +74,9 @@ class StepWindow:
         self.extras: dict[str, list[float]] = {}
         self.plan_version = -1
         self.last_step = -1
-        self.parts: list[list[float]] = []
-        """Closed parts: [steps, fwd_bwd_s sum, opt_s sum, samples]."""
-        self._part: list[float] = [0, 0.0, 0.0, 0]
+        self.parts: list[list[Any]] = []
+        """Closed parts: [steps, fwd_bwd_s sum, opt_s sum, samples, loss sum, losses, bad loss]."""
+        self._part: list[Any] = _new_part()
 
     def add(self, step: int, step_s: float, times: dict[str, float], samples: int, tokens: int, reported: dict[str, Any],
             plan_version: int, part_steps: int = 1) -> None:
@@ -85,9 +87,16 @@ class StepWindow:
         part[1] += times["fwd_bwd_s"]
         part[2] += times["opt_s"]
         part[3] += samples
+        loss = _number(reported.get("loss")) if reported else None
+        if loss is not None:
+            if math.isfinite(loss):
+                part[4] += loss
+                part[5] += 1
+            else:
+                part[6] = loss
         if (step + 1) % part_steps == 0:
             self.parts.append(part)
-            self._part = [0, 0.0, 0.0, 0]
+            self._part = _new_part()
         self.steps += 1
         self.last_step = step
         self.step_s += step_s
@@ -149,8 +158,14 @@ class StepWindow:
             out[name] = round(mean) if all(isinstance(v, int) and not isinstance(v, bool) for v in values) else mean
         parts = self.parts + [self._part] if self._part[0] else self.parts
         if len(parts) > 1:  # one part is the message's own means
-            out["parts"] = [[n, round(fwd / n, 7), round(opt / n, 7), int(samples)] for n, fwd, opt, samples in parts]
+            out["parts"] = [[n, round(fwd / n, 7), round(opt / n, 7), int(samples),
+                             bad if bad is not None else (loss / losses if losses else None)]
+                            for n, fwd, opt, samples, loss, losses, bad in parts]
         return out
+
+
+def _new_part() -> list[Any]:
+    return [0, 0.0, 0.0, 0, 0.0, 0, None]
 
 
 def _number(value: Any) -> float | None:

@@ -89,6 +89,25 @@ def make_strategy(config: ControllerConfig, space: Space, job: str) -> Strategy:
     return KeepStrategy()
 
 
+def by_part(m: Telemetry) -> list[Telemetry]:
+    """A message as the parts it carries (``trainguard.stepwindow``), each a message of its own
+    steps, compute, samples and loss, ending when its last step ended; the other figures (gradient
+    norms, noise scale inputs, plan) the message's. Other ranks' messages are matched by step, so
+    only the last part meets them."""
+    if not m.parts:
+        return [m]
+    out: list[Telemetry] = []
+    end = m.step - m.steps
+    for steps, fwd_bwd_s, opt_s, samples, loss in m.parts:
+        end += int(steps)
+        own = loss is not None
+        out.append(replace(
+            m, step=end, steps=int(steps), fwd_bwd_s=fwd_bwd_s, opt_s=opt_s, samples=int(samples),
+            loss=float(loss) if own else m.loss, has_loss=own or m.has_loss, parts=None,
+            wall_time=m.wall_time - (m.step - end) * m.step_s))
+    return out
+
+
 @dataclass(frozen=True)
 class StepPoint:
     step: int
@@ -274,7 +293,8 @@ class Controller:
         for m in msgs:
             if m.step <= jc.last_step or m.step > horizon:
                 continue
-            self._ingest(agent, jc, m, others, leader)
+            for part in by_part(m):
+                self._ingest(agent, jc, part, others, leader)
 
     # --- per step --------------------------------------------------------------------------------
     def _ingest(self, agent: Any, jc: JobControl, m: Telemetry, others: dict[int, dict[int, Telemetry]],

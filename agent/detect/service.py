@@ -111,7 +111,7 @@ def step_samples(messages: list[Telemetry]) -> list[StepSample]:
             out.append(StepSample(m.step, m.fwd_bwd_s, m.opt_s, round(m.samples_per_step)))
             continue
         end = m.step - m.steps
-        for steps, fwd_bwd_s, opt_s, samples in m.parts:
+        for steps, fwd_bwd_s, opt_s, samples, _loss in m.parts:
             end += int(steps)
             out.append(StepSample(end, fwd_bwd_s, opt_s, round(samples / steps)))
     return out
