@@ -348,6 +348,11 @@ def test_without_an_agents_plan_no_rank_waits_on_a_sync_point(tmp_path: Path, mo
     assert run.plan.version == 0
 
 
+SNAP_STEPS = 200
+"""Sync points come every ~SYNC_TARGET_S (15 of these 20 ms steps): the agreed interval holds
+from the second one on, and must then outweigh the first ones' narrow interval."""
+
+
 def _snapshot_ranks(rank: int, nproc: int, port: int, plan_path: str, snap_dir: str, out_dir: str) -> None:
     """Rank 0 holds 16 MB of extra state: its copy costs far more than 1% of a 20 ms step, so it
     wants a wide snapshot interval; rank 1's tiny state would snapshot (nearly) every step."""
@@ -359,7 +364,7 @@ def _snapshot_ranks(rank: int, nproc: int, port: int, plan_path: str, snap_dir: 
     run = trainguard.init()
     taken = []
     t = torch.zeros(1)
-    for step in range(60):
+    for step in range(SNAP_STEPS):
         with run.step(step):
             time.sleep(0.02)
             dist.all_reduce(t)
@@ -383,5 +388,5 @@ def test_automatic_snapshot_intervals_are_agreed_so_every_rank_keeps_the_same_st
     wishes = [int((tmp_path / f"wish{r}").read_text()) for r in (0, 1)]
     assert wishes[0] >= 4 * wishes[1], wishes  # the ranks really did want different intervals
     assert taken[0] == taken[1], taken
-    assert len(taken[0]) < 60 // wishes[1] // 2, taken  # rank 0's wide interval won, not rank 1's narrow one
+    assert len(taken[0]) < SNAP_STEPS // wishes[1] // 2, taken  # rank 0's wide interval won, not rank 1's narrow one
     assert SnapshotSet(tmp_path / "shm", "snap").common_step(2) == taken[0][-1]
