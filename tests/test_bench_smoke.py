@@ -4,6 +4,7 @@ never from here: this checks that the scripts run and report, not what they meas
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import math
 import subprocess
@@ -52,11 +53,15 @@ PEERS_VENV = REPO / ".venv-peers"
 
 
 def _peers_venv() -> Path:
-    """The peers' venv, built when missing (~40 s: torch comes from the local wheel)."""
-    if not (PEERS_VENV / "bin" / "torchft_lighthouse").exists():
-        built = subprocess.run(["bash", "bench/peers_venv.sh", str(PEERS_VENV)], cwd=REPO, capture_output=True,
-                               text=True, timeout=600)
-        assert built.returncode == 0, built.stderr[-3000:]
+    """The peers' venv, built when missing (~40 s: torch comes from the local wheel). Under a
+    lock: three tests need it, and on a fresh clone two xdist workers once ran pip into it at
+    once (one failed on the other's temporary files)."""
+    with open(REPO / ".venv-peers.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (PEERS_VENV / "bin" / "torchft_lighthouse").exists():
+            built = subprocess.run(["bash", "bench/peers_venv.sh", str(PEERS_VENV)], cwd=REPO, capture_output=True,
+                                   text=True, timeout=600)
+            assert built.returncode == 0, built.stderr[-3000:]
     return PEERS_VENV
 
 

@@ -212,17 +212,23 @@ def test_pinned_cpu_hog_then_cpu_quota_are_attributed(harness_factory: Callable[
         for p in hogs:
             groups[1].add(p.pid)
         start, t_start = h.step(job), time.monotonic()
-        assert h.run_until(lambda: bool(h.events("straggler_detected", job)), 60, job), "hog not detected"
+        def of_rank1(kind: str) -> list[dict[str, Any]]:
+            return [e for e in h.events(kind, job) if e["rank"] == 1]
+
+        assert h.run_until(lambda: bool(of_rank1("straggler_detected")), 60, job), \
+            ("hog not detected", h.events("straggler_detected", job))
         took = time.monotonic() - t_start
-        ev = h.events("straggler_detected", job)[0]
-        assert ev["rank"] == 1, ev
+        ev = of_rank1("straggler_detected")[0]
+        # Rank 0 shares CPU 0 with whatever else the machine runs (the suite's other worker): a
+        # verdict it gets from that is not one this test caused, and must name no cause of ours.
+        others = [e for e in h.events("straggler_detected", job) if e["rank"] != 1]
+        assert all(e["cause"] == "unknown" for e in others), others
         named = ev
         if ev["cause"] == "unknown":
             # Detected on its first slow steps, before the run delay caught up: the agent names the
             # cause with the next ticks' evidence (tests/test_straggler_units.py covers that path).
-            assert h.run_until(lambda: bool(h.events("straggler_cause", job)), 30, job), ev["fields"]
-            named = h.events("straggler_cause", job)[0]
-            assert named["rank"] == 1, named
+            assert h.run_until(lambda: bool(of_rank1("straggler_cause")), 30, job), ev["fields"]
+            named = of_rank1("straggler_cause")[0]
         assert named["cause"] == "cpu_contention", named["fields"]
         assert named["fields"]["details"]["run_delay_source"] == source
         # Within the window: the run delay is a median over delay_window_s seconds, then two
