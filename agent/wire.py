@@ -161,6 +161,18 @@ class Telemetry:
     def compute_s(self) -> float:
         return self.fwd_bwd_s + self.opt_s
 
+    def part_rows(self) -> list[tuple[int, int, float, float, int, float | None]]:
+        """(last step, steps, fwd_bwd_s, opt_s, samples, loss or None) of each part, oldest first;
+        a message without parts is one part."""
+        if not self.parts:
+            return [(self.step, self.steps, self.fwd_bwd_s, self.opt_s, self.samples, self.loss if self.has_loss else None)]
+        rows = []
+        end = self.step - self.steps
+        for steps, fwd_bwd_s, opt_s, samples, loss in self.parts:
+            end += int(steps)
+            rows.append((end, int(steps), fwd_bwd_s, opt_s, int(samples), None if loss is None else float(loss)))
+        return rows
+
     def encode(self) -> bytes:
         # Field by field, not dataclasses.asdict: that deep-copies every value (~5x the cost, and
         # this runs once per step in every rank).

@@ -96,16 +96,10 @@ def by_part(m: Telemetry) -> list[Telemetry]:
     only the last part meets them."""
     if not m.parts:
         return [m]
-    out: list[Telemetry] = []
-    end = m.step - m.steps
-    for steps, fwd_bwd_s, opt_s, samples, loss in m.parts:
-        end += int(steps)
-        own = loss is not None
-        out.append(replace(
-            m, step=end, steps=int(steps), fwd_bwd_s=fwd_bwd_s, opt_s=opt_s, samples=int(samples),
-            loss=float(loss) if own else m.loss, has_loss=own or m.has_loss, parts=None,
-            wall_time=m.wall_time - (m.step - end) * m.step_s))
-    return out
+    return [replace(m, step=end, steps=steps, fwd_bwd_s=fwd_bwd_s, opt_s=opt_s, samples=samples,
+                    loss=m.loss if loss is None else loss, has_loss=loss is not None or m.has_loss, parts=None,
+                    wall_time=m.wall_time - (m.step - end) * m.step_s)
+            for end, steps, fwd_bwd_s, opt_s, samples, loss in m.part_rows()]
 
 
 @dataclass(frozen=True)

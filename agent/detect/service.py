@@ -103,18 +103,10 @@ class _JobState:
 
 
 def step_samples(messages: list[Telemetry]) -> list[StepSample]:
-    """The detector's samples from a rank's messages: one per part of a message that carries its
-    steps' compute in parts, else one per message (means per step, samples per step)."""
-    out: list[StepSample] = []
-    for m in messages:
-        if not m.parts:
-            out.append(StepSample(m.step, m.fwd_bwd_s, m.opt_s, round(m.samples_per_step)))
-            continue
-        end = m.step - m.steps
-        for steps, fwd_bwd_s, opt_s, samples, _loss in m.parts:
-            end += int(steps)
-            out.append(StepSample(end, fwd_bwd_s, opt_s, round(samples / steps)))
-    return out
+    """The detector's samples from a rank's messages: one per part (``Telemetry.part_rows``),
+    times and samples per step."""
+    return [StepSample(end, fwd_bwd_s, opt_s, round(samples / steps))
+            for m in messages for end, steps, fwd_bwd_s, opt_s, samples, _ in m.part_rows()]
 
 
 def _layout(agent: Agent, job: str, views: Mapping[int, Any]) -> Layout:
