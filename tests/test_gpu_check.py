@@ -71,3 +71,10 @@ def test_compute_clock_check_smallest_configuration_on_the_cpu() -> None:
     # (CI saw compute at 5x the wait, so a ratio bound measured the load, not the clock).
     wall, clocked, wait = (float(fields[k]) for k in ("wall_ms", "clocked_ms", "wait_ms"))
     assert wall >= wait and wall - clocked >= 0.7 * wait and 0 < clocked, fields
+    # The two-rank DDP job: the fast rank's wait for the slow one is in its wall time only, the slow
+    # rank's delay is in its clocked time.
+    [line] = [ln for ln in lines if ln.startswith("DDP ")]
+    ddp = {k: float(v) for k, v in (kv.split("=", 1) for kv in line.split()[2:-1])}
+    assert line.endswith("ok=True"), lines
+    assert ddp["fast_wall_ms"] - ddp["fast_clocked_ms"] >= 0.7 * ddp["delay_ms"], ddp
+    assert ddp["slow_clocked_ms"] - ddp["fast_clocked_ms"] >= 0.7 * ddp["delay_ms"], ddp
