@@ -162,5 +162,6 @@ def test_without_ddp_nothing_is_shared_and_every_rank_keeps_its_whole_state(tmp_
     assert replicated_ids({"model": model, "optim": opt}) == set()
     writer = SnapshotWriter(str(tmp_path), 0, 2, 0, share=True)
     writer.take(1, {"model": model, "optim": opt}, {})
-    assert writer.stats.state_bytes >= 3 * 8 * 9 * 4 - 64
+    # weight and bias, and their momentum, all kept in this rank's slot (the RNG goes in the skeleton)
+    assert writer.stats.state_bytes == 2 * 8 * 9 * 4
     writer.close()

@@ -23,7 +23,7 @@ from trainguard.agent.checkpoint.snapshots import (
     slot_path,
     snapshot_dir,
 )
-from trainguard.snapshot import SnapshotError, SnapshotWriter
+from trainguard.snapshot import SnapshotError, SnapshotWriter, _LateCopy
 from trainguard.snapshot_load import load_snapshot
 
 
@@ -75,10 +75,11 @@ def test_a_copy_cut_short_leaves_the_previous_snapshot(tmp_path: Path, monkeypat
     writer.take(1, state, {})
     writer.take(2, state, {})
 
-    def killed(*_: object) -> None:
+    def killed(*_: object, **__: object) -> None:
         raise KeyboardInterrupt("the rank dies in the middle of the copy")
 
     monkeypatch.setattr(torch, "_foreach_copy_", killed)
+    monkeypatch.setattr(torch, "cat", killed)  # CPU tensors go by runs, one cat each
     with pytest.raises(KeyboardInterrupt):
         writer.take(3, state, {})
     headers = {s: read_header(slot_path(tmp_path, 0, s)) for s in ("a", "b")}
@@ -311,3 +312,173 @@ def test_every_dtype_run_and_a_swapped_tensor_come_back_at_each_step(tmp_path: P
             assert value.dtype == seen[step][name].dtype, name
             assert torch.equal(value, seen[step][name]), (step, name)
     writer.close()
+
+
+# -- overlap: the optimizer-owned tensors copied while the next step runs --------------------------
+
+
+@pytest.fixture
+def gated_copy(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The helper thread's copy waits until the returned event is set (a copy still running)."""
+    gate = threading.Event()
+    original = _LateCopy.run
+
+    def held(*args: object) -> None:
+        assert gate.wait(30)
+        original(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_LateCopy, "run", held)
+    return gate
+
+
+def _states(directory: Path) -> list[tuple[int, int]]:
+    """(state, step) of this rank's slots that hold a header."""
+    return sorted((h.state, h.step) for s in ("a", "b") if (h := read_header(slot_path(directory, 0, s))))
+
+
+def _release_after(gate: threading.Event, seconds: float) -> None:
+    threading.Timer(seconds, gate.set).start()
+
+
+def _restored(directory: Path, step: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model, opt = _trained(seed=1, steps=0)
+    load_snapshot(str(directory), 0, 1, step, {"model": model, "optim": opt})
+    return model, opt
+
+
+def test_an_overlapped_copy_holds_its_step_though_the_optimizer_steps_at_once(
+        tmp_path: Path, gated_copy: threading.Event) -> None:
+    model, opt = _trained()
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0, overlap=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    avg = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    writer.take(4, {"model": model, "optim": opt}, {})
+    assert writer.stats.overlapped == 1
+    # Every tensor's copy is deferred: the slot is untouched until it runs, and only complete after
+    # (a crash now leaves the previous snapshot).
+    assert _states(tmp_path) == []
+    opt.zero_grad()
+    model(torch.randn(5, 8)).pow(2).mean().backward()
+    _release_after(gated_copy, 0.3)
+    t0 = time.monotonic()
+    opt.step()  # its pre-hook waits for the copy before changing what it copies
+    assert time.monotonic() - t0 >= 0.25
+    assert not torch.equal(model[0].weight, before["0.weight"])
+    assert _states(tmp_path) == [(DONE, 4)]
+    assert writer.stats.last_step == 4 and writer.stats.last_stall_s >= 0.25  # the wait counts as stall
+    writer.close()
+    fresh, fresh_opt = _restored(tmp_path, 4)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    assert all(torch.equal(fresh_opt.state[p]["exp_avg"], a) for p, a in zip(fresh.parameters(), avg, strict=True))
+
+
+def test_load_state_dict_and_the_next_snapshot_wait_for_the_copy(tmp_path: Path, gated_copy: threading.Event) -> None:
+    model, opt = _trained()
+    state = {"model": model, "optim": opt}
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0, overlap=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    writer.take(1, state, {})
+    _release_after(gated_copy, 0.3)
+    t0 = time.monotonic()
+    model.load_state_dict({k: torch.zeros_like(v) for k, v in before.items()})
+    assert time.monotonic() - t0 >= 0.25
+    fresh, _ = _restored(tmp_path, 1)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    # The next snapshot waits for the copy in flight before it picks a slot.
+    gated_copy.clear()
+    writer.take(2, state, {})
+    _release_after(gated_copy, 0.3)
+    t0 = time.monotonic()
+    writer.take(3, state, {})
+    assert time.monotonic() - t0 >= 0.25
+    gated_copy.set()
+    writer.close()  # waits for step 3's copy
+    assert _states(tmp_path) == [(DONE, 2), (DONE, 3)]
+    fresh, _ = _restored(tmp_path, 3)
+    assert all(torch.equal(v, torch.zeros_like(v)) for v in fresh.state_dict().values())
+
+
+def test_a_buffer_a_forward_updates_is_copied_before_take_returns(tmp_path: Path, gated_copy: threading.Event) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0, overlap=True)
+    running = model[1].running_mean.clone()
+    writer.take(1, {"model": model, "optim": opt}, {})
+    assert writer._plan is not None and sum(writer._plan.deferred) == 4  # the parameters, not the buffers
+    model(torch.randn(8, 4) + 5)  # the next step's forward moves the running mean in place
+    assert not torch.equal(model[1].running_mean, running)
+    gated_copy.set()
+    writer.close()
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    load_snapshot(str(tmp_path), 0, 1, 1, {"model": fresh, "optim": torch.optim.SGD(fresh.parameters(), lr=0.1)})
+    assert torch.equal(fresh[1].running_mean, running)
+
+
+def test_an_optimizer_trainguard_does_not_know_is_copied_at_once(tmp_path: Path) -> None:
+    class Custom(torch.optim.SGD):  # its own module: it might change parameters outside step()
+        pass
+
+    model = nn.Linear(4, 4)
+    opt = Custom(model.parameters(), lr=0.1)
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0, overlap=True)
+    writer.take(1, {"model": model, "optim": opt}, {})
+    assert writer.stats.overlapped == 0 and writer._plan is not None and writer._plan.deferred == ()
+    assert _states(tmp_path) == [(DONE, 1)]
+    writer.close()
+
+
+def test_a_failed_copy_is_named_at_the_next_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = _trained()
+    state = {"model": model, "optim": opt}
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0, overlap=True)
+    writer.take(1, state, {})
+    writer.wait()
+
+    def broken(*_: object) -> None:
+        raise OSError("the copy failed")
+
+    monkeypatch.setattr(_LateCopy, "run", broken)
+    writer.take(2, state, {})
+    with pytest.raises(SnapshotError, match="copy of the previous snapshot failed: OSError"):
+        writer.take(3, state, {})
+    assert _states(tmp_path) == [(DONE, 1)]  # the failed copy never touched its slot
+    writer.close()
+
+
+def test_a_fork_waits_for_the_copy(tmp_path: Path, gated_copy: threading.Event) -> None:
+    model, opt = _trained()
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0, overlap=True)
+    writer.take(1, {"model": model, "optim": opt}, {})
+    _release_after(gated_copy, 0.3)
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    assert time.monotonic() - t0 >= 0.25
+    os.waitpid(pid, 0)
+    assert _states(tmp_path) == [(DONE, 1)]
+    writer.close()
+
+
+def test_tensors_swapped_before_the_copy_skip_that_snapshot_and_the_next_sees_them(
+        tmp_path: Path, gated_copy: threading.Event) -> None:
+    model, opt = _trained()
+    state = {"model": model, "optim": opt}
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0, overlap=True)
+    writer.take(1, state, {})
+    gated_copy.set()
+    writer.wait()
+    gated_copy.clear()
+    writer.take(2, state, {})
+    model[0].weight.data = torch.full_like(model[0].weight, 3.0)  # new storage, same Parameter object
+    gated_copy.set()
+    writer.wait()
+    assert writer.stats.skipped == 1 and writer.stats.last_step == 1
+    assert _states(tmp_path) == [(DONE, 1)]  # step 2 was not recorded, step 1 stands
+    writer.take(3, state, {})
+    writer.close()
+    fresh, _ = _restored(tmp_path, 3)
+    assert torch.equal(fresh[0].weight, torch.full_like(fresh[0].weight, 3.0))

@@ -517,8 +517,8 @@ class Run:
                 # Replicas share their common tensors out only where every slot is on this node.
                 one_node = not self.env.part and self.env.local_world_size == self.env.world_size
                 self._snapshots = SnapshotWriter(self.env.snapshot_dir, self.env.rank, self.env.world_size,
-                                                 self.env.attempt, share=one_node)
-            stall = self._snapshots.take(step + 1, state, self.checkpoint_meta())
+                                                 self.env.attempt, share=one_node, overlap=True)
+            self._snapshots.take(step + 1, state, self.checkpoint_meta())
             if self._snapshots.stats.taken == 1:
                 self._snapshots.check_restorable()
                 return True  # the first one maps and touches the slot's pages: not a typical stall
@@ -527,7 +527,9 @@ class Run:
             self._warn(f"per-step snapshots off for this attempt (DCP checkpoints go on): {exc}", any_rank=True)
             return False
         if self.env.snapshot_every == SNAPSHOT_AUTO:
-            self._tune_snapshots(stall)
+            # The newest finished snapshot's whole stall: with its copy overlapped, what take()
+            # blocked and what a step then waited for the copy (the previous snapshot's, then).
+            self._tune_snapshots(self._snapshots.stats.last_stall_s)
         return True
 
     def _tune_snapshots(self, stall_s: float) -> None:

@@ -10,6 +10,18 @@ tensors of one dtype lie back to back in the slot and go in with one ``torch.cat
 tensors, 1.6 MB, against 0.06 ms for one cat); device tensors go with ``_foreach_copy_``. The training thread is blocked for that copy and the walk, nothing
 else: no collective, no planning, no file creation after the first snapshot.
 
+With ``overlap`` (what ``Run`` uses), the tensors that only an optimizer's ``step`` changes (the
+parameters of a built-in ``torch.optim`` optimizer in the state, and its state) are copied by a
+helper thread while the next step's forward and backward run (CheckFreq's pipelined snapshot): torch
+releases the GIL for the copy, and the optimizer's step pre-hook waits for it, so the copy still sees
+the state of the step it is labelled with. Everything else (buffers, which a forward may update in
+place, other tensors, the skeleton's values) is copied before ``take`` returns, and the slot is
+marked complete only once the helper is done. Also waited for: the next snapshot, a
+``load_state_dict`` of a module or optimizer in the state, a ``fork`` of the rank, ``wait``,
+``close``. Not seen: a script writing parameters in place outside its optimizer between a
+checkpoint and the next optimizer step (``wait()`` first). The stall it costs is the time ``take``
+blocks plus the time a step waits for the copy (``SnapshotStats.last_stall_s``).
+
 ``state`` is what ``Run.checkpoint`` takes. A mapping with a ``snapshot_state()`` method gives the
 snapshot that instead: the same state as raw modules and optimizers (the embedded trainer's
 checkpoint state is built for DCP resharding, whose ``state_dict`` costs milliseconds).
@@ -21,15 +33,18 @@ slot keeps its part of them and says which rank's slot keeps each of the others
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import mmap
 import operator
 import os
 import pickle
 import struct
+import threading
 import time
+import weakref
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,11 +175,24 @@ def rng_states() -> dict[str, Any]:
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
 
 
+def _rng_bytes() -> dict[str, bytes | None]:
+    """``rng_states`` as bytes, which a snapshot pickles into its skeleton: as a tensor of the slot
+    it went through the copy of the state's tensors and its layout's signature (~20 us more)."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    return {"torch": torch.get_rng_state().numpy().tobytes(),
+            "cuda": cuda.numpy().tobytes() if cuda is not None else None}
+
+
+def _rng_tensor(value: Any) -> Any:
+    return torch.frombuffer(bytearray(value), dtype=torch.uint8) if isinstance(value, (bytes, bytearray)) else value
+
+
 def set_rng_states(rng: Mapping[str, Any]) -> None:
-    """Put back what ``rng_states`` gave (CUDA's only where CUDA is in use)."""
-    torch.set_rng_state(rng["torch"])
+    """Put back what ``rng_states`` (or a snapshot's ``_rng_bytes``) gave (CUDA's only where CUDA
+    is in use)."""
+    torch.set_rng_state(_rng_tensor(rng["torch"]))
     if rng.get("cuda") is not None and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state(rng["cuda"])
+        torch.cuda.set_rng_state(_rng_tensor(rng["cuda"]))
 
 
 def _ref(tensor: torch.Tensor, tensors: list[torch.Tensor]) -> TensorRef:
@@ -221,6 +249,7 @@ class _Plan:
             sizes = [t.numel() * t.element_size() if id(t) in ids else None for t in self.tensors]
             if any(s is not None for s in sizes):
                 self.holders = holders(sizes, share[1], share[0])
+        self.deferred = self._deferred(view)
         # The checks as columns, so that holds() runs them in C (~100 per snapshot).
         self._tables = [table for table, _, _ in self._checks]
         self._keys = [key for _, key, _ in self._checks]
@@ -255,13 +284,46 @@ class _Plan:
         self._state_sizes.append((optim, len(optim.state)))
         return True
 
+    def _deferred(self, view: Mapping[str, Any]) -> tuple[bool, ...]:
+        """Per plan tensor: whether only an optimizer's ``step`` changes it (a parameter of a
+        built-in ``torch.optim`` optimizer of the state, or that optimizer's state), so that its
+        copy may wait until that step. () when none is."""
+        ours = [o for o in self.optimizers.values() if type(o).__module__.startswith("torch.optim.")]
+        if not ours:
+            return ()
+        owned: set[int] = set()
+        for optim in ours:
+            for group in optim.param_groups:
+                for param in group["params"]:
+                    owned.add(id(param))
+                    owned.update(id(v) for v in optim.state.get(param, {}).values())
+        for other in view.values():  # a parameter another optimizer steps too is copied at once
+            if isinstance(other, torch.optim.Optimizer) and not any(other is o for o in ours):
+                owned.difference_update(id(p) for group in other.param_groups for p in group["params"])
+        flags = tuple(id(t) in owned and t.device.type == "cpu" for t in self.tensors)
+        return flags if any(flags) else ()
+
+    def guarded(self) -> list[Any]:
+        """The modules (every submodule) and optimizers whose ``load_state_dict`` must wait for a
+        deferred copy, and the optimizers whose ``step`` must."""
+        objects: list[Any] = list(self.optimizers.values())
+        for value in self.objects.values():
+            if isinstance(value, nn.Module):
+                objects += list(value.modules())
+        return objects
+
     def holds(self, view: Mapping[str, Any]) -> bool:
+        return self.holds_objects(view) and self.holds_tensors()
+
+    def holds_objects(self, view: Mapping[str, Any]) -> bool:
         # Modules and optimizers must be the same objects; the rest is read afresh every time
         # (a state mapping built per step may wrap its sampler anew).
         if view.keys() != self.objects.keys() or any(view[k] is not self.objects[k] for k in self.static):
             return False
-        if any(len(optim.state) != n for optim, n in self._state_sizes):
-            return False
+        return not any(len(optim.state) != n for optim, n in self._state_sizes)
+
+    def holds_tensors(self) -> bool:
+        """Each plan tensor is still held where it was found."""
         return all(map(operator.is_, map(dict.get, self._tables, self._keys), self._held))
 
     def dynamic(self, view: Mapping[str, Any]) -> dict[str, Any]:
@@ -299,8 +361,8 @@ class _Slot:
         self.signature: Any = None
         """(tensor signature, holders) the layout was made for."""
         self.dsts: list[torch.Tensor] = []
-        self.runs: list[tuple[int, int, torch.Tensor]] = []
-        """(first, end, flat destination) of each run of packed stable tensors."""
+        self.runs: list[tuple[int, int, torch.Tensor, bool]] = []
+        """(first, end, flat destination, deferred) of each run of packed stable tensors."""
         self.stable = 0
         self.specs: list[TensorSpec] = []
         self.specs_bytes = b""
@@ -308,6 +370,7 @@ class _Slot:
         self.stored: list[int] = []
         """Indices of the tensors this slot keeps the bytes of (``dsts`` is theirs), in order."""
         self.stored_stable = 0
+        self.skeleton_bytes = 0
         header = read_header(path)
         self.step = header.step if header is not None and header.state == DONE else -1
 
@@ -323,12 +386,13 @@ class _Slot:
         self.buf[HEADER_BYTES:].zero_()  # fault the mapping's pages in once
 
     def layout(self, tensors: list[torch.Tensor], skeleton_hint: int, signature: Any, stable: int = 0,
-               holders: tuple[int, ...] = ()) -> None:
+               holders: tuple[int, ...] = (), deferred: tuple[bool, ...] = ()) -> None:
         """Place ``tensors``; the first ``stable`` (the plan's, the same objects every snapshot)
         are packed back to back while their dtype stays the same, so that each such run is one
         flat destination (``runs``). ``holders``: for each of the first ones, the rank whose slot
-        keeps its bytes instead of this one (-1: this one)."""
-        if (signature, holders) == self.signature and self.mm is not None and self._room(skeleton_hint):
+        keeps its bytes instead of this one (-1: this one). ``deferred``: for each of the first
+        ones, whether it is copied later (a run holds tensors of one kind only)."""
+        if (signature, holders, deferred) == self.signature and self.mm is not None and self._room(skeleton_hint):
             return
         specs: list[TensorSpec] = []
         runs: list[list[int]] = []  # [first, end, byte offset]
@@ -340,7 +404,8 @@ class _Slot:
             if holder >= 0:
                 specs.append(TensorSpec(-1, dtype, tuple(t.shape), holder))
                 continue
-            packed = 0 < i < stable and bool(stored) and stored[-1] == i - 1 and t.dtype == tensors[i - 1].dtype
+            packed = (0 < i < stable and bool(stored) and stored[-1] == i - 1 and t.dtype == tensors[i - 1].dtype
+                      and _flag(deferred, i) == _flag(deferred, i - 1))
             if packed:
                 runs[-1][1] = i + 1
             else:
@@ -359,11 +424,23 @@ class _Slot:
                      .view(tensors[i].dtype).view(tensors[i].shape) for i in stored]
         self.runs = [(start, end, self.buf.narrow(0, HEADER_BYTES + at, sum(t.numel() * t.element_size()
                                                                             for t in tensors[start:end]))
-                      .view(tensors[start].dtype)) for start, end, at in runs]
+                      .view(tensors[start].dtype), _flag(deferred, start)) for start, end, at in runs]
         self.stable, self.stored = stable, stored
         self.stored_stable = sum(1 for i in stored if i < stable)
-        self.specs, self.signature, self.payload_bytes = specs, (signature, holders), offset
+        self.specs, self.signature, self.payload_bytes = specs, (signature, holders, deferred), offset
         self.specs_bytes = pickle.dumps(specs, protocol=5)
+
+    def finish(self, static: bytes, dynamic: bytes, header: SlotHeader) -> None:
+        """Write the skeleton behind the tensors and mark the slot complete (the tensors are in)."""
+        assert self.mm is not None
+        parts = (self.specs_bytes, static, dynamic)
+        skeleton = _PARTS.pack(*map(len, parts)) + b"".join(parts)
+        start = HEADER_BYTES + self.payload_bytes
+        self.mm[start:start + len(skeleton)] = skeleton
+        self.write_header(dataclasses.replace(header, state=DONE, payload_bytes=self.payload_bytes,
+                                              skeleton_bytes=len(skeleton), skeleton_crc=zlib.crc32(skeleton)))
+        self.step = header.step
+        self.skeleton_bytes = len(skeleton)
 
     def _room(self, skeleton_bytes: int) -> bool:
         return self.mm is not None and HEADER_BYTES + self.payload_bytes + skeleton_bytes <= len(self.mm)
@@ -373,15 +450,18 @@ class _Slot:
         raw = header.pack()
         self.mm[0:len(raw)] = raw
 
-    def copy_in(self, tensors: list[torch.Tensor], flats: list[torch.Tensor] | None) -> None:
+    def copy_in(self, tensors: list[torch.Tensor], flats: list[torch.Tensor] | None,
+                deferred: bool | None = None) -> None:
         """Copy ``tensors`` into their places; ``flats``: flat views of the stable ones (None when
-        they cannot go by runs: not all on the CPU, or not contiguous)."""
+        they cannot go by runs: not all on the CPU, or not contiguous). ``deferred``: only the
+        runs laid out as deferred (True) or all but those (False); None: everything."""
         if flats is None or len(flats) != self.stable:
             torch._foreach_copy_(self.dsts, [tensors[i] for i in self.stored])
             return
-        for start, end, dst in self.runs:
-            torch.cat(flats[start:end], out=dst)
-        if len(tensors) > self.stable:
+        for start, end, dst, late in self.runs:
+            if deferred is None or late == deferred:
+                torch.cat(flats[start:end], out=dst)
+        if deferred is not True and len(tensors) > self.stable:
             torch._foreach_copy_(self.dsts[self.stored_stable:], tensors[self.stable:])
 
     def close_map(self) -> None:
@@ -395,24 +475,115 @@ class _Slot:
         os.close(self.fd)
 
 
+def _flag(flags: tuple[bool, ...], i: int) -> bool:
+    return i < len(flags) and flags[i]
+
+
 @dataclass
 class SnapshotStats:
     taken: int = 0
     last_step: int = -1
     last_stall_s: float = 0.0
+    """What the newest finished snapshot blocked training: ``take`` and a step's wait for its copy."""
     total_stall_s: float = 0.0
     state_bytes: int = 0
+    overlapped: int = 0
+    """Snapshots whose optimizer-owned tensors the helper thread copied."""
+    skipped: int = 0
+    """Overlapped snapshots not completed: their copy failed or found the state's tensors changed."""
+
+
+class _LateCopy:
+    """A snapshot's deferred part, run by the helper thread: check that the plan's tensors are
+    still the ones it found (identity, data pointers), copy the deferred runs, write the skeleton
+    and mark the slot complete. A plan that no longer holds skips the snapshot (the slot keeps
+    what it had, or stays incomplete) and makes the next one work its plan out again."""
+
+    def __init__(self, writer: SnapshotWriter, plan: _Plan, slot: _Slot, flats: list[torch.Tensor],
+                 tensors: list[torch.Tensor], dynamic: bytes, header: SlotHeader, touched: bool) -> None:
+        self.writer, self.plan, self.slot, self.flats = writer, plan, slot, flats
+        self.tensors, self.dynamic, self.header, self.touched = tensors, dynamic, header, touched
+        self.done = False
+
+    def run(self) -> None:
+        writer, slot = self.writer, self.slot
+        if not (self.plan.holds_tensors() and list(map(torch.Tensor.data_ptr, self.plan.tensors)) == writer._flat_ptrs):
+            writer._stale = True
+            return
+        if not self.touched:
+            slot.write_header(self.header)
+        with torch.no_grad():
+            slot.copy_in(self.tensors, self.flats, True)
+        slot.finish(self.plan.static_bytes, self.dynamic, self.header)
+        writer._last_skeleton = slot.skeleton_bytes
+        self.done = True
+
+
+class _Copier:
+    """One helper thread running one job at a time (a snapshot's deferred copy)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._job: Callable[[], None] | None = None
+        self.busy = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="trainguard-snapshot-copy", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._cv:
+            self._job, self.busy = job, True
+            self._cv.notify()
+
+    def wait(self) -> None:
+        with self._cv:
+            while self.busy:
+                self._cv.wait()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._job is None:
+                    self._cv.wait()
+                job, self._job = self._job, None
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 - told to the rank at its next snapshot
+                self.error = exc
+            with self._cv:
+                self.busy = False
+                self._cv.notify_all()
+
+
+_WRITERS: weakref.WeakSet[SnapshotWriter] = weakref.WeakSet()
+_AT_FORK: list[bool] = []
+
+
+def _wait_all_before_fork() -> None:
+    # A child forked in the middle of a copy would inherit whatever the helper thread held.
+    for writer in list(_WRITERS):
+        writer.wait()
 
 
 class SnapshotWriter:
     """One rank's snapshots (see the module docstring). ``share``: the ranks of this job share out
     the tensors they hold alike (data-parallel replicas on one node: ``trainguard.replicas``)."""
 
-    def __init__(self, directory: str, rank: int, world_size: int, attempt: int, *, share: bool = False) -> None:
+    def __init__(self, directory: str, rank: int, world_size: int, attempt: int, *, share: bool = False,
+                 overlap: bool = False) -> None:
         self.directory = directory
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self.share = share and world_size > 1
+        self.overlap = overlap
         self.stats = SnapshotStats()
+        self._copier: _Copier | None = None
+        self._pending: tuple[int, float, _LateCopy] | None = None
+        """(step, seconds ``take`` blocked, its copy) of the snapshot whose deferred copy is in flight."""
+        self._stale = False
+        """The helper found the plan's tensors changed: work it out again."""
+        self._hooks: list[Any] = []
+        self._hooked: tuple[int, ...] = ()
+        self._guarded_plan: _Plan | None = None
         os.makedirs(directory, exist_ok=True)
         self._slots = [_Slot(str(slot_path(directory, rank, s))) for s in SLOTS]
         self._last_skeleton = 0
@@ -426,51 +597,129 @@ class SnapshotWriter:
         return self._slots[1] if newest is self._slots[0] else self._slots[0]
 
     def take(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> float:
-        """Snapshot ``state`` as of ``step`` steps done; returns the seconds training was blocked.
-        Raises SnapshotError (nothing newer was recorded, the previous snapshot stays)."""
+        """Snapshot ``state`` as of ``step`` steps done; returns the seconds this call blocked
+        (with ``overlap``, a copy may go on after it: ``wait``). Raises SnapshotError (nothing
+        newer was recorded, the previous snapshot stays)."""
+        self.wait()
+        if self._copier is not None and self._copier.error is not None:
+            error, self._copier.error = self._copier.error, None
+            raise SnapshotError(f"the copy of the previous snapshot failed: {type(error).__name__}: {error}")
         t0 = time.perf_counter()
         view = snapshot_view(state)
-        if self._plan is None or not self._plan.holds(view):
-            self._plan = _Plan(view, (self.rank, self.world_size) if self.share else None)
         plan = self._plan
+        # With the copy deferred, the helper checks the plan's tensors (identity, data pointers)
+        # when it copies them: nothing may change them before the optimizer step it waits for.
+        late_ok = self.overlap and plan is not None and bool(plan.deferred) and self._flats is not None
+        rebuilt = (plan is None or self._stale
+                   or not (plan.holds_objects(view) if late_ok else plan.holds(view)))  # type: ignore[union-attr]
+        if plan is None or rebuilt:
+            plan = self._plan = _Plan(view, (self.rank, self.world_size) if self.share else None)
+            self._stale = False
         tensors = list(plan.tensors)
         try:
-            dynamic = _pickle_stripped({"dynamic": plan.dynamic(view), "rng": rng_states(), "meta": dict(meta)},
+            dynamic = _pickle_stripped({"dynamic": plan.dynamic(view), "rng": _rng_bytes(), "meta": dict(meta)},
                                        tensors)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             self._plan = None
             raise SnapshotError(f"the state holds something snapshots cannot carry: {exc}") from exc
         slot = self._target()
-        skeleton_hint = max(self._last_skeleton, len(plan.static_bytes) + len(dynamic) + 4096)
         signature = plan.signature + _signature(tensors[len(plan.tensors):])
+        flats = self._flats if late_ok and not rebuilt else self._flat_sources(plan.tensors)
+        late = self.overlap and flats is not None and bool(plan.deferred)
+        deferred = plan.deferred if late else ()
+        skeleton_bytes = _PARTS.size + len(plan.static_bytes) + len(dynamic) + 8192  # the specs: ~40 bytes a tensor
         try:
-            slot.layout(tensors, skeleton_hint, signature, len(plan.tensors), plan.holders)
+            slot.layout(tensors, max(self._last_skeleton, skeleton_bytes), signature, len(plan.tensors), plan.holders,
+                        deferred)
+            if not slot._room(_PARTS.size + len(slot.specs_bytes) + len(plan.static_bytes) + len(dynamic)):
+                # a skeleton that outgrew its reserve: a new layout
+                slot.layout(tensors, 2 * (len(slot.specs_bytes) + skeleton_bytes), signature, len(plan.tensors),
+                            plan.holders, deferred)
         except OSError as exc:
             raise SnapshotError(f"no room for a snapshot of {sum(t.numel() * t.element_size() for t in tensors)} "
                                 f"bytes in {self.directory}: {exc}") from exc
-        parts = (slot.specs_bytes, plan.static_bytes, dynamic)
-        skeleton = _PARTS.pack(*map(len, parts)) + b"".join(parts)
-        if not slot._room(len(skeleton)):
-            slot.layout(tensors, 2 * len(skeleton), signature, len(plan.tensors), plan.holders)  # a skeleton that outgrew its reserve: a new layout
-            parts = (slot.specs_bytes, plan.static_bytes, dynamic)
-            skeleton = _PARTS.pack(*map(len, parts)) + b"".join(parts)
-        slot.write_header(SlotHeader(WRITING, step, self.attempt, self.world_size, self.rank, 0, 0, 0))
-        with torch.no_grad():
-            slot.copy_in(tensors, self._flat_sources(plan.tensors))
-        assert slot.mm is not None
-        start = HEADER_BYTES + slot.payload_bytes
-        slot.mm[start:start + len(skeleton)] = skeleton
-        slot.write_header(SlotHeader(DONE, step, self.attempt, self.world_size, self.rank, slot.payload_bytes,
-                                     len(skeleton), zlib.crc32(skeleton)))
-        slot.step = step
-        self._last_skeleton = len(skeleton)
-        stall = time.perf_counter() - t0
         st = self.stats
         st.taken += 1
+        st.state_bytes = slot.payload_bytes
+        header = SlotHeader(WRITING, step, self.attempt, self.world_size, self.rank, 0, 0, 0)
+        touched = not late or slot.stored_stable < len(slot.stored) or any(not f for _, _, _, f in slot.runs)
+        if touched:  # bytes copied here: the slot is no longer the complete one it was
+            slot.write_header(header)
+            with torch.no_grad():
+                slot.copy_in(tensors, flats, False if late else None)
+        if late:
+            assert flats is not None
+            self._guard(plan)
+            if self._copier is None:
+                self._copier = _Copier()
+            job = _LateCopy(self, plan, slot, flats, tensors, dynamic, header, touched)
+            self._copier.submit(job.run)
+            blocked = time.perf_counter() - t0
+            self._pending = (step, blocked, job)
+            st.overlapped += 1
+            st.total_stall_s += blocked
+            return blocked
+        slot.finish(plan.static_bytes, dynamic, header)
+        self._last_skeleton = slot.skeleton_bytes
+        stall = time.perf_counter() - t0
         st.last_step, st.last_stall_s = step, stall
         st.total_stall_s += stall
-        st.state_bytes = slot.payload_bytes
         return stall
+
+    def wait(self) -> float:
+        """Wait for the deferred copy in flight (none: at once); the seconds waited, which count
+        as that snapshot's stall."""
+        pending = self._pending
+        if pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        assert self._copier is not None
+        if self._copier.busy:
+            self._copier.wait()
+        waited = time.perf_counter() - t0
+        self._pending = None
+        st = self.stats
+        st.total_stall_s += waited
+        if pending[2].done:
+            st.last_step, st.last_stall_s = pending[0], pending[1] + waited
+        else:
+            st.skipped += 1
+        return waited
+
+    def _guard(self, plan: _Plan) -> None:
+        """Hooks that wait for a deferred copy before anything changes what it copies: each
+        optimizer's step, each module's and optimizer's ``load_state_dict``, a fork."""
+        if plan is self._guarded_plan:
+            return
+        objects = plan.guarded()
+        ids = tuple(map(id, objects))
+        self._guarded_plan = plan
+        if ids == self._hooked:
+            return
+        self._unhook()
+        me = weakref.ref(self)
+
+        def wait_for_copy(*_: Any, **__: Any) -> None:
+            writer = me()
+            if writer is not None:
+                writer.wait()
+
+        for obj in objects:
+            if isinstance(obj, torch.optim.Optimizer):
+                self._hooks.append(obj.register_step_pre_hook(wait_for_copy))
+            on_load = getattr(obj, "register_load_state_dict_pre_hook", None)  # public on modules since torch 2.5
+            if on_load is not None:
+                self._hooks.append(on_load(wait_for_copy))
+        self._hooked = ids
+        _WRITERS.add(self)
+        if not _AT_FORK:
+            os.register_at_fork(before=_wait_all_before_fork)
+            _AT_FORK.append(True)
+
+    def _unhook(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._hooked, self._guarded_plan = [], (), None
 
     def _flat_sources(self, stable: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Flat views of the plan's tensors, kept while each still has the same data pointer (a
@@ -487,6 +736,7 @@ class SnapshotWriter:
     def check_restorable(self) -> None:
         """Raise SnapshotError when the newest snapshot's skeleton could not be read back (the
         state holds values other than tensors and plain Python data)."""
+        self.wait()
         newest = max(self._slots, key=lambda s: s.step)
         found = read_done(newest.path)
         if found is None:
@@ -497,6 +747,9 @@ class SnapshotWriter:
             raise SnapshotError(f"the state holds something snapshots cannot carry: {exc}") from exc
 
     def close(self) -> None:
+        self.wait()
+        self._unhook()
+        _WRITERS.discard(self)
         for slot in self._slots:
             slot.close()
 
