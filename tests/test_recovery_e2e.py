@@ -71,6 +71,25 @@ def test_sigkill_resumes_from_the_killed_step_bit_exact(agent_factory, corpus_ca
         assert (a[name] == b[name]).all(), name
 
 
+def test_a_second_kill_before_the_agent_saw_the_first_resume_gets_a_clock_of_its_own(agent_factory,
+                                                                                     corpus_cache) -> None:
+    """The second kill comes a few steps after the first restart, before the agent's next tick (3 s
+    apart) could see the ranks training again: the first failure's resume is still told, at the
+    second failure, and the second failure's recovery is timed from its own kill, not the first."""
+    agent = agent_factory(config="[agent]\ninterval_s = 3.0\n[checkpoint]\nsnapshot_every = 1\n")
+    client = agent.client()
+    faulty = run_job(client, "twice", corpus_cache, 24, ["kill:rank=1,step=8", "kill:rank=1,step=14"])
+    assert faulty["state"] == "succeeded" and faulty["restarts"] == 2
+    resumed = wait_for(lambda: (r := [e for e in events_of(client, "job_resumed") if e.get("job") == "twice"])
+                       and len(r) == 2 and r, 15, "two job_resumed events")
+    exits = [e for e in events_of(client, "rank_exit") if e.get("job") == "twice" and e["fields"]["signal"]]
+    assert len(exits) == 2 and [e["fields"]["restored_from"]["step"] for e in resumed] == [8, 14]
+    for failure, told in zip(exits, resumed, strict=True):
+        # Each recovery is timed from its own kill: a second's worth, not the time since the first kill.
+        assert 0 < told["fields"]["recovery_s"] < 2.0, told
+        assert told["ts"] >= failure["ts"] - 0.01
+
+
 def test_hang_captures_stacks_then_restarts(agent_factory, corpus_cache) -> None:
     agent = agent_factory(config="[checkpoint]\nmemory_every = 5\n[recovery]\nhang_floor_s = 10.0\nhang_factor = 5.0\n")
     client = agent.client()

@@ -126,7 +126,8 @@ class RecoveryService:
         self._attempt_seen: dict[str, int] = {}
         self._restored: dict[str, Restored] = {}
         self._busy: set[str] = set()
-        self._lock = threading.Lock()
+        self._recovering = threading.RLock()
+        """Held while a failure's clock starts or stops: the supervisor's thread and the tick both do."""
         self.actions: dict[tuple[str, str, str], int] = {}
         self.detections: dict[tuple[str, str], int] = {}
         self._failure_at: dict[str, float] = {}
@@ -329,6 +330,10 @@ class RecoveryService:
         return stalled
 
     def _note_recovered(self, job: str, record: JobRecord, ranks: list[Any], now: float) -> None:
+        with self._recovering:
+            self._note_recovered_locked(job, record, ranks, now)
+
+    def _note_recovered_locked(self, job: str, record: JobRecord, ranks: list[Any], now: float) -> None:
         started = self._failure_at.get(job)
         restored_step = (record.restored_from or {}).get("step", -1)
         if started is not None and ranks and all(v.step > restored_step for v in ranks):
@@ -355,8 +360,15 @@ class RecoveryService:
                 restored.release()
 
     def note_failure(self, job: str, kind: str, when: float | None = None) -> None:
-        """A failure the supervisor or a collector saw (rank exit, OOM): start the recovery clock."""
-        self._failure_at.setdefault(job, when if when is not None else time.time())
+        """A failure the supervisor or a collector saw (rank exit, OOM): start the recovery clock.
+        An attempt that resumed and failed again between two ticks still resumed: that is told
+        first, so that this failure's clock starts now, not at the one before."""
+        with self._recovering:
+            record = self.agent.supervisor.jobs.get(job)
+            if job in self._failure_at and job not in self._busy and record is not None:
+                self._note_recovered_locked(job, record, self._attempt_ranks(record, self.agent.table.snapshot()),
+                                            time.time())
+            self._failure_at.setdefault(job, when if when is not None else time.time())
         key = (job, kind)
         self.detections[key] = self.detections.get(key, 0) + 1
 
