@@ -366,6 +366,7 @@ def test_an_overlapped_copy_holds_its_step_though_the_optimizer_steps_at_once(
     assert not torch.equal(model[0].weight, before["0.weight"])
     assert _states(tmp_path) == [(DONE, 4)]
     assert writer.stats.last_step == 4 and writer.stats.last_stall_s >= 0.25  # the wait counts as stall
+    assert 0 < writer.stats.last_cost_s < 0.2  # but not as CPU spent on the snapshot
     writer.close()
     fresh, fresh_opt = _restored(tmp_path, 4)
     assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())

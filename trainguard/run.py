@@ -527,14 +527,15 @@ class Run:
             self._warn(f"per-step snapshots off for this attempt (DCP checkpoints go on): {exc}", any_rank=True)
             return False
         if self.env.snapshot_every == SNAPSHOT_AUTO:
-            # The newest finished snapshot's whole stall: with its copy overlapped, what take()
-            # blocked and what a step then waited for the copy (the previous snapshot's, then).
-            self._tune_snapshots(self._snapshots.stats.last_stall_s)
+            # What the newest finished snapshot cost (the previous one, when its copy is
+            # overlapped): take() and the helper thread's copy, which on a node whose cores the
+            # ranks fill comes out of training as surely as a stall does.
+            self._tune_snapshots(self._snapshots.stats.last_cost_s)
         return True
 
     def _tune_snapshots(self, stall_s: float) -> None:
-        """The fewest steps between snapshots, a power of two, that keeps their stall within 1% of
-        the step time: from the median of the last 9 stall/step ratios (one slow step or one slow
+        """The fewest steps between snapshots, a power of two, that keeps their cost within 1% of
+        the step time: from the median of the last 9 cost/step ratios (one slow step or one slow
         copy does not move it). In a multi-rank job with an agent this is only a wish: rank 0's is
         agreed at the plan sync points (``PlanSync``), since ranks whose intervals drift apart keep
         no common step in their two slots; alone, the rank applies it."""

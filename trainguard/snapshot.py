@@ -487,6 +487,9 @@ class SnapshotStats:
     """What the newest finished snapshot blocked training: ``take`` and a step's wait for its copy."""
     total_stall_s: float = 0.0
     state_bytes: int = 0
+    last_cost_s: float = 0.0
+    """What the newest finished snapshot cost this rank's CPU: ``take`` and the helper thread's
+    copy (on a node whose cores the ranks fill, the helper's copy comes out of training too)."""
     overlapped: int = 0
     """Snapshots whose optimizer-owned tensors the helper thread copied."""
     skipped: int = 0
@@ -504,8 +507,16 @@ class _LateCopy:
         self.writer, self.plan, self.slot, self.flats = writer, plan, slot, flats
         self.tensors, self.dynamic, self.header, self.touched = tensors, dynamic, header, touched
         self.done = False
+        self.cpu_s = 0.0
 
     def run(self) -> None:
+        c0 = time.thread_time()
+        try:
+            self._run()
+        finally:
+            self.cpu_s = time.thread_time() - c0
+
+    def _run(self) -> None:
         writer, slot = self.writer, self.slot
         if not (self.plan.holds_tensors() and list(map(torch.Tensor.data_ptr, self.plan.tensors)) == writer._flat_ptrs):
             writer._stale = True
@@ -627,7 +638,8 @@ class SnapshotWriter:
         flats = self._flats if late_ok and not rebuilt else self._flat_sources(plan.tensors)
         late = self.overlap and flats is not None and bool(plan.deferred)
         deferred = plan.deferred if late else ()
-        skeleton_bytes = _PARTS.size + len(plan.static_bytes) + len(dynamic) + 8192  # the specs: ~40 bytes a tensor
+        # The specs' pickle is ~40 bytes a tensor: a first layout with room for it maps the slot once.
+        skeleton_bytes = _PARTS.size + len(plan.static_bytes) + len(dynamic) + 64 * len(tensors) + 4096
         try:
             slot.layout(tensors, max(self._last_skeleton, skeleton_bytes), signature, len(plan.tensors), plan.holders,
                         deferred)
@@ -663,6 +675,7 @@ class SnapshotWriter:
         self._last_skeleton = slot.skeleton_bytes
         stall = time.perf_counter() - t0
         st.last_step, st.last_stall_s = step, stall
+        st.last_cost_s = stall
         st.total_stall_s += stall
         return stall
 
@@ -682,6 +695,7 @@ class SnapshotWriter:
         st.total_stall_s += waited
         if pending[2].done:
             st.last_step, st.last_stall_s = pending[0], pending[1] + waited
+            st.last_cost_s = pending[1] + pending[2].cpu_s
         else:
             st.skipped += 1
         return waited
