@@ -362,10 +362,13 @@ class RecoveryService:
     def note_failure(self, job: str, kind: str, when: float | None = None) -> None:
         """A failure the supervisor or a collector saw (rank exit, OOM): start the recovery clock.
         An attempt that resumed and failed again between two ticks still resumed: that is told
-        first, so that this failure's clock starts now, not at the one before."""
+        first, so that this failure's clock starts now, not at the one before. (Only an attempt
+        launched after that failure: the other ranks' exits, an OOM kill or a node loss are more
+        word of the same failure.)"""
         with self._recovering:
             record = self.agent.supervisor.jobs.get(job)
-            if job in self._failure_at and job not in self._busy and record is not None:
+            relaunched = self._launch_at.get(job, 0.0) > self._failure_at.get(job, float("inf"))
+            if relaunched and job not in self._busy and record is not None:
                 self._note_recovered_locked(job, record, self._attempt_ranks(record, self.agent.table.snapshot()),
                                             time.time())
             self._failure_at.setdefault(job, when if when is not None else time.time())
