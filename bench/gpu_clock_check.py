@@ -24,6 +24,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +40,55 @@ import trainguard  # noqa: E402
 from trainguard.computetime import ClockStamps, GradientClock  # noqa: E402
 
 
+def _net(device: str, width: int) -> tuple[torch.device, nn.Module, torch.Tensor]:
+    """The device, a 6-layer MLP on it and its input batch."""
+    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(6)]).to(dev)
+    return dev, model, torch.randn(256 if device == "cuda" else 16, width, device=dev)
+
+
+def _watched_run(model: nn.Module, device: str) -> trainguard.Run:
+    """A run with no agent (telemetry a no-op; timings read from the step itself) whose gradient
+    clock is the default one on CUDA (CUDA events), a host wall clock on the CPU."""
+    run = trainguard.init()
+    if device == "cuda":
+        run.watch_gradients(model.parameters())
+    else:
+        run.watch_gradients(model.parameters(), clock=GradientClock(ClockStamps(time.perf_counter)))
+    return run
+
+
+def _timed_steps(run: trainguard.Run, model: nn.Module, steps: int, samples: int,
+                 compute: Callable[[int], None], before: Callable[[], None] = lambda: None) -> tuple[float, float]:
+    """(median compute-phase wall ms, median clocked compute ms) of ``steps`` steps whose compute
+    phase runs ``compute(step)`` (``before()`` ahead of each step); the first steps warm up
+    allocators and kernels and are left out."""
+    walls, clocked = [], []
+    for step in range(steps):
+        before()
+        with run.step(step, samples=samples) as s:
+            with s.phase("compute"):
+                compute(step)
+            times = s.timings(step_s=time.perf_counter() - s._t0, step_cpu_s=0.0)
+        walls.append(s.wall["compute"])
+        clocked.append(times["fwd_bwd_s"])
+        model.zero_grad(set_to_none=True)
+    run.close()
+    skip = min(2, steps - 1)
+    return 1000 * statistics.median(walls[skip:]), 1000 * statistics.median(clocked[skip:])
+
+
 def measure(device: str, steps: int, width: int, wait_ms: float) -> tuple[float, float, float]:
     """(median compute-phase wall ms, median clocked compute ms, median wait ms as it ran) over ``steps`` steps.
 
     On CUDA: the default gradient clock (CUDA events) and a GPU sleep on the compute stream. On the
     CPU (the smoke test's smallest configuration): the same step path with a host wall clock for
     the stamps and a host sleep for the wait."""
-    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(6)]).to(dev)
-    x = torch.randn(256 if device == "cuda" else 16, width, device=dev)
-    run = trainguard.init()  # no agent: telemetry is a no-op, timings are read from the step itself
+    dev, model, x = _net(device, width)
+    run = _watched_run(model, device)
     waited: list[float] = []  # each step's wait as it ran, in ms: the clock rate moves under load
     if device == "cuda":
-        run.watch_gradients(model.parameters())
         # Calibrate the stand-in wait on this GPU's clock rate; the first run of the check (an idle
         # GPU ramping its clock up) waited half the intended time, so each wait is also timed.
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -69,61 +106,38 @@ def measure(device: str, steps: int, width: int, wait_ms: float) -> tuple[float,
             torch.cuda.synchronize(dev)
             waited.append(start.elapsed_time(end))
     else:
-        run.watch_gradients(model.parameters(), clock=GradientClock(ClockStamps(time.perf_counter)))
-
         def wait() -> None:
             t0 = time.perf_counter()
             time.sleep(wait_ms / 1000)
             waited.append(1000 * (time.perf_counter() - t0))
-    walls, clocked = [], []
-    for step in range(steps):
-        with run.step(step, samples=x.shape[0]) as s:
-            with s.phase("compute"):
-                model(x).pow(2).mean().backward()
-                wait()
-            times = s.timings(step_s=time.perf_counter() - s._t0, step_cpu_s=0.0)
-        walls.append(s.wall["compute"])
-        clocked.append(times["fwd_bwd_s"])
-        for p in model.parameters():
-            p.grad = None
-    run.close()
-    skip = min(2, steps - 1)  # the first steps warm up allocators and kernels
-    return (1000 * statistics.median(walls[skip:]), 1000 * statistics.median(clocked[skip:]),
-            statistics.median(waited[skip:]))
+
+    def compute(_: int) -> None:
+        model(x).pow(2).mean().backward()
+        wait()
+
+    wall, clock = _timed_steps(run, model, steps, x.shape[0], compute)
+    return wall, clock, statistics.median(waited[min(2, steps - 1):])
 
 
 def _ddp_rank(rank: int, device: str, port: int, steps: int, width: int, delay_ms: float, out: Any) -> None:
     """One rank of the two-rank DDP job; puts (rank, median wall ms, median clocked ms) on ``out``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
-    torch.manual_seed(0)
-    net = nn.Sequential(*[nn.Linear(width, width) for _ in range(6)]).to(dev)
+    dev, net, x = _net(device, width)
     model = DistributedDataParallel(net, device_ids=[0] if device == "cuda" else None)
-    x = torch.randn(256 if device == "cuda" else 16, width, device=dev)
-    run = trainguard.init()
-    if device == "cuda":
-        run.watch_gradients(model.parameters())
-    else:
-        run.watch_gradients(model.parameters(), clock=GradientClock(ClockStamps(time.perf_counter)))
-    walls, clocked = [], []
-    for step in range(steps):
-        dist.barrier()  # both ranks start a step together, so rank 0's wait is rank 1's delay
-        with run.step(step, samples=x.shape[0]) as s:
-            with s.phase("compute"):
-                if rank == 1:
-                    time.sleep(delay_ms / 1000)  # a slow rank: its compute takes longer
-                model(x).pow(2).mean().backward()
-                if device == "cuda":
-                    torch.cuda.synchronize(dev)
-            times = s.timings(step_s=time.perf_counter() - s._t0, step_cpu_s=0.0)
-        walls.append(s.wall["compute"])
-        clocked.append(times["fwd_bwd_s"])
-        model.zero_grad(set_to_none=True)
-    run.close()
+    run = _watched_run(model, device)
+
+    def compute(_: int) -> None:
+        if rank == 1:
+            time.sleep(delay_ms / 1000)  # a slow rank: its compute takes longer
+        model(x).pow(2).mean().backward()
+        if device == "cuda":
+            torch.cuda.synchronize(dev)
+
+    # Both ranks start each step together, so rank 0's wait is rank 1's delay.
+    wall, clock = _timed_steps(run, model, steps, x.shape[0], compute, before=dist.barrier)
+    out.put((rank, wall, clock))
     dist.destroy_process_group()
-    skip = min(2, steps - 1)
-    out.put((rank, 1000 * statistics.median(walls[skip:]), 1000 * statistics.median(clocked[skip:])))
 
 
 def measure_ddp(device: str, steps: int, width: int, delay_ms: float) -> dict[int, tuple[float, float]]:

@@ -475,6 +475,11 @@ class _Slot:
         os.close(self.fd)
 
 
+def _data_ptrs(tensors: list[torch.Tensor]) -> list[int]:
+    """Where each tensor's bytes are: a tensor given new storage (``.data = ...``) moves."""
+    return list(map(torch.Tensor.data_ptr, tensors))
+
+
 def _flag(flags: tuple[bool, ...], i: int) -> bool:
     return i < len(flags) and flags[i]
 
@@ -518,7 +523,7 @@ class _LateCopy:
 
     def _run(self) -> None:
         writer, slot = self.writer, self.slot
-        if not (self.plan.holds_tensors() and list(map(torch.Tensor.data_ptr, self.plan.tensors)) == writer._flat_ptrs):
+        if not (self.plan.holds_tensors() and _data_ptrs(self.plan.tensors) == writer._flat_ptrs):
             writer._stale = True
             return
         if not self.touched:
@@ -739,7 +744,7 @@ class SnapshotWriter:
         """Flat views of the plan's tensors, kept while each still has the same data pointer (a
         view costs ~1 us, a pointer read ~0.1 us; the views hold the old storage, so a replaced
         tensor's memory cannot come back at the same address). None: they go one by one."""
-        ptrs = list(map(torch.Tensor.data_ptr, stable))
+        ptrs = _data_ptrs(stable)
         if ptrs != self._flat_ptrs:
             self._flat_ptrs = ptrs
             self._flats = None
