@@ -133,8 +133,14 @@ restarted rank needs more than that to fork, set up and run a step)."""
 
 def last_row_before(rows: list[dict[str, Any]], kill_ts: float) -> int:
     """Index of the last row of the killed attempt (rank 0 may print the kill step's row a few ms
-    after the other rank died): the row after it is the first one after the recovery."""
-    return max((i for i, r in enumerate(rows) if r["time"] <= kill_ts + RECOVERY_SLACK_S), default=-1)
+    after the other rank died): the row after it is the first one after the recovery. Rows that
+    name their attempt end it at the attempt's last row: a warm restart can print its first step
+    within the slack."""
+    j = max((i for i, r in enumerate(rows) if r["time"] <= kill_ts), default=-1)
+    while (j + 1 < len(rows) and rows[j + 1]["time"] <= kill_ts + RECOVERY_SLACK_S
+           and rows[j + 1].get("attempt") == (rows[j].get("attempt") if j >= 0 else None)):
+        j += 1
+    return j
 
 
 def failure_after(rows: list[dict[str, Any]], kill_ts: float, restored: int | None = None) -> tuple[int, Failure] | None:

@@ -54,3 +54,19 @@ def test_a_restart_right_after_a_checkpoint_is_found_from_the_attempt() -> None:
     assert [(f.kill_step, f.restored_step, f.steps_lost) for f in res.failures] == [(40, 40, 0)]
     assert math.isclose(res.failures[0].resume_s, after[0]["time"] - before[-1]["time"])
     assert res.overhead < 0.1  # the restart's 5 s are not a checkpoint's stall
+
+
+def test_a_warm_restart_faster_than_the_slack_is_one_failure() -> None:
+    """The agent's warm restart printed its first step 0.09 s after the kill, inside the slack for
+    the killed attempt's late rows: the attempt ends that attempt, so the recovery is not counted
+    twice (fresh-clone CI counted 3 failures for 2 kills)."""
+    before = [dict(r, attempt=1) for r in rows(range(80, 90), 1000.0, step_s=0.01, gap_s=0.0)]
+    kill_ts = before[-1]["time"] - 0.002  # rank 0 printed step 89 2 ms after rank 1 died
+    after = [dict(r, attempt=2) for r in rows(range(89, 120), kill_ts + 0.09, step_s=0.01, gap_s=0.0)]
+    all_rows = before + after
+    found = recovery.failure_after(all_rows, kill_ts, restored=88)
+    assert found is not None
+    index, failure = found
+    assert index == len(before) and failure.kill_step == 89 and failure.steps_lost == 1
+    res = recovery.analyse("x", all_rows, 0, {index: failure})
+    assert res.failures == [failure]
