@@ -1,7 +1,7 @@
 """The same DDP script as ``ddp_plain.py`` with trainguard's Python API: a few lines more, and the
 agent gets step telemetry (stragglers, hangs, loss divergence), keeps in-memory checkpoints that a
 restart resumes from, and may move samples between ranks (``plan.batch_size``, with
-``s.loss_weight`` keeping the averaged gradient exact).
+``s.weighted(loss)``, times ``s.loss_weight``, keeping the averaged gradient exact).
 
     trainguard run --nproc 2 -- python examples/ddp_api.py --steps 200
 
@@ -93,7 +93,7 @@ def main() -> int:
             with s.phase("compute"):
                 loss = nn.functional.mse_loss(model(x), y)
                 optim.zero_grad()
-                (loss * s.loss_weight).backward()
+                s.weighted(loss).backward()  # loss * s.loss_weight, without the multiply at 1
             with s.phase("optim"):
                 for group in optim.param_groups:
                     group["lr"] = run.plan.lr_for(args.lr)

@@ -77,10 +77,13 @@ def test_loss_weight_and_batch_size_follow_the_plan(tmp_path: Path) -> None:
     env = {"TRAINGUARD_PLAN": plan_path, "RANK": "1", "WORLD_SIZE": "2"}
     run = trainguard.init(batch_size=8, environ=env)
     assert run.plan.batch_size == 8 and run.plan.loss_weight == 1.0
+    loss = torch.tensor(3.0, requires_grad=True) * 1.0
+    assert run.step(0).weighted(loss) is loss  # an even split: no multiply, no backward node
     run._start()  # no process group: rank reads the plan itself
     p = run.plan
     assert p.version == 3 and p.batch_size == 4 and p.batch_sizes == (12, 4)
     assert p.loss_weight == pytest.approx(2 * 4 / 16) and p.lr_for(0.2) == pytest.approx(0.1)
+    assert run.step(0).weighted(loss).item() == pytest.approx(3.0 * 0.5)
     assert p.checkpoint_now  # no checkpoint answered that request yet
     write_plan_file(plan_path, Plan(version=4, batch_sizes=[1, 2, 3]))  # a split for another world size
     run._after_step(run.step(0), 0.0, 0.0)

@@ -40,7 +40,9 @@ def corpus_cache(tmp_path_factory) -> str:  # noqa: ANN001
 
 def test_sigkill_resumes_from_the_killed_step_bit_exact(agent_factory, corpus_cache) -> None:
     """The killed rank and its peer both snapshotted step 12 before the kill (at the top of the
-    13th step): nothing is lost, and the restored run ends bit-exact where the clean one does."""
+    13th step): nothing is lost, and the restored run ends bit-exact where the clean one does. (The
+    copy of a snapshot's optimizer-owned tensors runs on while the next step starts: a kill that
+    comes before it is done restores the snapshot before, step 11; fresh-clone CI saw it once.)"""
     from trainguard.trainer.checkpoint import load_full_model_state
 
     # Every step (the tiny model's ~5 ms step would make the automatic interval 4 or 8).
@@ -51,10 +53,12 @@ def test_sigkill_resumes_from_the_killed_step_bit_exact(agent_factory, corpus_ca
     faulty = run_job(client, "faulty", corpus_cache, 20, ["kill:rank=1,step=12"])
     assert faulty["state"] == "succeeded" and faulty["restarts"] == 1
     selected = [e for e in events_of(client, "restore_selected") if e.get("job") == "faulty"]
-    assert selected and selected[-1]["fields"]["tier"] == "snapshot" and selected[-1]["fields"]["step"] == 12
+    assert selected and selected[-1]["fields"]["tier"] == "snapshot", selected
+    restored = selected[-1]["fields"]["step"]
+    assert restored in (11, 12), selected  # at most one step lost
     assert selected[-1]["fields"]["fallback"] == {"tier": "memory", "step": 10}
     log = (agent.state_dir / "jobs" / "faulty" / "rank0.log").read_text()
-    assert "restored step 12 from a snapshot" in log
+    assert f"restored step {restored} from a snapshot" in log
     # Told at the agent's first tick after the new attempt's steps came in, which may be after the
     # job ended (8 short steps: both can fall between two ticks).
     resumed = wait_for(lambda: [e for e in events_of(client, "job_resumed") if e.get("job") == "faulty"], 10,

@@ -32,6 +32,9 @@ from trainguard.link import PlanWatcher, TelemetrySender
 from trainguard.stepwindow import PART_S, WINDOW_S, StepWindow, window_steps
 
 PHASES = ("data", "compute", "comm", "optim")
+_CPU_PHASES = frozenset(("compute", "optim"))
+"""Phases whose thread CPU time is read: only these count CPU time as the rank's own work (the
+others count their wall time), and each read is a system call."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,12 @@ class Step:
     def loss_weight(self) -> float:
         return self.run.plan.loss_weight
 
+    def weighted(self, loss: Any) -> Any:
+        """``loss * loss_weight``, for ``backward()``; the loss itself while the weight is 1 (an
+        even split), so that the common case adds no multiply and no backward node to the step."""
+        weight = self.run._view.loss_weight
+        return loss if weight == 1.0 else loss * weight
+
     @property
     def plan(self) -> RunPlan:
         return self.run.plan
@@ -115,11 +124,14 @@ class Step:
     def switch(self, name: str | None) -> None:
         """End the running phase (if any) and start ``name`` (None: no phase). For code that sees
         a step only through hooks (framework callbacks), where a ``with`` block cannot span."""
-        now, cpu = time.perf_counter(), time.thread_time()
+        self._switch(name, time.perf_counter(), time.thread_time())
+
+    def _switch(self, name: str | None, now: float, cpu: float) -> None:
         if self._phase is not None:
             running, t0, c0 = self._phase
             self.wall[running] = self.wall.get(running, 0.0) + now - t0
-            self.cpu[running] = self.cpu.get(running, 0.0) + cpu - c0
+            if running in _CPU_PHASES:
+                self.cpu[running] = self.cpu.get(running, 0.0) + cpu - c0
         self._phase = (name, now, cpu) if name is not None else None
         self._clock_begin(name)
 
@@ -139,9 +151,9 @@ class Step:
                  tb: TracebackType | None) -> None:
         if exc_type is not None:
             return  # a failing step is not reported, and no collective is entered after it
-        self.switch(None)
-        step_s = time.perf_counter() - self._t0
-        self.run._after_step(self, step_s, time.thread_time() - self._c0)
+        now, cpu = time.perf_counter(), time.thread_time()
+        self._switch(None, now, cpu)
+        self.run._after_step(self, now - self._t0, cpu - self._c0)
 
     # -- what the step measured ------------------------------------------------------------------
 
@@ -173,24 +185,26 @@ class _Phase:
     """A phase's ``with`` block: a class, not a generator, since it runs a few times every step
     (``contextlib.contextmanager`` costs ~3 us a use, most of a phase's cost)."""
 
-    __slots__ = ("step", "name", "t0", "c0")
+    __slots__ = ("step", "name", "t0", "c0", "by_cpu")
 
     def __init__(self, step: Step, name: str) -> None:
         self.step = step
         self.name = name
+        self.by_cpu = name in _CPU_PHASES
 
     def __enter__(self) -> None:
         if self.name == "compute":
             self.step._clock_begin("compute")
         self.t0 = time.perf_counter()
-        self.c0 = time.thread_time()
+        if self.by_cpu:
+            self.c0 = time.thread_time()
 
     def __exit__(self, *exc: object) -> None:
-        c1 = time.thread_time()
-        t1 = time.perf_counter()
         step, name = self.step, self.name
-        step.wall[name] = step.wall.get(name, 0.0) + t1 - self.t0
-        step.cpu[name] = step.cpu.get(name, 0.0) + c1 - self.c0
+        if self.by_cpu:
+            c1 = time.thread_time()
+            step.cpu[name] = step.cpu.get(name, 0.0) + c1 - self.c0
+        step.wall[name] = step.wall.get(name, 0.0) + time.perf_counter() - self.t0
 
 
 def _finite(value: Any, default: float) -> float:
@@ -357,8 +371,9 @@ class Run:
         self._last_samples = step.samples
         avg = self._step_s_avg = step_s if self._step_s_avg <= 0 else 0.8 * self._step_s_avg + 0.2 * step_s
         # A long step shortens the window at once; short ones lengthen it as the average follows.
-        self._window_steps = min(window_steps(avg, WINDOW_S), window_steps(step_s, WINDOW_S))
-        self._part_steps = min(window_steps(avg, PART_S), window_steps(step_s, PART_S))
+        slowest = max(avg, step_s)
+        self._window_steps = window_steps(slowest, WINDOW_S)
+        self._part_steps = window_steps(slowest, PART_S)
         # Sent at once: the start-up timeline (the recovery clock stops at the first step), a failed
         # save (its alert), a loss gone bad; other windows' messages wait for the link's next send.
         urgent = self._timeline_sends > 0 or self._failed_save is not None or window.bad_loss is not None
