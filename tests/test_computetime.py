@@ -206,3 +206,19 @@ def test_the_fast_ranks_compute_leaves_out_the_wait_for_the_slow_one(tmp_path: P
     # To its last gradient it computed only its own work; the slow rank's delay is its own compute.
     assert slow >= SLOW_S and fast < 0.5 * SLOW_S, (fast, slow)
     assert fast / slow < 0.5 < fast_wall / slow_wall
+
+
+def test_parameters_on_the_cpu_get_no_hook_and_the_step_is_timed_by_thread_cpu(tmp_path: Path) -> None:
+    """On the CPU the compute phase's thread CPU time already leaves a collective wait out: no
+    gradient hook is set (one costs every step), and a wait inside the phase is still not compute."""
+    run = trainguard.init(environ={"HOME": str(tmp_path)})
+    model = nn.Linear(2, 1)
+    run.watch_gradients(model.parameters())
+    assert run._grad_clock is None and not model.weight._post_accumulate_grad_hooks
+    with run.step(0, samples=4) as s:
+        with s.phase("compute"):
+            model(torch.zeros(4, 2)).sum().backward()
+            time.sleep(0.05)  # as a gloo all-reduce wait sleeps
+        times = s.timings(step_s=0.06, step_cpu_s=0.0)
+    assert times["fwd_bwd_s"] < 0.02 and times["comm_s"] >= 0.04
+    run.close()

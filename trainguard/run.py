@@ -439,13 +439,20 @@ class Run:
         """Measure each step's compute up to its last gradient on the device's own clock (CUDA
         events on a GPU), so that the collective wait at the end of backward is not counted as this
         rank's compute: without it, on CUDA every rank of a synchronous job looks as slow as the
-        slowest. ``params``: the model's parameters; ``clock``: a ``GradientClock`` to use instead."""
+        slowest. ``params``: the model's parameters; ``clock``: a ``GradientClock`` to use instead.
+        Parameters on the CPU get no clock: there a phase's thread CPU time already leaves the
+        collective wait out (a wait sleeps), and a gradient hook would cost each step ~14 us of
+        the same figure (bench/BENCHMARKS.md, integration)."""
         # Imported here: it needs torch, which the agent (importing this package) must not load.
         from trainguard.computetime import GradientClock
 
         if self._grad_clock is not None:
             self._grad_clock.close()
+            self._grad_clock = None
         if clock is None:
+            params = [p for p in params if p.requires_grad]
+            if not any(p.device.type == "cuda" for p in params):
+                return
             clock = GradientClock.for_params(params)
         else:
             clock.watch(params)
