@@ -18,15 +18,17 @@ is always complete. Assumes all ranks see one filesystem.
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainguard.checkpointing import META, load, save_dir
+from trainguard.statedict import LearnedStateDict
 
 if TYPE_CHECKING:
     from trainguard.trainer.train import Trainer
@@ -63,9 +65,7 @@ class _Stages:
 
     def parts(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         if self._parts is None:
-            t = self.trainer
-            self._parts = [get_state_dict(chunk, opt, options=_OPTS)
-                           for chunk, opt in zip(t.chunks, t.optimizers, strict=True)]
+            self._parts = [getter() for getter in _learned(self.trainer)]
         return self._parts
 
     def merged(self, half: int) -> dict[str, Any]:
@@ -83,6 +83,20 @@ class _Stages:
         for chunk, opt, (msd, osd) in zip(t.chunks, t.optimizers, self.parts(), strict=True):
             set_state_dict(chunk, opt, model_state_dict={k: model[k] for k in msd},
                            optim_state_dict={k: optim[k] for k in osd}, options=_OPTS)
+
+
+_LEARNED: weakref.WeakKeyDictionary[Trainer, list[LearnedStateDict]] = weakref.WeakKeyDictionary()
+
+
+def _learned(trainer: Trainer) -> list[LearnedStateDict]:
+    """Each local stage's ``get_state_dict``, learned at the first save and kept from save to save
+    (``trainguard.statedict``: ~1.5 ms of DCP's per stage and save on every rank, ~0.15 ms built)."""
+    pairs = list(zip(trainer.chunks, trainer.optimizers, strict=True))
+    kept = _LEARNED.get(trainer)
+    if kept is None or len(kept) != len(pairs) or any(g.model is not c or g.optim is not o
+                                                      for g, (c, o) in zip(kept, pairs, strict=True)):
+        kept = _LEARNED[trainer] = [LearnedStateDict(chunk, opt, _OPTS) for chunk, opt in pairs]
+    return kept
 
 
 class _Half(Stateful):

@@ -60,9 +60,12 @@ class LearnedStateDict:
 
     def _learn(self, reference: tuple[dict[str, Any], dict[str, Any]]) -> None:
         """Names by position, then the state they build must equal DCP's (else off for good)."""
-        model_sd = self.model.state_dict()
         ref_model, ref_optim = reference
-        if len(model_sd) != len(ref_model) or any(_sharded(v) for v in ref_model.values()):
+        if any(_sharded(v) for v in ref_model.values()):
+            self.enabled = False  # before asking the model: an FSDP module's own state_dict may gather
+            return
+        model_sd = self.model.state_dict()
+        if len(model_sd) != len(ref_model):
             self.enabled = False
             return
         self._names = dict(zip(model_sd, ref_model, strict=True))
