@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainguard.statedict import VERIFY_EVERY, LearnedStateDict
+from trainguard.statedict import VERIFY_EVERY, LearnedStateDict, LearnedStateDicts
 
 OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -162,3 +162,18 @@ def test_the_checks_call_dcp(calls: int, monkeypatch: pytest.MonkeyPatch) -> Non
     for _ in range(calls):
         getter()
     assert len(asked) == (1 if calls == 1 else 2)
+
+
+def test_the_pairs_are_kept_while_they_come_back_and_replaced_by_others() -> None:
+    model, other = _model(), _model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, optim)
+    learned = LearnedStateDicts(OPTS)
+    for _ in range(3):
+        [(msd, osd)] = learned([(model, optim)])
+        _equal(msd, get_state_dict(model, optim, options=OPTS)[0])
+    first = learned.kept[0]
+    assert first.built == 2
+    other_optim = torch.optim.SGD(other.parameters(), lr=0.1)
+    learned([(other, other_optim)])
+    assert [g.model for g in learned.kept] == [other]  # the old model is no longer held here

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainguard.checkpointing import META, load, save_dir
-from trainguard.statedict import LearnedStateDict
+from trainguard.statedict import LearnedStateDicts
 
 if TYPE_CHECKING:
     from trainguard.trainer.train import Trainer
@@ -65,7 +65,9 @@ class _Stages:
 
     def parts(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         if self._parts is None:
-            self._parts = [getter() for getter in _learned(self.trainer)]
+            t = self.trainer
+            learned = _LEARNED.setdefault(t, LearnedStateDicts(_OPTS))
+            self._parts = learned(list(zip(t.chunks, t.optimizers, strict=True)))
         return self._parts
 
     def merged(self, half: int) -> dict[str, Any]:
@@ -85,18 +87,9 @@ class _Stages:
                            optim_state_dict={k: optim[k] for k in osd}, options=_OPTS)
 
 
-_LEARNED: weakref.WeakKeyDictionary[Trainer, list[LearnedStateDict]] = weakref.WeakKeyDictionary()
-
-
-def _learned(trainer: Trainer) -> list[LearnedStateDict]:
-    """Each local stage's ``get_state_dict``, learned at the first save and kept from save to save
-    (``trainguard.statedict``: ~1.5 ms of DCP's per stage and save on every rank, ~0.15 ms built)."""
-    pairs = list(zip(trainer.chunks, trainer.optimizers, strict=True))
-    kept = _LEARNED.get(trainer)
-    if kept is None or len(kept) != len(pairs) or any(g.model is not c or g.optim is not o
-                                                      for g, (c, o) in zip(kept, pairs, strict=True)):
-        kept = _LEARNED[trainer] = [LearnedStateDict(chunk, opt, _OPTS) for chunk, opt in pairs]
-    return kept
+_LEARNED: weakref.WeakKeyDictionary[Trainer, LearnedStateDicts] = weakref.WeakKeyDictionary()
+"""Each trainer's stages' state dicts, learned at its first save and kept from save to save
+(``trainguard.statedict``: ~1.5 ms of DCP's per stage and save on every rank, ~0.15 ms built)."""
 
 
 class _Half(Stateful):

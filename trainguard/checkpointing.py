@@ -62,7 +62,7 @@ from trainguard.dcpreplay import ReplaySaver, object_bytes
 from trainguard.environment import RunEnvironment
 from trainguard.savewriter import SaveJob, SaveResult, SaveWriter, SaveWriterError, WriteFailed
 from trainguard.snapshot import rng_states, set_rng_states
-from trainguard.statedict import LearnedStateDict
+from trainguard.statedict import LearnedStateDicts, sharded
 
 META = "meta.json"
 SAVE_WAIT_S = 120.0
@@ -138,7 +138,7 @@ def _dcp_state(state: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _resolved(state: Mapping[str, Any], learned: dict[tuple[int, int], LearnedStateDict] | None = None) -> dict[str, Any]:
+def _resolved(state: Mapping[str, Any], learned: LearnedStateDicts | None = None) -> dict[str, Any]:
     """The state with every ``Stateful`` replaced by its state dict (what DCP would save). One
     model with one optimizer (the usual state) goes through one ``get_state_dict``: each of DCP's
     two getters works out the model's names and checks its options again (~7 -> ~5 ms for a
@@ -150,14 +150,7 @@ def _resolved(state: Mapping[str, Any], learned: dict[tuple[int, int], LearnedSt
     both: dict[str, Any] = {}
     if len(models) == 1 and len(optims) == 1 and optims[0][1].model is models[0][1].module:
         model, optim = models[0][1].module, optims[0][1].optim
-        if learned is None:
-            pair = get_state_dict(model, optim, options=_OPTIM_OPTS)
-        else:
-            getter = learned.get((id(model), id(optim)))
-            if getter is None or getter.model is not model or getter.optim is not optim:
-                learned.clear()  # another pair (a rebuilt model): the old one's names are of no use
-                getter = learned[(id(model), id(optim))] = LearnedStateDict(model, optim, _OPTIM_OPTS)
-            pair = getter()
+        pair = get_state_dict(model, optim, options=_OPTIM_OPTS) if learned is None else learned([(model, optim)])[0]
         both[models[0][0]], both[optims[0][0]] = pair
     return {k: both[k] if k in both else v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
 
@@ -175,7 +168,7 @@ def _layout_hash(tree: Any) -> int:
         elif isinstance(node, (list, tuple)):
             for i, item in enumerate(node):
                 walk(item, f"{prefix}[{i}]")
-        elif type(node).__module__.startswith("torch.distributed"):
+        elif sharded(node):
             h.update(f"{prefix}:sharded:{dist.get_rank()};".encode())
         elif isinstance(node, torch.Tensor):
             h.update(f"{prefix}:{tuple(node.shape)}:{node.dtype};".encode())
@@ -222,7 +215,7 @@ class TierWriter:
         self.failed_in_background: list[tuple[int, str]] = []
         self._notes: set[str] = set()
         self._replay = ReplaySaver()  # the background writer's copy keeps its template from save to save
-        self._learned: dict[tuple[int, int], LearnedStateDict] = {}
+        self._learned = LearnedStateDicts(_OPTIM_OPTS)
 
     @property
     def tier_job(self) -> str:

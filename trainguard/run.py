@@ -98,7 +98,7 @@ class Step:
     def weighted(self, loss: Any) -> Any:
         """``loss * loss_weight``, for ``backward()``; the loss itself while the weight is 1 (an
         even split), so that the common case adds no multiply and no backward node to the step."""
-        weight = self.run._view.loss_weight
+        weight = self.loss_weight
         return loss if weight == 1.0 else loss * weight
 
     @property
@@ -443,9 +443,6 @@ class Run:
         Parameters on the CPU get no clock: there a phase's thread CPU time already leaves the
         collective wait out (a wait sleeps), and a gradient hook would cost each step ~14 us of
         the same figure (bench/BENCHMARKS.md, integration)."""
-        # Imported here: it needs torch, which the agent (importing this package) must not load.
-        from trainguard.computetime import GradientClock
-
         if self._grad_clock is not None:
             self._grad_clock.close()
             self._grad_clock = None
@@ -453,6 +450,9 @@ class Run:
             params = [p for p in params if p.requires_grad]
             if not any(p.device.type == "cuda" for p in params):
                 return
+            # Imported here: it needs torch, which the agent (importing this package) must not load.
+            from trainguard.computetime import GradientClock
+
             clock = GradientClock.for_params(params)
         else:
             clock.watch(params)

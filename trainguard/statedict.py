@@ -61,7 +61,7 @@ class LearnedStateDict:
     def _learn(self, reference: tuple[dict[str, Any], dict[str, Any]]) -> None:
         """Names by position, then the state they build must equal DCP's (else off for good)."""
         ref_model, ref_optim = reference
-        if any(_sharded(v) for v in ref_model.values()):
+        if any(sharded(v) for v in ref_model.values()):
             self.enabled = False  # before asking the model: an FSDP module's own state_dict may gather
             return
         model_sd = self.model.state_dict()
@@ -100,7 +100,25 @@ class LearnedStateDict:
         return model_out, state | groups
 
 
-def _sharded(value: Any) -> bool:
+class LearnedStateDicts:
+    """The ``LearnedStateDict`` of each (model, optimizer) pair a saver passes, kept from save to
+    save while the same pairs come back; other pairs (a rebuilt model) replace them all, so no
+    model that was let go is kept alive here."""
+
+    def __init__(self, options: StateDictOptions) -> None:
+        self.options = options
+        self.kept: list[LearnedStateDict] = []
+
+    def __call__(self, pairs: list[tuple[nn.Module, torch.optim.Optimizer]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """``get_state_dict(model, optim)`` of each pair, in order."""
+        if len(self.kept) != len(pairs) or any(g.model is not m or g.optim is not o
+                                               for g, (m, o) in zip(self.kept, pairs, strict=True)):
+            self.kept = [LearnedStateDict(m, o, self.options) for m, o in pairs]
+        return [getter() for getter in self.kept]
+
+
+def sharded(value: Any) -> bool:
+    """A tensor type of torch.distributed (DTensor, ShardedTensor): a part of a larger value."""
     return type(value).__module__.startswith("torch.distributed")
 
 
@@ -112,7 +130,7 @@ def _same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     for key, x in a.items():
         y = b[key]
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or _sharded(x) or _sharded(y):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or sharded(x) or sharded(y):
                 return False
             if (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device) != (y.data_ptr(), y.shape, y.stride(), y.dtype, y.device):
                 return False
