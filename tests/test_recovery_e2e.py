@@ -87,7 +87,10 @@ def test_a_second_kill_before_the_agent_saw_the_first_resume_gets_a_clock_of_its
     resumed = wait_for(lambda: (r := [e for e in events_of(client, "job_resumed") if e.get("job") == "twice"])
                        and len(r) == 2 and r, 15, "two job_resumed events")
     exits = [e for e in events_of(client, "rank_exit") if e.get("job") == "twice" and e["fields"]["signal"]]
-    assert len(exits) == 2 and [e["fields"]["restored_from"]["step"] for e in resumed] == [8, 14]
+    # At most one step lost each: a kill can come before the newest snapshot's overlapped copy is
+    # done (fresh-clone CI restored step 13 for a kill after 14).
+    restored = [e["fields"]["restored_from"]["step"] for e in resumed]
+    assert len(exits) == 2 and len(restored) == 2 and restored[0] in (7, 8) and restored[1] in (13, 14), restored
     for failure, told in zip(exits, resumed, strict=True):
         # Each recovery is timed from its own kill: a second's worth, not the time since the first kill.
         assert 0 < told["fields"]["recovery_s"] < 2.0, told
