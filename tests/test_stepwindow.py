@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import subprocess
 import sys
 import time
@@ -16,7 +17,15 @@ import trainguard
 from trainguard.agent.controller.controller import by_part
 from trainguard.agent.detect.service import step_samples
 from trainguard.agent.wire import Plan, Telemetry, write_plan_file
-from trainguard.stepwindow import MAX_PARTS, MAX_STEPS, PART_S, WINDOW_S, StepWindow, window_steps
+from trainguard.stepwindow import (
+    MAX_PARTS,
+    MAX_STEPS,
+    PART_S,
+    WINDOW_S,
+    StepWindow,
+    window_length,
+    window_steps,
+)
 from trainguard.trainer.testing import TelemetryCapture
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,9 +37,28 @@ def test_window_length_is_a_power_of_two_that_fits_the_flush_interval() -> None:
     assert window_steps(1e-6, 0.05) == MAX_STEPS and window_steps(0.0, 0.05) == 1 and window_steps(math.nan, 0.05) == 1
 
 
+def test_a_window_length_holds_for_exactly_the_step_times_it_names() -> None:
+    """The run works a length out again only for a step time outside the span its last answer gave:
+    within the span every step time must give that same length, just outside it another one."""
+    rng = random.Random(3)
+    times = [rng.uniform(1e-5, 0.5) for _ in range(2000)] + [WINDOW_S / 2, WINDOW_S / MAX_STEPS, 1e-9, 5.0]
+    for flush_s in (WINDOW_S, PART_S):
+        for step_s in times:
+            steps, lo, hi = window_length(step_s, flush_s)
+            assert steps == window_steps(step_s, flush_s) and lo < step_s <= hi
+            for probe in (lo * 1.000001, hi, hi * 0.999999, (lo + min(hi, 10.0)) / 2):
+                if lo < probe <= hi:
+                    assert window_steps(probe, flush_s) == steps, (step_s, probe, lo, hi)
+            for outside in (lo * 0.999, hi * 1.001):
+                if 0 < outside < 10.0 and not lo < outside <= hi:
+                    assert window_steps(outside, flush_s) != steps, (step_s, outside, lo, hi)
+    steps, lo, hi = window_length(0.0, WINDOW_S)
+    assert steps == 1 and not lo < 0.0 <= hi  # no span: the next step works it out again
+
+
 def test_a_window_sums_totals_and_averages_the_rest() -> None:
     w = StepWindow()
-    times = {"data_s": 0.001, "fwd_bwd_s": 0.002, "comm_s": 0.0, "opt_s": 0.001}
+    times = (0.001, 0.002, 0.0, 0.001)
     w.add(0, 0.004, times, 8, 80, {"loss": 2.0, "grad_norm": 1.0, "mfu": 0.5}, 3)
     w.add(1, 0.006, times, 4, 40, {"loss": 4.0, "mfu": 0.3, "val_loss": 9.0}, 3)
     f = w.message_fields()
@@ -46,18 +74,18 @@ def test_a_window_sums_totals_and_averages_the_rest() -> None:
 def test_a_window_carries_its_compute_and_loss_in_parts() -> None:
     w = StepWindow()
     for step in range(8, 14):  # parts of 2 steps (ending at multiples of 2), then a cut-off one
-        w.add(step, 0.01, {"data_s": 0.0, "fwd_bwd_s": 0.001 * step, "comm_s": 0.0, "opt_s": 0.0005}, 4, 40,
+        w.add(step, 0.01, (0.0, 0.001 * step, 0.0, 0.0005), 4, 40,
               {"loss": float(step)} if step < 12 else {}, 0, 2)
     f = w.message_fields()
     assert f["parts"] == [[2, 0.0085, 0.0005, 8, 8.5], [2, 0.0105, 0.0005, 8, 10.5], [2, 0.0125, 0.0005, 8, None]]
-    w.add(14, 0.01, {"data_s": 0.0, "fwd_bwd_s": 0.014, "comm_s": 0.0, "opt_s": 0.0}, 3, 30, {"loss": math.inf}, 0, 2)
+    w.add(14, 0.01, (0.0, 0.014, 0.0, 0.0), 3, 30, {"loss": math.inf}, 0, 2)
     assert w.message_fields()["parts"][-1] == [1, 0.014, 0.0, 3, math.inf]  # the part in progress goes too
     assert math.isclose(w.message_fields()["fwd_bwd_s"], sum(0.001 * s for s in range(8, 15)) / 7)
     w.clear()
-    w.add(0, 0.01, {"data_s": 0.0, "fwd_bwd_s": 0.001, "comm_s": 0.0, "opt_s": 0.0}, 4, 40, {}, 0, 1)
+    w.add(0, 0.01, (0.0, 0.001, 0.0, 0.0), 4, 40, {}, 0, 1)
     assert "parts" not in w.message_fields()  # one part is the message itself
     for step in range(1, MAX_PARTS):
-        w.add(step, 0.01, {"data_s": 0.0, "fwd_bwd_s": 0.001, "comm_s": 0.0, "opt_s": 0.0}, 4, 40, {}, 0, 1)
+        w.add(step, 0.01, (0.0, 0.001, 0.0, 0.0), 4, 40, {}, 0, 1)
     assert w.parts_full
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from trainguard.agent.wire import Plan, Telemetry
 from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.link import PlanWatcher, TelemetrySender
-from trainguard.stepwindow import PART_S, WINDOW_S, StepWindow, window_steps
+from trainguard.stepwindow import MAX_PARTS, PART_S, WINDOW_S, StepWindow, window_length
 
 PHASES = ("data", "compute", "comm", "optim")
 _CPU_PHASES = frozenset(("compute", "optim"))
@@ -79,6 +79,8 @@ class Step:
     (``trainguard.computetime``).
     """
 
+    __slots__ = ("run", "step", "samples", "tokens", "wall", "cpu", "reported", "_t0", "_c0", "_phase")
+
     def __init__(self, run: Run, step: int, samples: int, tokens: int) -> None:
         self.run = run
         self.step = step
@@ -98,7 +100,7 @@ class Step:
     def weighted(self, loss: Any) -> Any:
         """``loss * loss_weight``, for ``backward()``; the loss itself while the weight is 1 (an
         even split), so that the common case adds no multiply and no backward node to the step."""
-        weight = self.loss_weight
+        weight = self.run._view.loss_weight  # not through two properties: it runs every step
         return loss if weight == 1.0 else loss * weight
 
     @property
@@ -106,10 +108,13 @@ class Step:
         return self.run.plan
 
     def __enter__(self) -> Step:
-        self.run._before_step(self)
+        run = self.run
+        if not run._started:
+            run._before_step(self)
+        if run._grad_clock is not None:
+            run._grad_clock.begin()
         self._t0 = time.perf_counter()
         self._c0 = time.thread_time()
-        self._clock_begin("compute")
         return self
 
     def _clock_begin(self, phase: str | None) -> None:
@@ -152,14 +157,20 @@ class Step:
         if exc_type is not None:
             return  # a failing step is not reported, and no collective is entered after it
         now, cpu = time.perf_counter(), time.thread_time()
-        self._switch(None, now, cpu)
+        if self._phase is not None:
+            self._switch(None, now, cpu)
         self.run._after_step(self, now - self._t0, cpu - self._c0)
 
     # -- what the step measured ------------------------------------------------------------------
 
     def timings(self, step_s: float, step_cpu_s: float) -> dict[str, float]:
         """data_s, fwd_bwd_s, comm_s, opt_s as the wire carries them."""
-        by_cpu = not _cuda_in_use()
+        data, compute, comm, optim = self._times(step_s, step_cpu_s, not _cuda_in_use())
+        return {"data_s": data, "fwd_bwd_s": compute, "comm_s": comm, "opt_s": optim}
+
+    def _times(self, step_s: float, step_cpu_s: float, by_cpu: bool) -> tuple[float, float, float, float]:
+        """(data, compute, comm, optim) seconds; ``by_cpu``: compute and optim count thread CPU
+        time (no CUDA in this process)."""
         wall, cpu = self.wall, self.cpu
         clock = self.run._grad_clock
         clocked = clock.take() if clock is not None else None
@@ -167,18 +178,15 @@ class Step:
             whole = min(step_cpu_s, step_s) if by_cpu else step_s
             if clocked is not None and not by_cpu:
                 whole = min(clocked, step_s)  # the step's wall time holds the collective wait
-            return {"data_s": 0.0, "fwd_bwd_s": whole, "comm_s": max(0.0, step_s - whole), "opt_s": 0.0}
-
-        def busy(name: str) -> float:
-            w = wall.get(name, 0.0)
-            return min(cpu.get(name, 0.0), w) if by_cpu else w
-
-        compute, optim = busy("compute"), busy("optim")
+            return 0.0, whole, max(0.0, step_s - whole), 0.0
+        compute_w, optim_w = wall.get("compute", 0.0), wall.get("optim", 0.0)
+        if by_cpu:
+            compute, optim = min(cpu.get("compute", 0.0), compute_w), min(cpu.get("optim", 0.0), optim_w)
+        else:
+            compute, optim = compute_w, optim_w
         if clocked is not None and "compute" in wall:
-            compute = min(clocked, wall["compute"])
-        waited = (wall.get("compute", 0.0) - compute) + (wall.get("optim", 0.0) - optim)
-        return {"data_s": wall.get("data", 0.0), "fwd_bwd_s": compute, "comm_s": wall.get("comm", 0.0) + waited,
-                "opt_s": optim}
+            compute = min(clocked, compute_w)
+        return wall.get("data", 0.0), compute, wall.get("comm", 0.0) + (compute_w - compute) + (optim_w - optim), optim
 
 
 class _Phase:
@@ -194,7 +202,9 @@ class _Phase:
 
     def __enter__(self) -> None:
         if self.name == "compute":
-            self.step._clock_begin("compute")
+            clock = self.step.run._grad_clock
+            if clock is not None:
+                clock.begin()
         self.t0 = time.perf_counter()
         if self.by_cpu:
             self.c0 = time.thread_time()
@@ -256,7 +266,12 @@ class Run:
         self._window = StepWindow()
         self._window_steps = 1
         self._part_steps = 1
+        self._lengths_hold = (0.0, 0.0)
+        """Step times (lo, hi] for which both lengths above stay what they are (``_relength``)."""
         self._step_s_avg = 0.0
+        self._by_cpu = True
+        """No CUDA in this process: compute and optim count thread CPU time. Looked at when a
+        message goes (a CUDA context is made before training, and is never torn down)."""
         self._last_reported: dict[str, Any] = {}
         self._last_samples = 0
         if self.telemetry.path:
@@ -330,6 +345,7 @@ class Run:
         """First step: every rank starts from rank 0's view of the agent's plan (or the one the
         checkpoint carried, when the agent's is not newer)."""
         self._started = True
+        self._by_cpu = not _cuda_in_use()
         sync = self._plan_sync()
         polled = sync.initial(self._snapshot_wish) if sync is not None else self.plans.poll()
         if polled is not None and polled.version >= self._plan.version:
@@ -343,18 +359,22 @@ class Run:
                 self._warn(f"plan sync unavailable: {exc}")
 
     def _after_step(self, step: Step, step_s: float, step_cpu_s: float) -> None:
+        # Every step of every rank runs this: it is kept to few calls and lookups (a call costs
+        # several times its hot-loop figure between a real step's kernels; bench/BENCHMARKS.md).
         self.last_step = step.step
         self._last_step_s = step_s
         if self.telemetry.path:
             self._send(step, step_s, step_cpu_s)
+        sync = self._sync
         try:
-            sync = self._plan_sync()
+            if sync is None:
+                sync = self._plan_sync()
             newer = sync.after_step(step_s, self._snapshot_wish) if sync is not None else self.plans.poll()
         except Exception as exc:  # noqa: BLE001
             self._warn(f"plan sync failed, plans are no longer applied: {exc}")
             self._sync = _Disabled()
             return
-        agreed = getattr(sync, "snapshot_every", 0)
+        agreed = sync.snapshot_every if sync is not None else 0
         if agreed > 0 and self.snapshot_every > 0 and self.env.snapshot_every == SNAPSHOT_AUTO:
             self.snapshot_every = agreed
         if newer is not None and newer.version > self._plan.version:
@@ -365,15 +385,16 @@ class Run:
         window = self._window
         if window.steps and window.plan_version != self._plan.version:
             self._flush_window()  # one message, one plan: the agent tells a change's effect by version
-        window.add(step.step, step_s, step.timings(step_s, step_cpu_s), step.samples, step.tokens, r, self._plan.version,
-                   self._part_steps)
+        window.add(step.step, step_s, step._times(step_s, step_cpu_s, self._by_cpu), step.samples, step.tokens, r,
+                   self._plan.version, self._part_steps)
         self._last_reported = r
         self._last_samples = step.samples
         avg = self._step_s_avg = step_s if self._step_s_avg <= 0 else 0.8 * self._step_s_avg + 0.2 * step_s
         # A long step shortens the window at once; short ones lengthen it as the average follows.
-        slowest = max(avg, step_s)
-        self._window_steps = window_steps(slowest, WINDOW_S)
-        self._part_steps = window_steps(slowest, PART_S)
+        slowest = avg if avg > step_s else step_s
+        lo, hi = self._lengths_hold
+        if not lo < slowest <= hi:
+            self._relength(slowest)
         # Sent at once: the start-up timeline (the recovery clock stops at the first step), a failed
         # save (its alert), a loss gone bad; other windows' messages wait for the link's next send.
         urgent = self._timeline_sends > 0 or self._failed_save is not None or window.bad_loss is not None
@@ -382,8 +403,15 @@ class Run:
         # ranks' windows end at (the agent compares ranks at those steps), and the next multiple of
         # the shorter length comes within it, so no window outgrows the longer one it started as.
         # (Or when its parts fill the message: steps that slowed within one long window.)
-        if urgent or (step.step + 1) % self._window_steps == 0 or window.parts_full:
+        if urgent or (step.step + 1) % self._window_steps == 0 or len(window.parts) >= MAX_PARTS:
             self._flush_window(urgent)
+
+    def _relength(self, step_s: float) -> None:
+        """The window's and a part's lengths in steps for steps of ``step_s`` seconds, and the
+        step times for which both stay the same (so that most steps need not work them out)."""
+        self._window_steps, w_lo, w_hi = window_length(step_s, WINDOW_S)
+        self._part_steps, p_lo, p_hi = window_length(step_s, PART_S)
+        self._lengths_hold = (max(w_lo, p_lo), min(w_hi, p_hi))
 
     def _flush_at_exit(self) -> None:
         if os.getpid() == self._pid:  # not in a child forked from this rank that exits through atexit
@@ -393,6 +421,7 @@ class Run:
         """End the window: the steps gathered since the last message become one (nothing when there
         are none), sent with the link's next datagram, or at once when ``urgent``."""
         window = self._window
+        self._by_cpu = not _cuda_in_use()
         if not window.steps or not self.telemetry.path:
             return
         r = self._last_reported
@@ -488,10 +517,11 @@ class Run:
         reported, never raised. Returns True when either was written or handed to the background
         writer (the memory-tier save of a rank writing alone is committed shortly after; one that
         fails there is reported like any other: ``wait_checkpoint``)."""
-        snapped = self._snapshot(step, state)
+        every = self.snapshot_every
+        snapped = every > 0 and (step + 1) % every == 0 and self._snapshot(step, state)
         if self._writer is not None:
             self._background_failures(self._writer.poll())
-        if not self.checkpoint_due(step):
+        if not self.env.memory_root or ((step + 1) % self.env.memory_every and not self._view.checkpoint_now):
             return snapped
         writer = self._tier_writer()
         self._ckpt_id_seen = max(self._ckpt_id_seen, self._plan.checkpoint_id)
@@ -529,8 +559,7 @@ class Run:
         return self._snapshots.stats if self._snapshots is not None else None
 
     def _snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
-        if not self.snapshot_due(step):
-            return False
+        """Take the snapshot that is due after ``step``."""
         # Imported here: torch is needed only by a run that checkpoints.
         from trainguard.snapshot import SnapshotError, SnapshotWriter
 

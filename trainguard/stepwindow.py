@@ -54,6 +54,19 @@ def window_steps(step_s: float, flush_s: float) -> int:
     return min(MAX_STEPS, 1 << (int(fit).bit_length() - 1))
 
 
+def window_length(step_s: float, flush_s: float) -> tuple[int, float, float]:
+    """``window_steps(step_s, flush_s)`` and the step times (lo, hi] that give the same length (a
+    step time outside works it out again)."""
+    steps = window_steps(step_s, flush_s)
+    if not step_s > 0:
+        return steps, math.inf, -math.inf  # an empty span: the next step works it out again
+    if steps == 1:
+        return 1, flush_s / 2, math.inf
+    if steps == MAX_STEPS:
+        return steps, 0.0, flush_s / MAX_STEPS
+    return steps, flush_s / (2 * steps), flush_s / steps
+
+
 class StepWindow:
     """Sums of the steps since the last message."""
 
@@ -78,44 +91,47 @@ class StepWindow:
         """Closed parts: [steps, fwd_bwd_s sum, opt_s sum, samples, loss sum, losses, bad loss]."""
         self._part: list[Any] = _new_part()
 
-    def add(self, step: int, step_s: float, times: dict[str, float], samples: int, tokens: int, reported: dict[str, Any],
-            plan_version: int, part_steps: int = 1) -> None:
-        """One step: its number, seconds, ``Step.timings``, samples and tokens, what it reported;
-        ``part_steps``: the length of the part it falls in (``window_steps`` for ``PART_S``)."""
+    def add(self, step: int, step_s: float, times: tuple[float, float, float, float], samples: int, tokens: int,
+            reported: dict[str, Any], plan_version: int, part_steps: int = 1) -> None:
+        """One step: its number, seconds, (data, fwd_bwd, comm, opt) seconds (``Step.timings``),
+        samples and tokens, what it reported; ``part_steps``: the length of the part it falls in
+        (``window_steps`` for ``PART_S``). Runs after every step of every rank: few calls."""
+        data_s, fwd_bwd_s, comm_s, opt_s = times
         part = self._part
         part[0] += 1
-        part[1] += times["fwd_bwd_s"]
-        part[2] += times["opt_s"]
+        part[1] += fwd_bwd_s
+        part[2] += opt_s
         part[3] += samples
-        loss = _number(reported.get("loss")) if reported else None
+        loss = reported.get("loss") if reported else None
+        if loss is not None:
+            loss = loss if type(loss) is float else _number(loss)
         if loss is not None:
             if math.isfinite(loss):
                 part[4] += loss
                 part[5] += 1
+                self.loss_sum += loss
+                self.loss_n += 1
             else:
                 part[6] = loss
+                self.bad_loss = loss  # a diverged step is not averaged away
         if (step + 1) % part_steps == 0:
             self.parts.append(part)
             self._part = _new_part()
         self.steps += 1
         self.last_step = step
         self.step_s += step_s
-        self.data_s += times["data_s"]
-        self.fwd_bwd_s += times["fwd_bwd_s"]
-        self.comm_s += times["comm_s"]
-        self.opt_s += times["opt_s"]
+        self.data_s += data_s
+        self.fwd_bwd_s += fwd_bwd_s
+        self.comm_s += comm_s
+        self.opt_s += opt_s
         self.samples += samples
         self.tokens += tokens
         self.plan_version = plan_version
-        if not reported:
-            return
-        loss = _number(reported.get("loss"))
-        if loss is not None:
-            if math.isfinite(loss):
-                self.loss_sum += loss
-                self.loss_n += 1
-            else:
-                self.bad_loss = loss  # a diverged step is not averaged away
+        if reported and len(reported) > ("loss" in reported) + ("lr" in reported):
+            self._add_others(reported)
+
+    def _add_others(self, reported: dict[str, Any]) -> None:
+        """What a step reported besides its loss and LR."""
         grad = _number(reported.get("grad_norm"))
         if grad is not None:
             self.grad_sum += grad
