@@ -10,11 +10,14 @@ less than ``min_cores`` cores' worth over the span, and hung when it stayed idle
 only through step telemetry (``trainguard.init()``), which the recovery service also uses.
 
 CPU times come from ``/proc/<pid>/stat`` (utime + stime, clock ticks), under a ``proc_root`` that
-tests point elsewhere.
+tests point elsewhere. A job whose steps moved on since the last look is active without reading
+them: the scan reads every process's stat file, a few milliseconds of the agent's CPU each tick
+on a node whose cores the ranks need.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -79,9 +82,11 @@ def tree_cpu_seconds(pids: Iterable[int], proc_root: Path = Path("/proc")) -> fl
 @dataclass
 class _JobActivity:
     cpu_s: float
+    """CPU seconds at ``sampled_at`` (NaN: not read since the job last made progress)."""
     active_at: float
     sampled_at: float
     pids: frozenset[int] = field(default_factory=frozenset)
+    progress: int = -1
 
 
 class ActivityProbe:
@@ -94,15 +99,26 @@ class ActivityProbe:
         self._cpu_of = cpu_of or (lambda pids: tree_cpu_seconds(pids, self.proc_root))
         self._jobs: dict[str, _JobActivity] = {}
 
-    def observe(self, job: str, pids: Iterable[int], now: float) -> float:
-        """Sample ``job``'s ranks now; returns how long they have been idle (0 when active)."""
+    def observe(self, job: str, pids: Iterable[int], now: float, progress: int = -1) -> float:
+        """Sample ``job``'s ranks now; returns how long they have been idle (0 when active).
+        ``progress``: the job's step count where it reports one; a count that moved on since the
+        last look is activity enough, and the ranks' CPU time is then not read."""
         ranks = frozenset(pids)
-        cpu = self._cpu_of(ranks)
         last = self._jobs.get(job)
+        if last is not None and last.pids == ranks and progress >= 0 and progress > last.progress:
+            last.active_at = last.sampled_at = now
+            last.cpu_s, last.progress = math.nan, progress
+            return 0.0
+        cpu = self._cpu_of(ranks)
         if last is None or last.pids != ranks:
             # A new attempt (other pids): its clock starts now.
-            self._jobs[job] = _JobActivity(cpu, now, now, ranks)
+            self._jobs[job] = _JobActivity(cpu, now, now, ranks, progress)
             return 0.0
+        last.progress = max(last.progress, progress)
+        if math.isnan(last.cpu_s):
+            # The first read since the steps stopped: the span of idleness starts at the last step.
+            last.cpu_s, last.sampled_at = cpu, now
+            return now - last.active_at
         span = max(now - last.sampled_at, 1e-9)
         if cpu - last.cpu_s > self.min_cores * span:
             last.active_at = now

@@ -313,7 +313,7 @@ class RecoveryService:
         job, spec = record.job, record.spec
         if spec.hang_timeout_s <= 0 and max_step < 0:
             return None  # silent and no --hang-timeout: nothing to judge, no /proc scan
-        idle = self.activity.observe(job, [r.pid for r in record.ranks if r.alive], now)
+        idle = self.activity.observe(job, [r.pid for r in record.ranks if r.alive], now, progress=max_step)
         if spec.hang_timeout_s > 0 and idle >= spec.hang_timeout_s:
             self.activity.forget(job)
             return Finding("hang", job, f"no rank used the CPU for {idle:.1f}s (--hang-timeout "

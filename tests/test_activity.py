@@ -1,0 +1,71 @@
+"""The CPU-activity probe behind hang verdicts for users' commands (trainguard.agent.recovery.activity):
+progress reported by the job spares the /proc scan, and idleness is still counted from the last step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+
+from trainguard.agent.recovery.activity import ActivityProbe, tree_cpu_seconds
+
+
+class FakeCpu:
+    """CPU seconds of a job's ranks as the test sets them; counts the scans."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.reads = 0
+
+    def __call__(self, pids: Iterable[int]) -> float:
+        self.reads += 1
+        return self.seconds
+
+
+def test_steps_that_move_on_are_activity_without_a_scan() -> None:
+    cpu = FakeCpu()
+    probe = ActivityProbe(min_cores=0.02, cpu_of=cpu)
+    assert probe.observe("j", [10, 11], 0.0, progress=5) == 0.0
+    first = cpu.reads
+    for i in range(1, 20):
+        assert probe.observe("j", [10, 11], float(i), progress=5 + i) == 0.0
+    assert cpu.reads == first  # no /proc read while the job reports new steps
+
+
+def test_idleness_after_the_last_step_counts_from_that_step() -> None:
+    cpu = FakeCpu()
+    probe = ActivityProbe(min_cores=0.02, cpu_of=cpu)
+    probe.observe("j", [10], 0.0, progress=1)
+    probe.observe("j", [10], 1.0, progress=2)  # the last step, at t=1
+    assert probe.observe("j", [10], 2.0, progress=2) == 1.0  # first read since: counted from t=1
+    assert probe.observe("j", [10], 4.0, progress=2) == 3.0  # no CPU used: still idle since t=1
+    cpu.seconds = 1.0  # the ranks compute (a long evaluation): active again
+    assert probe.observe("j", [10], 5.0, progress=2) == 0.0
+    assert probe.observe("j", [10], 7.0, progress=2) == 2.0
+    assert probe.idle_for("j", 7.0) == 2.0
+
+
+def test_a_silent_job_is_judged_on_its_cpu_alone() -> None:
+    cpu = FakeCpu()
+    probe = ActivityProbe(min_cores=0.02, cpu_of=cpu)
+    probe.observe("j", [10], 0.0)
+    cpu.seconds = 0.5
+    assert probe.observe("j", [10], 1.0) == 0.0
+    assert probe.observe("j", [10], 3.0) == 2.0
+    assert cpu.reads == 3
+    assert probe.observe("j", [12], 4.0) == 0.0  # a new attempt (other pids) starts its clock
+
+
+def test_tree_cpu_seconds_counts_a_child_of_the_rank() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while tree_cpu_seconds([os.getpid()]) - time.process_time() < 0.2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tree_cpu_seconds([os.getpid()]) - time.process_time() >= 0.2
+        assert tree_cpu_seconds([child.pid]) >= 0.2
+    finally:
+        child.kill()
+        child.wait()
