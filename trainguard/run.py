@@ -517,11 +517,10 @@ class Run:
         reported, never raised. Returns True when either was written or handed to the background
         writer (the memory-tier save of a rank writing alone is committed shortly after; one that
         fails there is reported like any other: ``wait_checkpoint``)."""
-        every = self.snapshot_every
-        snapped = every > 0 and (step + 1) % every == 0 and self._snapshot(step, state)
+        snapped = self.snapshot_due(step) and self._snapshot(step, state)
         if self._writer is not None:
             self._background_failures(self._writer.poll())
-        if not self.env.memory_root or ((step + 1) % self.env.memory_every and not self._view.checkpoint_now):
+        if not self.checkpoint_due(step):
             return snapped
         writer = self._tier_writer()
         self._ckpt_id_seen = max(self._ckpt_id_seen, self._plan.checkpoint_id)
