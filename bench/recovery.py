@@ -334,7 +334,8 @@ def run_torchft(name: str, nproc: int, trainer: dict[str, Any], kills: list[int]
         # The group that failed tells why (the first one with a nonzero exit, else group 0).
         failed = next((g for g, c in enumerate(codes) if c != 0), 0)
         err = (work / f"{name}-g{failed}.err").read_text(errors="replace").strip().splitlines()
-        errors = [line for line in err if "Error" in line or "error" in line]
+        # torchrun's own summary ends with a link to its errors page: not the error.
+        errors = [line for line in err if ("Error" in line or "error" in line) and "elastic/errors.html" not in line]
         res.note = (f"exit codes {codes}, last step {res.final_step}"
                     + (f"; group {failed}: {(errors or err)[-1][:200]}" if err else ""))
     return res
