@@ -39,8 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainguard.agent.config import AgentConfig, apply_state_dir  # noqa: E402
-from trainguard.agent.recovery.service import memory_root_for  # noqa: E402
+from trainguard.agent.recovery.service import default_memory_root  # noqa: E402
 
 PLAIN = str(REPO / "examples" / "ddp_plain.py")
 API = str(REPO / "examples" / "ddp_api.py")
@@ -183,7 +182,7 @@ class Agent:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         # An agent keeps its memory tier in RAM across its own restarts; this one is done with it.
-        shutil.rmtree(memory_root_for(apply_state_dir(AgentConfig(), str(self.state))), ignore_errors=True)
+        shutil.rmtree(default_memory_root(str(self.state)), ignore_errors=True)
 
 
 def fresh(path: Path) -> Path:

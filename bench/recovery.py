@@ -50,8 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from trainguard.agent.api.client import ApiClient  # noqa: E402
-from trainguard.agent.config import AgentConfig, apply_state_dir  # noqa: E402
-from trainguard.agent.recovery.service import memory_root_for  # noqa: E402
+from trainguard.agent.recovery.service import default_memory_root  # noqa: E402
 from trainguard.trainer.testing import tiny_config  # noqa: E402
 
 NAN = float("nan")
@@ -263,7 +262,7 @@ def run_trainguard(nproc: int, trainer: dict[str, Any], kills: list[int], work: 
         except subprocess.TimeoutExpired:
             agent.kill()
         # An agent keeps its memory tier in RAM across its own restarts; this one is done with it.
-        shutil.rmtree(memory_root_for(apply_state_dir(AgentConfig(), str(state))), ignore_errors=True)
+        shutil.rmtree(default_memory_root(str(state)), ignore_errors=True)
 
 
 def run_torchrun(name: str, nproc: int, trainer: dict[str, Any], kills: list[int], ckpt_every: int, work: Path,

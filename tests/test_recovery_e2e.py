@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from trainguard.agent.recovery.service import default_memory_root
 from trainguard.agent.waiting import wait_for
 from trainguard.trainer.testing import tiny_config
 
@@ -144,10 +145,7 @@ def test_agent_restart_restores_from_disk_tier(agent_factory, corpus_cache, tmp_
         "a disk checkpoint",
     )
     assert first.stop() == 0
-    from trainguard.agent.config import AgentConfig, apply_state_dir
-    from trainguard.agent.recovery.service import memory_root_for
-
-    memory_root = memory_root_for(apply_state_dir(AgentConfig(), str(first.state_dir)))
+    memory_root = default_memory_root(str(first.state_dir))
     shutil.rmtree(memory_root, ignore_errors=True)  # a reboot: RAM is gone, the disk is not
     second = agent_factory("node", config=config)
     client = second.client()

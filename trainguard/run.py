@@ -29,7 +29,7 @@ from typing import Any
 from trainguard.agent.wire import Plan, Telemetry
 from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.link import PlanWatcher, TelemetrySender
-from trainguard.stepwindow import MAX_PARTS, PART_S, WINDOW_S, StepWindow, window_length
+from trainguard.stepwindow import PART_S, WINDOW_S, StepWindow, window_length
 
 PHASES = ("data", "compute", "comm", "optim")
 _CPU_PHASES = frozenset(("compute", "optim"))
@@ -403,7 +403,7 @@ class Run:
         # ranks' windows end at (the agent compares ranks at those steps), and the next multiple of
         # the shorter length comes within it, so no window outgrows the longer one it started as.
         # (Or when its parts fill the message: steps that slowed within one long window.)
-        if urgent or (step.step + 1) % self._window_steps == 0 or len(window.parts) >= MAX_PARTS:
+        if urgent or (step.step + 1) % self._window_steps == 0 or window.parts_full:
             self._flush_window(urgent)
 
     def _relength(self, step_s: float) -> None:

@@ -114,7 +114,6 @@ class ActivityProbe:
             # A new attempt (other pids): its clock starts now.
             self._jobs[job] = _JobActivity(cpu, now, now, ranks, progress)
             return 0.0
-        last.progress = max(last.progress, progress)
         if math.isnan(last.cpu_s):
             # The first read since the steps stopped: the span of idleness starts at the last step.
             last.cpu_s, last.sampled_at = cpu, now

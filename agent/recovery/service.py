@@ -26,7 +26,7 @@ from prometheus_client.metrics_core import Metric
 
 from trainguard.agent.checkpoint import CheckpointManager, CheckpointSettings, ObjectStoreConfig, Restored
 from trainguard.agent.checkpoint.snapshots import SnapshotSet
-from trainguard.agent.config import AgentConfig
+from trainguard.agent.config import AgentConfig, apply_state_dir
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
 from trainguard.agent.metricspec import MetricSpec
 from trainguard.agent.paths import agent_tag
@@ -63,6 +63,12 @@ def memory_root_for(cfg: AgentConfig) -> str:
     if cfg.checkpoint.memory_root:
         return cfg.checkpoint.memory_root
     return f"/dev/shm/trainguard-{agent_tag(cfg.agent.state_dir)}"
+
+
+def default_memory_root(state_dir: str) -> str:
+    """The memory tier of an agent run with ``--state-dir state_dir`` and no memory root of its own
+    (kept in RAM across the agent's restarts: whoever is done with that agent removes it)."""
+    return memory_root_for(apply_state_dir(AgentConfig(), state_dir))
 
 
 def checkpoint_settings(cfg: AgentConfig) -> CheckpointSettings:
