@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,3 +121,41 @@ def test_settings_name_the_bad_key() -> None:
         CheckpointSettings(disk_interval=0)
     with pytest.raises(ValueError, match="checkpoint.memory_root"):
         CheckpointSettings(memory_root="relative")
+
+
+def test_poll_reads_an_unchanged_job_once_and_prunes_what_a_restore_held(settings: CheckpointSettings) -> None:
+    events = Events()
+    mgr = CheckpointManager(settings, emit=events)
+    mgr.start()
+    lists: list[str] = []
+    listing = mgr.memory.list
+
+    def counted(job: str) -> Any:
+        lists.append(job)
+        return listing(job)
+
+    mgr.memory.list = counted  # type: ignore[method-assign]
+    try:
+        run_trainer(settings, 100, 200)
+        time.sleep(0.1)  # older than the stamp's settling time
+        mgr.poll()
+        assert mgr.replicator.wait_idle(10)
+        assert [i.step for i in listing("job")] == [100, 200] and lists
+        read = len(lists)
+        for _ in range(3):
+            mgr.poll()
+        assert len(lists) == read, "an unchanged job directory is not read again"
+        held = mgr.restore("job")  # a restore reading step 200 holds it
+        assert held is not None and held.info.step == 200
+        run_trainer(settings, 300, 400)
+        time.sleep(0.1)
+        mgr.poll()
+        assert [f["step"] for k, f in events.items if k == "checkpoint_committed"] == [200, 400]
+        assert [i.step for i in listing("job")] == [200, 300, 400]  # 200 is being read
+        time.sleep(0.1)
+        mgr.poll()  # a poll that deletes nothing while 200 is held
+        held.release()
+        mgr.poll()  # the directory did not change, but 200 was left to prune
+        assert [i.step for i in listing("job")] == [300, 400]
+    finally:
+        assert mgr.stop(10)

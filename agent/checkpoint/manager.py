@@ -27,6 +27,8 @@ from trainguard.agent.checkpoint.replicator import TierReplicator
 from trainguard.agent.checkpoint.status import CheckpointStatus
 from trainguard.agent.checkpoint.tier import CheckpointInfo, Tier
 
+_STAMP_SETTLED_S = 0.05
+
 EmitFn = Callable[[str, dict[str, object]], None]
 
 
@@ -95,6 +97,7 @@ class CheckpointManager:
     ) -> None:
         self.settings = settings
         self.emit = emit
+        self._clock = clock
         self.memory = MemoryTier(settings.memory_root, keep=settings.memory_keep,
                                  spare_buffers=settings.memory_spare_buffers, clock=clock)
         targets: list[Tier] = []
@@ -114,6 +117,8 @@ class CheckpointManager:
         self.replicator = TierReplicator(self.memory, targets, intervals, keep=keep, emit=emit,
                                          status=self.status)
         self._seen: dict[str, int] = {}
+        self._polled: dict[str, int] = {}
+        """The mtime (ns) of each job's memory directory at its last poll that left nothing to do."""
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -169,16 +174,34 @@ class CheckpointManager:
         self.memory.abort(job, step)
 
     def poll(self, force_jobs: Iterable[str] = ()) -> None:
-        """Pick up memory checkpoints committed by another process (trainer rank 0) and prune."""
+        """Pick up memory checkpoints committed by another process (trainer rank 0) and prune.
+
+        A job whose directory has not changed since a poll that left nothing to prune is skipped:
+        commits and deletions are renames and removals in it, which change its mtime, and reading
+        every manifest on each tick was ~10 % of the agent's CPU beside a job saving every 0.25 s."""
         force = set(force_jobs)
         for job in self.memory.jobs():
-            newest = self.memory.newest(job)
+            try:
+                stamp: int | None = self.memory.job_dir(job).stat().st_mtime_ns
+            except OSError:
+                stamp = None
+            if stamp is not None and self._polled.get(job) == stamp and job not in force:
+                continue
+            infos = self.memory.list(job)
+            newest = infos[-1] if infos else None
             if newest is not None and (newest.step > self._seen.get(job, -1) or job in force):
                 self._committed(newest, job in force)
             try:
-                self.memory.prune(job, self.memory.keep)
+                deleted = self.memory.prune(job, self.memory.keep)
             except OSError as exc:
                 self.emit("checkpoint_prune_failed", {"tier": self.memory.name, "job": job, "error": describe(exc)})
+                continue
+            # A checkpoint kept because a restore reads it is pruned at a later poll. A stamp of the
+            # last 50 ms is not kept: mtimes move in jiffies, so a second change within the one
+            # this poll saw could leave the same stamp.
+            if (stamp is not None and len(deleted) >= len(infos) - self.memory.keep
+                    and self._clock() - stamp / 1e9 > _STAMP_SETTLED_S):
+                self._polled[job] = stamp
 
     def _committed(self, info: CheckpointInfo, force: bool) -> None:
         self._seen[info.job] = max(info.step, self._seen.get(info.job, -1))
