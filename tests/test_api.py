@@ -75,7 +75,11 @@ class FakeDaemon:
             raise RuntimeError("secret internal detail")
         if job != "j1":
             raise ApiError(404, f"no job {job}")
-        return {"job": job, "state": "running"}
+        return {"job": job, "state": "running", "nproc": 2}
+
+    def job_output(self, job: str, rank: int, offset: int, limit: int) -> dict[str, Any]:
+        self.calls.append(("output", (job, rank, offset, limit)))
+        return {"rank": rank, "offset": offset, "next": offset + 4, "size": offset + 4, "text": f"r{rank}\n\n"}
 
     def stop_job(self, job: str, options: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("stop", (job, options)))
@@ -290,6 +294,15 @@ def test_routes_reach_the_handler(env: dict[str, Any]) -> None:
     assert admin.detection_config()["straggler_threshold"] == 0.7
     assert daemon.calls == [("events", (7, 3, "straggler")), ("drain", ("j1", {"node": "n2"})),
                             ("stop", ("j1", {"grace_s": 5})), ("stop", ("j1", {}))]
+    daemon.calls.clear()
+    # One poll of `trainguard run`: the job, each of its ranks' output from its own offset, and
+    # the events that name the job (the fake's event names none).
+    got = admin.follow_job("j1", 9, {1: 30, 0: 12})
+    assert got["job"]["state"] == "running" and got["events"] == [] and got["next"] == 10
+    assert [(o["rank"], o["offset"], o["text"]) for o in got["output"]] == [(0, 12, "r0\n\n"), (1, 30, "r1\n\n")]
+    assert daemon.calls == [("output", ("j1", 0, 12, 64 << 10)), ("output", ("j1", 1, 30, 64 << 10)),
+                            ("events", (9, 500, None))]
+    daemon.calls.clear()
     with pytest.raises(ApiClientError) as e:
         admin.job("nope")
     assert e.value.status == 404 and "no job nope" in str(e.value)
@@ -319,6 +332,9 @@ def test_bad_requests_get_json_errors(env: dict[str, Any]) -> None:
     assert _raw(env, "GET", "/v1/events?since=abc")[0] == 400
     assert _raw(env, "GET", "/v1/events?limit=0")[0] == 400
     assert _raw(env, "GET", "/v1/jobs/bad%2Fid")[0] == 400
+    for offsets in ("0:x", "0", "-1:5", "0:1:2"):
+        status, body = _raw(env, "GET", f"/v1/jobs/j1/follow?offsets={offsets}")
+        assert status == 400 and "offsets" in body["error"], offsets
     assert _raw(env, "GET", "/v1/blobs/ns/a/../../etc/passwd")[0] == 400
     assert env["daemon"].calls == []
 

@@ -240,3 +240,16 @@ def test_a_job_id_used_again_streams_only_its_own_output(agent_factory: Any, tmp
     assert outs == ["[rank0]:first\n", "[rank0]:second\n"]
     logs = Path(agent.state_dir) / "jobs" / "again"
     assert (logs / "rank0.log.1").read_text() == "first\n" and (logs / "rank0.log").read_text() == "second\n"
+
+
+def test_output_larger_than_one_poll_carries_comes_out_whole_and_in_order(agent_factory: Any, tmp_path: Path) -> None:
+    """Each poll hands out at most 64 KiB a rank; two ranks printing 300 KiB each and exiting at
+    once still show every line, in order, under their own prefix."""
+    agent = agent_factory(config=CONFIG)
+    script = "import os; r = os.environ['RANK']; print('\\n'.join(f'{r} {i:06d} ' + 'x' * 40 for i in range(6000)))"
+    cli = run_cli(agent, tmp_path, "--nproc", "2", "--job", "loud", "--", sys.executable, "-c", script)
+    out, err = cli.communicate(timeout=120)
+    assert cli.returncode == 0, err
+    for rank in (0, 1):
+        lines = [line for line in out.splitlines() if line.startswith(f"[rank{rank}]:")]
+        assert lines == [f"[rank{rank}]:{rank} {i:06d} " + "x" * 40 for i in range(6000)]

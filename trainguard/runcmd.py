@@ -62,53 +62,52 @@ def prefixed(rank: int, text: str) -> str:
 
 
 class OutputFollower:
-    """Streams new output of every rank of one job through the control API."""
+    """Writes the new output of every rank of one job, prefixed, as the agent hands it out."""
 
-    def __init__(self, client: Any, job: str, out: TextIO) -> None:
-        self.client = client
-        self.job = job
+    def __init__(self, out: TextIO) -> None:
         self.out = out
         self.offsets: dict[int, int] = {}
 
-    def poll(self, ranks: list[int]) -> None:
-        for rank in ranks:
-            while True:
-                got = self.client.job_output(self.job, rank, self.offsets.get(rank, 0))
-                if got["next"] == self.offsets.get(rank, 0) and not got["text"]:
-                    break
-                self.offsets[rank] = got["next"]
-                if got["text"]:
-                    self.out.write(prefixed(rank, got["text"]))
-                if got["next"] >= got["size"]:
-                    break
+    def take(self, chunks: list[dict[str, Any]]) -> bool:
+        """Write what ``chunks`` (one ``job_output`` answer per rank) hold; True when some rank
+        has more than one answer could carry."""
+        more = False
+        for got in chunks:
+            rank = int(got["rank"])
+            if got["text"]:
+                self.out.write(prefixed(rank, got["text"]))
+            self.offsets[rank] = max(self.offsets.get(rank, 0), int(got["next"]))
+            more = more or (got["next"] < got["size"] and got["next"] > got["offset"])
         self.out.flush()
+        return more
 
 
 def follow(client: Any, job: str, *, out: TextIO = sys.stdout, err: TextIO = sys.stderr, poll_s: float = 0.2,
            idle_poll_s: float = 1.0) -> int:
     """Stream the job's output and notable events until it ends; return its exit code. Polls every
     ``poll_s`` while the job prints, backing off to ``idle_poll_s`` while it is quiet: each poll is
-    a few requests to the agent (the job, each rank's output, the events), CPU that a busy
+    one request to the agent (the job, each rank's new output, the events), CPU that a busy
     training node's ranks would otherwise have."""
-    follower = OutputFollower(client, job, out)
+    follower = OutputFollower(out)
     seen = client.events(since=0, limit=1)["next"]
     info: dict[str, Any] = {}
     wait = poll_s
     try:
         while True:
-            info = client.job(job)
             before = dict(follower.offsets)
-            follower.poll(sorted({r["rank"] for r in info.get("ranks", [])}) or list(range(info.get("nproc", 1))))
-            wait = poll_s if follower.offsets != before else min(idle_poll_s, wait * 2)
-            batch = client.events(since=seen, limit=500)
-            for e in batch["events"]:
-                if e.get("job") == job and e["kind"] in NOTABLE and not (e["kind"] == "rank_exit" and e["severity"] == "info"):
+            got = client.follow_job(job, seen, follower.offsets)
+            info = got["job"]
+            more = follower.take(got["output"])
+            for e in got["events"]:
+                if e["kind"] in NOTABLE and not (e["kind"] == "rank_exit" and e["severity"] == "info"):
                     err.write(f"trainguard: {e['kind']}: {e['message']}\n")
             err.flush()
-            seen = batch["next"]
+            seen = got["next"]
+            if more:
+                continue  # a rank printed more than one answer carries: read on at once
             if info.get("state") in FINISHED:
-                follower.poll(sorted({r["rank"] for r in info.get("ranks", [])}))
-                break
+                break  # read after the job's state: its output is complete
+            wait = poll_s if follower.offsets != before else min(idle_poll_s, wait * 2)
             time.sleep(wait)
     except KeyboardInterrupt:
         err.write(f"trainguard: stopping job {job}\n")

@@ -143,6 +143,13 @@ class ApiClient:
         result: dict[str, Any] = self._json("GET", f"/v1/jobs/{_seg(job)}/output?rank={rank}&offset={offset}&limit={limit}")
         return result
 
+    def follow_job(self, job: str, since: int, offsets: dict[int, int], limit: int = 64 << 10) -> dict[str, Any]:
+        """One poll of a job's progress: ``{"job", "output": [per rank], "events", "next"}``."""
+        pairs = ",".join(f"{rank}:{offset}" for rank, offset in sorted(offsets.items()))
+        result: dict[str, Any] = self._json(
+            "GET", f"/v1/jobs/{_seg(job)}/follow?" + urlencode({"since": since, "offsets": pairs, "limit": limit}))
+        return result
+
     def get_plan(self, job: str) -> dict[str, Any]:
         return self._json("GET", f"/v1/jobs/{_seg(job)}/plan")
 

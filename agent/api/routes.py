@@ -14,6 +14,7 @@ GET      /v1/jobs/<id>                    read    get_job(id)
 DELETE   /v1/jobs/<id>                    admin   stop_job(id, {})
 POST     /v1/jobs/<id>/stop               admin   stop_job(id, body)
 GET      /v1/jobs/<id>/output?rank&offset read    job_output(id, rank, offset, limit)
+GET      /v1/jobs/<id>/follow?since&offsets read  get_job, job_output of each rank, events
 GET      /v1/jobs/<id>/plan               read    get_plan(id)
 PUT      /v1/jobs/<id>/plan               admin   update_plan(id, body)
 POST     /v1/jobs/<id>/checkpoint         admin   checkpoint_now(id, body)
@@ -121,6 +122,36 @@ def _output(h: ApiHandler, c: Call) -> Any:
     return h.job_output(_job(c), rank, offset, limit)
 
 
+MAX_FOLLOW_EVENTS = 500
+
+
+def _offsets(raw: str) -> dict[int, int]:
+    """``rank:offset,...`` (the output each rank's follower has already shown)."""
+    out: dict[int, int] = {}
+    for item in filter(None, raw.split(",")):
+        rank, sep, offset = item.partition(":")
+        if not (sep and rank.isdigit() and offset.isdigit()) or len(rank) > 7 or len(offset) > 16:
+            raise ApiError(400, f"query parameter 'offsets' must be rank:offset pairs, got {item[:40]!r}")
+        out[int(rank)] = int(offset)
+    return out
+
+
+def _follow(h: ApiHandler, c: Call) -> Any:
+    """One poll of ``trainguard run``: the job, each rank's output from its offset, and the events
+    after ``since`` that name the job. One request (and one server thread) where a poll was one
+    for the job, one or more per rank and one for the events."""
+    job = _job(c)
+    since = _int(c.query, "since", 0, 0, 1 << 62)
+    limit = _int(c.query, "limit", 64 << 10, 1, MAX_OUTPUT_BYTES)
+    offsets = _offsets(c.query.get("offsets", ""))
+    info = h.get_job(job)  # before the output: a job seen finished has all its output written
+    ranks = sorted({int(r["rank"]) for r in info.get("ranks", [])}) or list(range(int(info.get("nproc", 1))))
+    output = [h.job_output(job, rank, offsets.get(rank, 0), limit) for rank in ranks]
+    batch = h.events(since, MAX_FOLLOW_EVENTS, None)
+    return {"job": info, "output": output, "events": [e for e in batch["events"] if e.get("job") == job],
+            "next": batch["next"]}
+
+
 def _health(h: ApiHandler, c: Call) -> Any:
     result = dict(h.health())
     result.setdefault("ok", True)
@@ -162,6 +193,7 @@ ROUTES: tuple[Route, ...] = (
     _r("DELETE", _JOB, ADMIN, lambda h, c: h.stop_job(_job(c), c.body)),
     _r("POST", _JOB + r"/stop", ADMIN, lambda h, c: h.stop_job(_job(c), c.body)),
     _r("GET", _JOB + r"/output", READ, _output),
+    _r("GET", _JOB + r"/follow", READ, _follow),
     _r("GET", _JOB + r"/plan", READ, lambda h, c: h.get_plan(_job(c))),
     _r("PUT", _JOB + r"/plan", ADMIN, lambda h, c: h.update_plan(_job(c), c.body)),
     _r("POST", _JOB + r"/checkpoint", ADMIN, lambda h, c: h.checkpoint_now(_job(c), c.body)),
