@@ -9,6 +9,7 @@ import collections
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,38 @@ def test_round_trip_restores_parameters_optimizer_plain_values_and_rng(tmp_path:
         m(x).pow(2).mean().backward()
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_each_snapshot_keeps_its_own_per_step_values_as_they_grow_and_the_layout_changes(
+        tmp_path: Path, overlap: bool) -> None:
+    """A slot rewrites only the skeleton's per-step part while its layout holds: values that
+    change length from one snapshot to the next, and a layout that changes (an optimizer's state
+    appearing), each read back as taken, in both slots."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0, overlap=overlap)
+    taken = {}
+    for step in range(1, 8):
+        if step == 4:  # the first optimizer step: its state makes a new layout
+            model(torch.randn(5, 8)).pow(2).mean().backward()
+            opt.step()
+        opt.param_groups[0]["lr"] = 1e-2 / step
+        state = {"model": model, "optim": opt, "note": "x" * (step * 37), "seen": list(range(step))}
+        writer.take(step, state, {"step": step})
+        writer.wait()
+        taken[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        for back in (step - 1, step):  # both slots: the newest and the one before it
+            if back < 1:
+                continue
+            fresh, fresh_opt = _trained(seed=1, steps=0)
+            restored = {"model": fresh, "optim": fresh_opt, "note": "", "seen": []}
+            assert load_snapshot(str(tmp_path), 0, 1, back, restored) == {"step": back}
+            assert restored["note"] == "x" * (back * 37) and restored["seen"] == list(range(back))
+            assert fresh_opt.param_groups[0]["lr"] == pytest.approx(1e-2 / back)
+            assert all(torch.equal(v, taken[back][k]) for k, v in fresh.state_dict().items())
+    writer.close()
 
 
 def test_a_copy_cut_short_leaves_the_previous_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -464,8 +497,22 @@ def test_a_fork_waits_for_the_copy(tmp_path: Path, gated_copy: threading.Event) 
     writer.close()
 
 
+def _new_storage(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model[0].weight.data = torch.full_like(model[0].weight, 3.0)  # the same Parameter object
+
+
+def _new_parameter(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model[0].weight = nn.Parameter(torch.full_like(model[0].weight, 3.0))  # another object in the module
+
+
+def _new_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    entry = opt.state[model[0].weight]
+    entry["exp_avg"] = torch.full_like(entry["exp_avg"], 3.0)
+
+
+@pytest.mark.parametrize("swap", [_new_storage, _new_parameter, _new_optimizer_state])
 def test_tensors_swapped_before_the_copy_skip_that_snapshot_and_the_next_sees_them(
-        tmp_path: Path, gated_copy: threading.Event) -> None:
+        tmp_path: Path, gated_copy: threading.Event, swap: Callable[[nn.Module, torch.optim.Optimizer], None]) -> None:
     model, opt = _trained()
     state = {"model": model, "optim": opt}
     writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0, overlap=True)
@@ -474,12 +521,16 @@ def test_tensors_swapped_before_the_copy_skip_that_snapshot_and_the_next_sees_th
     writer.wait()
     gated_copy.clear()
     writer.take(2, state, {})
-    model[0].weight.data = torch.full_like(model[0].weight, 3.0)  # new storage, same Parameter object
+    swap(model, opt)
     gated_copy.set()
     writer.wait()
     assert writer.stats.skipped == 1 and writer.stats.last_step == 1
     assert _states(tmp_path) == [(DONE, 1)]  # step 2 was not recorded, step 1 stands
     writer.take(3, state, {})
     writer.close()
-    fresh, _ = _restored(tmp_path, 3)
-    assert torch.equal(fresh[0].weight, torch.full_like(fresh[0].weight, 3.0))
+    fresh, fresh_opt = _restored(tmp_path, 3)
+    if swap is _new_optimizer_state:
+        restored = fresh_opt.state[fresh[0].weight]["exp_avg"]
+        assert torch.equal(restored, torch.full_like(restored, 3.0))
+    else:
+        assert torch.equal(fresh[0].weight, torch.full_like(fresh[0].weight, 3.0))

@@ -33,12 +33,12 @@ slot keeps its part of them and says which rank's slot keeps each of the others
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import mmap
 import operator
 import os
 import pickle
+import queue
 import struct
 import threading
 import time
@@ -254,6 +254,7 @@ class _Plan:
         self._tables = [table for table, _, _ in self._checks]
         self._keys = [key for _, key, _ in self._checks]
         self._held = [t for _, _, t in self._checks]
+        self._sharded = any(isinstance(t, DTensor) for t in self._held)
 
     def _module(self, key: str, module: nn.Module) -> bool:
         entries = module.state_dict(keep_vars=True)
@@ -326,6 +327,20 @@ class _Plan:
         """Each plan tensor is still held where it was found."""
         return all(map(operator.is_, map(dict.get, self._tables, self._keys), self._held))
 
+    def holds_memory(self, ptrs: list[int]) -> bool:
+        """Where each plan tensor was found, a tensor still starts at its address in ``ptrs``: one
+        pass for both ways a deferred copy could read memory training no longer uses (a tensor
+        replaced in its module or optimizer, or given new memory by ``.data =``). The plan keeps
+        the tensors it found alive, so a new tensor cannot start at an old one's address unless it
+        is a view of the very same memory, which then holds the values to copy."""
+        if self._sharded:  # what is held is a DTensor, what is copied its local shard
+            return self.holds_tensors() and _data_ptrs(self.tensors) == ptrs
+        try:
+            held: Any = map(dict.get, self._tables, self._keys)
+            return list(map(torch.Tensor.data_ptr, held)) == ptrs
+        except TypeError:  # an entry removed (None) or no longer a tensor
+            return False
+
     def dynamic(self, view: Mapping[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, optim in self.optimizers.items():
@@ -371,6 +386,9 @@ class _Slot:
         """Indices of the tensors this slot keeps the bytes of (``dsts`` is theirs), in order."""
         self.stored_stable = 0
         self.skeleton_bytes = 0
+        self._prefix: tuple[int, bytes, bytes, bytes, int, int] | None = None
+        """(offset, part lengths, specs, static tree, bytes, their crc32) of the skeleton's head
+        as last written here."""
         header = read_header(path)
         self.step = header.step if header is not None and header.state == DONE else -1
 
@@ -378,6 +396,7 @@ class _Slot:
         """Grow the file to ``size`` with its pages allocated and touched now (a full tmpfs fails
         here with ENOSPC, not later as a SIGBUS in the middle of a copy)."""
         self.close_map()
+        self._prefix = None
         os.posix_fallocate(self.fd, 0, size)
         if os.fstat(self.fd).st_size > size:
             os.ftruncate(self.fd, size)
@@ -431,16 +450,26 @@ class _Slot:
         self.specs_bytes = pickle.dumps(specs, protocol=5)
 
     def finish(self, static: bytes, dynamic: bytes, header: SlotHeader) -> None:
-        """Write the skeleton behind the tensors and mark the slot complete (the tensors are in)."""
+        """Write the skeleton behind the tensors and mark the slot complete (the tensors are in).
+        The parts before the per-step values (lengths, specs, static tree) are written again only
+        when they changed since this slot's last snapshot, and their checksum is kept with them:
+        one snapshot after another writes and sums the few hundred bytes that change."""
         assert self.mm is not None
-        parts = (self.specs_bytes, static, dynamic)
-        skeleton = _PARTS.pack(*map(len, parts)) + b"".join(parts)
         start = HEADER_BYTES + self.payload_bytes
-        self.mm[start:start + len(skeleton)] = skeleton
-        self.write_header(dataclasses.replace(header, state=DONE, payload_bytes=self.payload_bytes,
-                                              skeleton_bytes=len(skeleton), skeleton_crc=zlib.crc32(skeleton)))
+        lengths = _PARTS.pack(len(self.specs_bytes), len(static), len(dynamic))
+        prefix = self._prefix
+        if prefix is None or prefix[0] != start or prefix[1] != lengths or prefix[2] is not self.specs_bytes \
+                or prefix[3] is not static:
+            head = lengths + self.specs_bytes + static
+            self.mm[start:start + len(head)] = head
+            prefix = self._prefix = (start, lengths, self.specs_bytes, static, len(head), zlib.crc32(head))
+        at = start + prefix[4]
+        self.mm[at:at + len(dynamic)] = dynamic
+        size = prefix[4] + len(dynamic)
+        self.write_header(SlotHeader(DONE, header.step, header.attempt, header.world_size, header.rank,
+                                     self.payload_bytes, size, zlib.crc32(dynamic, prefix[5])))
         self.step = header.step
-        self.skeleton_bytes = len(skeleton)
+        self.skeleton_bytes = size
 
     def _room(self, skeleton_bytes: int) -> bool:
         return self.mm is not None and HEADER_BYTES + self.payload_bytes + skeleton_bytes <= len(self.mm)
@@ -523,7 +552,7 @@ class _LateCopy:
 
     def _run(self) -> None:
         writer, slot = self.writer, self.slot
-        if not (self.plan.holds_tensors() and _data_ptrs(self.plan.tensors) == writer._flat_ptrs):
+        if not self.plan.holds_memory(writer._flat_ptrs):
             writer._stale = True
             return
         if not self.touched:
@@ -536,39 +565,38 @@ class _LateCopy:
 
 
 class _Copier:
-    """One helper thread running one job at a time (a snapshot's deferred copy)."""
+    """One helper thread running one job at a time (a snapshot's deferred copy). A queue and a
+    lock rather than a condition variable: each hand-off is a snapshot's cost, and
+    ``Condition.wait`` makes a lock of its own every time in Python."""
 
     def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._job: Callable[[], None] | None = None
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._running = threading.Lock()
+        """Held from a job's submission until it is done."""
         self.busy = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="trainguard-snapshot-copy", daemon=True)
         self._thread.start()
 
     def submit(self, job: Callable[[], None]) -> None:
-        with self._cv:
-            self._job, self.busy = job, True
-            self._cv.notify()
+        self._running.acquire()  # the previous job is done (``SnapshotWriter.take`` waited for it)
+        self.busy = True
+        self._jobs.put(job)
 
     def wait(self) -> None:
-        with self._cv:
-            while self.busy:
-                self._cv.wait()
+        if self.busy:
+            with self._running:
+                pass
 
     def _loop(self) -> None:
         while True:
-            with self._cv:
-                while self._job is None:
-                    self._cv.wait()
-                job, self._job = self._job, None
+            job = self._jobs.get()
             try:
                 job()
             except BaseException as exc:  # noqa: BLE001 - told to the rank at its next snapshot
                 self.error = exc
-            with self._cv:
-                self.busy = False
-                self._cv.notify_all()
+            self.busy = False
+            self._running.release()
 
 
 _WRITERS: weakref.WeakSet[SnapshotWriter] = weakref.WeakSet()
