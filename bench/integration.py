@@ -13,9 +13,11 @@ Lost time per failure = from the kill until training is back at the step it was 
 (detection + restart + restore + recomputing the steps since the last checkpoint; a resume at the
 killed step itself counts until its first step is done), read from the script's own step counter and
 start record; measured, never modelled. Overhead: steps/s of ``ddp_api.py`` (telemetry,
-plan sync, memory checkpoints every K) over ``ddp_plain.py`` without checkpoints, both under
-``trainguard run`` with no faults, alternating runs: the median over rounds of each round's own
-ratio (the arms of one round run back to back), with the rounds' lowest and highest.
+plan sync, snapshots, memory checkpoints every K) over ``ddp_plain.py`` without checkpoints, both
+under ``trainguard run`` with no faults, alternating runs: the median over rounds of each round's
+own ratio (the arms of one round run back to back), with the rounds' lowest and highest. Beside it
+(not the headline): the same API arm over ``ddp_plain.py`` saving its own ``torch.save`` every K
+steps, as arm (a) does -- what adopting the API costs a script that checkpoints already.
 
     python bench/integration.py [--quick]
 """
@@ -23,6 +25,7 @@ ratio (the arms of one round run back to back), with the rounds' lowest and high
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import shutil
@@ -191,6 +194,19 @@ def fresh(path: Path) -> Path:
     return path
 
 
+def median_interval(values: list[float], coverage: float = 0.9) -> tuple[float, float]:
+    """A distribution-free interval for the median of what ``values`` sample: the order statistics
+    x(k) and x(n+1-k) with the largest k whose binomial coverage is at least ``coverage`` (for nine
+    rounds, the 2nd lowest and 2nd highest: 96 %). NaNs when there are too few values for it."""
+    xs, n = sorted(values), len(values)
+    best = 0
+    for k in range(1, n // 2 + 1):
+        below = sum(math.comb(n, i) for i in range(k)) / 2 ** n  # P(Binomial(n, 1/2) <= k - 1)
+        if 1 - 2 * below >= coverage:
+            best = k
+    return (xs[best - 1], xs[n - best]) if best else (float("nan"), float("nan"))
+
+
 def _round_ratios(arm: list[float], base: list[float]) -> list[float]:
     """``arm / base`` of each round where both rates were measured."""
     return [a / b for a, b in zip(arm, base, strict=True) if a == a and b == b and b > 0]
@@ -231,17 +247,21 @@ def main() -> int:
         ours = drive("trainguard", agent.run_cmd("faulted", API, *model, "--progress", str(fresh(work / "p-tg"))),
                      env, work / "p-tg", kills, work, 900)
         plain_tp: list[float] = []
+        own_tp: list[float] = []
         api_tp: list[float] = []
         bare_tp: list[float] = []
-        arms = [("plain", agent, PLAIN, plain_tp), ("api", agent, API, api_tp), ("api-nockpt", no_ckpt, API, bare_tp)]
+        arms = [("plain", agent, PLAIN, plain_tp), ("plain-ckpt", agent, PLAIN, own_tp), ("api", agent, API, api_tp),
+                ("api-nockpt", no_ckpt, API, bare_tp)]
         for i in range(pairs):
             # The order rotates each round, so no arm always runs first (or right after another).
-            for name, who, script, sink in arms[i % 3:] + arms[:i % 3]:
+            for name, who, script, sink in arms[i % len(arms):] + arms[:i % len(arms)]:
                 d = fresh(work / f"p-{name}-{i}")
-                arm = drive(name, who.run_cmd(f"{name}-{i}", script, *model, "--progress", str(d)), env, d, [], work, 900)
+                own = ["--ckpt-dir", str(fresh(work / f"ckpt-{i}")), "--ckpt-every", str(every)] if name == "plain-ckpt" else []
+                arm = drive(name, who.run_cmd(f"{name}-{i}", script, *model, *own, "--progress", str(d)), env, d, [],
+                            work, 900)
                 sink.append(arm.steps_per_s(steps // 10))
-            print(f"  round {i + 1}: steps/s plain {plain_tp[-1]:.1f}, API + checkpoints {api_tp[-1]:.1f}, "
-                  f"API without checkpoints {bare_tp[-1]:.1f}", flush=True)
+            print(f"  round {i + 1}: steps/s plain {plain_tp[-1]:.1f}, plain + own torch.save {own_tp[-1]:.1f}, "
+                  f"API + checkpoints {api_tp[-1]:.1f}, API without checkpoints {bare_tp[-1]:.1f}", flush=True)
     finally:
         agent.close()
         no_ckpt.close()
@@ -260,14 +280,22 @@ def main() -> int:
     # headline is the median of the rounds' own ratios, and their range is printed beside it.
     paired = _round_ratios(api_tp, plain_tp)
     overhead = statistics.median(paired) if paired else float("nan")
+    ci_lo, ci_hi = median_interval(paired)
     bare_paired = _round_ratios(bare_tp, plain_tp)
     bare = statistics.median(bare_paired) if bare_paired else float("nan")
+    own_paired = _round_ratios(api_tp, own_tp)
+    own = statistics.median(own_paired) if own_paired else float("nan")
     print(f"\nthroughput without faults (steps/s after the first 10% of steps, {pairs} alternating round(s)): "
           f"plain script {statistics.median(plain_tp):.1f}; with the API and memory checkpoints every {every} steps "
           f"{statistics.median(api_tp):.1f}; with the API, no checkpoint due {statistics.median(bare_tp):.1f}")
     print(f"lost time per failure: torchrun / trainguard = {lost_ratio:.2f}x; API throughput / plain = {overhead:.3f} "
           f"(median of the rounds' own ratios: {', '.join(f'{r:.3f}' for r in paired)}; without checkpoints: "
           f"{', '.join(f'{r:.3f}' for r in bare_paired)})")
+    print(f"the rounds bound the median ratio within {ci_lo:.3f}-{ci_hi:.3f} (order statistics, >= 90 % coverage): "
+          f"the resolution of this run")
+    print(f"API + memory checkpoints / plain + its own torch.save every {every} steps = {own:.3f} "
+          f"(rounds: {', '.join(f'{r:.3f}' for r in own_paired)}; plain + torch.save {statistics.median(own_tp):.1f} "
+          f"steps/s)")
     # The same throughputs as seconds added to each step: the ratio depends on how long a step is.
     cost_ms = 1e3 * (1 / statistics.median(api_tp) - 1 / statistics.median(plain_tp))
     bare_ms = 1e3 * (1 / statistics.median(bare_tp) - 1 / statistics.median(plain_tp))
@@ -275,6 +303,7 @@ def main() -> int:
           f"(plain step {1e3 / statistics.median(plain_tp):.2f} ms)")
     shutil.rmtree(work, ignore_errors=True)
     print(f"RESULT lost_time_ratio={lost_ratio:.2f} overhead_ratio={overhead:.3f} api_only_ratio={bare:.3f} "
+          f"own_ckpt_ratio={own:.3f} overhead_ci_lo={ci_lo:.3f} overhead_ci_hi={ci_hi:.3f} "
           f"overhead_lo={min(paired, default=float('nan')):.3f} overhead_hi={max(paired, default=float('nan')):.3f} "
           f"torchrun_lost_s={torchrun.lost_per_failure:.2f} trainguard_lost_s={ours.lost_per_failure:.2f}")
     return 0 if torchrun.rc == 0 and ours.rc == 0 else 1

@@ -21,8 +21,8 @@ def test_integration_bench_quick_runs_both_arms() -> None:
     lines = out.stdout.strip().splitlines()
     assert lines[-1].startswith("RESULT ")
     result = {k: float(v) for k, v in (kv.split("=", 1) for kv in lines[-1].removeprefix("RESULT ").split())}
-    for key in ("lost_time_ratio", "overhead_ratio", "api_only_ratio", "overhead_lo", "overhead_hi", "torchrun_lost_s",
-                "trainguard_lost_s"):
+    for key in ("lost_time_ratio", "overhead_ratio", "api_only_ratio", "own_ckpt_ratio", "overhead_lo", "overhead_hi",
+                "torchrun_lost_s", "trainguard_lost_s"):
         assert math.isfinite(result[key]) and result[key] > 0, (key, out.stdout)
     assert result["overhead_lo"] <= result["overhead_ratio"] <= result["overhead_hi"], out.stdout
     arms = {ln.split()[0]: ln.split() for ln in lines if ln.split() and ln.split()[0] in ("torchrun", "trainguard")}
