@@ -19,7 +19,7 @@ own ratio (the arms of one round run back to back), with the rounds' lowest and 
 (not the headline): the same API arm over ``ddp_plain.py`` saving its own ``torch.save`` every K
 steps, as arm (a) does -- what adopting the API costs a script that checkpoints already.
 
-    python bench/integration.py [--quick]
+    python bench/integration.py [--quick] [--width W --steps N --rounds R]
 """
 
 from __future__ import annotations
@@ -220,10 +220,12 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=1024, help="hidden units of the MLP (step time grows with it)")
     ap.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--rounds", type=int, help="override the number of overhead rounds")
     args = ap.parse_args()
     # Nine rounds: single rounds of this 2-core machine spread +-0.1 around their median.
     steps, n_kills, every, pairs = (600, 2, 50, 1) if args.quick else (3000, 4, 100, 9)
     steps = args.steps or steps
+    pairs = args.rounds or pairs
     rng = random.Random(args.seed)
     # Kills spread over the run, each at a random step in its own stretch (never the same as K's grid).
     span = (steps - 2 * every) // n_kills

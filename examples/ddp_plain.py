@@ -101,11 +101,11 @@ def main() -> int:
         optim.step()
         if rank == 0 and step % 20 == 0:
             print(f"step {step} loss {loss.item():.5f}", flush=True)
-        if path and rank == 0 and (step + 1) % args.ckpt_every == 0:
-            tmp = path + ".tmp"
-            torch.save({"model": model.module.state_dict(), "optim": optim.state_dict(), "step": step}, tmp)
-            os.replace(tmp, path)
-        if path:
+        if path and (step + 1) % args.ckpt_every == 0:
+            if rank == 0:
+                tmp = path + ".tmp"
+                torch.save({"model": model.module.state_dict(), "optim": optim.state_dict(), "step": step}, tmp)
+                os.replace(tmp, path)
             dist.barrier()  # nobody runs ahead of a checkpoint being written
         progress.done(step)
 
