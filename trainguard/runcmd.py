@@ -76,7 +76,7 @@ class OutputFollower:
             rank = int(got["rank"])
             if got["text"]:
                 self.out.write(prefixed(rank, got["text"]))
-            self.offsets[rank] = max(self.offsets.get(rank, 0), int(got["next"]))
+            self.offsets[rank] = int(got["next"])
             more = more or (got["next"] < got["size"] and got["next"] > got["offset"])
         self.out.flush()
         return more
