@@ -161,8 +161,13 @@ class AgentControl:
             return {"rank": rank, "offset": offset, "next": offset, "size": 0, "text": ""}
         except OSError as exc:
             raise ApiError(500, f"cannot read the output of rank {rank}: {exc}") from None
+        # Whole lines only while more may follow; once the job is over, a last line without a
+        # newline is all there will be of it.
+        at_end = record.state.finished and len(data) < limit
         end = data.rfind(b"\n") + 1
-        if end == 0 and len(data) < limit:
+        if at_end:
+            pass
+        elif end == 0 and len(data) < limit:
             data = b""  # half a line: wait for the rest
         elif end:
             data = data[:end]

@@ -253,3 +253,12 @@ def test_output_larger_than_one_poll_carries_comes_out_whole_and_in_order(agent_
     for rank in (0, 1):
         lines = [line for line in out.splitlines() if line.startswith(f"[rank{rank}]:")]
         assert lines == [f"[rank{rank}]:{rank} {i:06d} " + "x" * 40 for i in range(6000)]
+
+
+def test_a_last_line_without_a_newline_is_shown_once_the_job_ends(agent_factory: Any, tmp_path: Path) -> None:
+    agent = agent_factory(config=CONFIG)
+    cli = run_cli(agent, tmp_path, "--nproc", "1", "--job", "tail", "--", sys.executable, "-c",
+                  "import sys; print('whole'); sys.stdout.write('no newline at the end')")
+    out, err = cli.communicate(timeout=60)
+    assert cli.returncode == 0, err
+    assert out == "[rank0]:whole\n[rank0]:no newline at the end\n"

@@ -88,7 +88,8 @@ class ApiHandler(Protocol):
 
     def job_output(self, job: str, rank: int, offset: int, limit: int) -> dict[str, Any]:
         """GET /v1/jobs/<job>/output: what rank ``rank`` printed (stdout and stderr), from byte
-        ``offset``, at most ``limit`` bytes ending on a line: ``{"text", "offset", "next", "size"}``."""
+        ``offset``, at most ``limit`` bytes ending on a line (once the job is over, its last line
+        comes without a newline if it was written so): ``{"text", "offset", "next", "size"}``."""
 
     def get_plan(self, job: str) -> dict[str, Any]:
         """GET /v1/jobs/<job>/plan."""
