@@ -161,16 +161,14 @@ class AgentControl:
             return {"rank": rank, "offset": offset, "next": offset, "size": 0, "text": ""}
         except OSError as exc:
             raise ApiError(500, f"cannot read the output of rank {rank}: {exc}") from None
-        # Whole lines only while more may follow; once the job is over, a last line without a
-        # newline is all there will be of it.
-        at_end = record.state.finished and len(data) < limit
-        end = data.rfind(b"\n") + 1
-        if at_end:
-            pass
-        elif end == 0 and len(data) < limit:
-            data = b""  # half a line: wait for the rest
-        elif end:
-            data = data[:end]
+        # Whole lines only while more may follow; once the job is over and this read reached the
+        # end, a last line without a newline is all there will be of it.
+        if not (record.state.finished and len(data) < limit):
+            end = data.rfind(b"\n") + 1
+            if end == 0 and len(data) < limit:
+                data = b""  # half a line: wait for the rest
+            elif end:
+                data = data[:end]
         start = min(offset, size)
         return {"rank": rank, "offset": start, "next": start + len(data), "size": size,
                 "text": data.decode("utf-8", errors="replace")}

@@ -207,6 +207,10 @@ def median_interval(values: list[float], coverage: float = 0.9) -> tuple[float, 
     return (xs[best - 1], xs[n - best]) if best else (float("nan"), float("nan"))
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
 def _round_ratios(arm: list[float], base: list[float]) -> list[float]:
     """``arm / base`` of each round where both rates were measured."""
     return [a / b for a, b in zip(arm, base, strict=True) if a == a and b == b and b > 0]
@@ -281,12 +285,12 @@ def main() -> int:
     # rounds (this machine's plain rate moved 310-390 steps/s from one round to the next): the
     # headline is the median of the rounds' own ratios, and their range is printed beside it.
     paired = _round_ratios(api_tp, plain_tp)
-    overhead = statistics.median(paired) if paired else float("nan")
+    overhead = _median(paired)
     ci_lo, ci_hi = median_interval(paired)
     bare_paired = _round_ratios(bare_tp, plain_tp)
-    bare = statistics.median(bare_paired) if bare_paired else float("nan")
+    bare = _median(bare_paired)
     own_paired = _round_ratios(api_tp, own_tp)
-    own = statistics.median(own_paired) if own_paired else float("nan")
+    own = _median(own_paired)
     print(f"\nthroughput without faults (steps/s after the first 10% of steps, {pairs} alternating round(s)): "
           f"plain script {statistics.median(plain_tp):.1f}; with the API and memory checkpoints every {every} steps "
           f"{statistics.median(api_tp):.1f}; with the API, no checkpoint due {statistics.median(bare_tp):.1f}")

@@ -386,9 +386,9 @@ class _Slot:
         """Indices of the tensors this slot keeps the bytes of (``dsts`` is theirs), in order."""
         self.stored_stable = 0
         self.skeleton_bytes = 0
-        self._prefix: tuple[int, bytes, bytes, bytes, int, int] | None = None
-        """(offset, part lengths, specs, static tree, bytes, their crc32) of the skeleton's head
-        as last written here."""
+        self._prefix: tuple[int, bytes, bytes, bytes, int] | None = None
+        """(offset, part lengths, specs, static tree, their crc32) of the skeleton's head as last
+        written here."""
         header = read_header(path)
         self.step = header.step if header is not None and header.state == DONE else -1
 
@@ -462,12 +462,12 @@ class _Slot:
                 or prefix[3] is not static:
             head = lengths + self.specs_bytes + static
             self.mm[start:start + len(head)] = head
-            prefix = self._prefix = (start, lengths, self.specs_bytes, static, len(head), zlib.crc32(head))
-        at = start + prefix[4]
+            prefix = self._prefix = (start, lengths, self.specs_bytes, static, zlib.crc32(head))
+        at = start + _PARTS.size + len(self.specs_bytes) + len(static)
         self.mm[at:at + len(dynamic)] = dynamic
-        size = prefix[4] + len(dynamic)
+        size = at + len(dynamic) - start
         self.write_header(SlotHeader(DONE, header.step, header.attempt, header.world_size, header.rank,
-                                     self.payload_bytes, size, zlib.crc32(dynamic, prefix[5])))
+                                     self.payload_bytes, size, zlib.crc32(dynamic, prefix[4])))
         self.step = header.step
         self.skeleton_bytes = size
 
