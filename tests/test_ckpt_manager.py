@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -128,10 +129,14 @@ def test_poll_reads_an_unchanged_job_once_and_prunes_what_a_restore_held(setting
     mgr = CheckpointManager(settings, emit=events)
     mgr.start()
     lists: list[str] = []
+    polled: list[str] = []  # the reads made by poll itself (the replicator's thread reads too)
     listing = mgr.memory.list
+    me = threading.get_ident()
 
     def counted(job: str) -> Any:
         lists.append(job)
+        if threading.get_ident() == me:
+            polled.append(job)
         return listing(job)
 
     mgr.memory.list = counted  # type: ignore[method-assign]
@@ -149,7 +154,9 @@ def test_poll_reads_an_unchanged_job_once_and_prunes_what_a_restore_held(setting
         assert held is not None and held.info.step == 200
         run_trainer(settings, 300, 400)
         time.sleep(0.1)
+        before = len(polled)
         mgr.poll()
+        assert len(polled) - before == 1, "a changed job's checkpoints are read once a poll, pruning included"
         assert [f["step"] for k, f in events.items if k == "checkpoint_committed"] == [200, 400]
         assert [i.step for i in listing("job")] == [200, 300, 400]  # 200 is being read
         time.sleep(0.1)

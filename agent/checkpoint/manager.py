@@ -192,7 +192,7 @@ class CheckpointManager:
             if newest is not None and (newest.step > self._seen.get(job, -1) or job in force):
                 self._committed(newest, job in force)
             try:
-                deleted = self.memory.prune(job, self.memory.keep)
+                deleted = self.memory.prune(job, self.memory.keep, listed=infos)
             except OSError as exc:
                 self.emit("checkpoint_prune_failed", {"tier": self.memory.name, "job": job, "error": describe(exc)})
                 continue

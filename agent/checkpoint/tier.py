@@ -108,11 +108,13 @@ class Tier(ABC):
     def delete(self, job: str, step: int) -> None:
         """Uncommit first (so a crash half-way never leaves a listed partial), then remove."""
 
-    def prune(self, job: str, keep: int) -> builtins.list[int]:
-        """Delete all but the newest ``keep`` checkpoints of ``job``; returns the deleted steps."""
+    def prune(self, job: str, keep: int, listed: builtins.list[CheckpointInfo] | None = None) -> builtins.list[int]:
+        """Delete all but the newest ``keep`` checkpoints of ``job``; returns the deleted steps.
+        ``listed``: what ``list(job)`` just returned, not read again (a checkpoint committed since
+        is newer than all of it, so nothing it holds is pruned too early)."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        infos = self.list(job)
+        infos = self.list(job) if listed is None else listed
         doomed = [i.step for i in infos[:-keep]]
         deleted = []
         for step in doomed:

@@ -264,8 +264,9 @@ class PeerTier(Tier):
         except ApiClientError as exc:
             raise CheckpointError(f"tier {self.name}: delete at {remote[0].node} failed: {exc}") from None
 
-    def prune(self, job: str, keep: int) -> builtins.list[int]:
-        """Prune only our own copies at the peer; held copies belong to their origin nodes."""
+    def prune(self, job: str, keep: int, listed: builtins.list[CheckpointInfo] | None = None) -> builtins.list[int]:
+        """Prune only our own copies at the peer; held copies belong to their origin nodes (always
+        listed there afresh: ``listed`` is of this node's view)."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         remote = self._remote()
