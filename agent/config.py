@@ -212,8 +212,9 @@ class CheckpointSection:
     """Steps between memory-tier checkpoints (the ranks' only checkpoint stall)."""
     memory_keep: int = 2
     snapshots: bool = True
-    """Per-step snapshots of every rank's state in shared memory (a rank crash loses at most the
-    step that was running; ``trainguard.snapshot``)."""
+    """Per-step snapshots of every rank's state in shared memory (a rank crash loses the step
+    that was running and at most ``snapshot_every`` - 1 more, or ``snapshot_every`` when it lands
+    while the newest snapshot is still being copied; ``trainguard.snapshot``)."""
     snapshot_every: int = 0
     """Steps between snapshots; 0: chosen by each rank from its measured stall, the fewest steps
     (1, 2, 4, ... 64) that keep snapshots within 1% of its step time."""

@@ -10,7 +10,11 @@ structure with placeholders for the tensors). The header says ``writing`` before
 The files are tmpfs pages the rank allocated and touched once (pre-faulted), so a snapshot costs
 about a memcpy of the rank's state; no collective, no fsync, no manifest. They are not copied to
 other tiers (the DCP checkpoints at ``checkpoint.memory_every`` are): they cover a rank crash on a
-node that stays up, where they make the loss at most the step that was running.
+node that stays up. Such a crash loses the step that was running and the steps done since the newest
+snapshot every rank completed: at a snapshot every N steps up to N - 1 of them, or N when the kill
+lands while the killed rank is still copying its newest snapshot (the copy overlaps the next
+step's forward and backward and ends before that step's optimizer step; until it ends, the rank's
+previous snapshot is its newest complete one).
 
 The agent picks, before restarting a job with the same world size, the newest step every rank
 has a ``done`` slot of (``SnapshotSet.common_step``), and clears every other slot
