@@ -262,3 +262,36 @@ def test_a_last_line_without_a_newline_is_shown_once_the_job_ends(agent_factory:
     out, err = cli.communicate(timeout=60)
     assert cli.returncode == 0, err
     assert out == "[rank0]:whole\n[rank0]:no newline at the end\n"
+
+
+def test_run_follows_on_through_its_agent_killed_and_started_again(agent_factory: Any, tmp_path: Path) -> None:
+    """SIGKILL of the agent while ``trainguard run`` follows a job (a crash or an OOM kill of the
+    agent): the ranks train on and the command waits rather than failing; the agent started again
+    on the same state directory (as systemd's Restart= does) adopts the ranks, and the command
+    follows on to the job's end: every line the ranks printed, once and in order, and exit code 0."""
+    agent = agent_factory(config=CONFIG)
+    cli = run_cli(agent, tmp_path, "--nproc", "2", "--job", "outlive", "--", sys.executable, API,
+                  "--steps", "1500", "--step-sleep", "0.01")
+    try:
+        wait_for(lambda: (p := rank_pid(agent, "outlive", 0)) and (agent.client().job("outlive").get("progress_step") or 0)
+                 >= 20 and p, 60, "the job training")
+        pids = sorted(r["pid"] for r in agent.client().job("outlive")["ranks"])
+        agent.proc.send_signal(signal.SIGKILL)
+        agent.proc.wait(10)
+        for name in ("agent.sock", "metrics.addr"):  # what a killed agent leaves; the fixture waits on them
+            (agent.state_dir / "run" / name).unlink(missing_ok=True)
+        time.sleep(2.0)
+        assert cli.poll() is None, cli.communicate()
+        again = agent_factory(config=CONFIG)  # the same state directory
+        out, err = cli.communicate(timeout=240)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode == 0, err
+    assert "waiting for the agent to come back" in err and "the agent is back" in err, err
+    steps = [int(line.split()[1]) for line in out.splitlines() if line.startswith("[rank0]:step ")]
+    assert steps == list(range(0, 1500, 20)), steps
+    adopted = [e for e in again.client().events(since=0, limit=10000, kind="job_adopted")["events"]
+               if e.get("job") == "outlive"]
+    assert adopted and sorted(adopted[0]["fields"]["pids"]) == pids, adopted
+    assert again.client().job("outlive")["restarts"] == 0

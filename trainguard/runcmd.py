@@ -6,6 +6,11 @@ The job runs the command unchanged in the caller's working directory and environ
 torchrun's variables set per rank (``agent.launcher.torchrun_env``). The agent restarts the whole
 job when a rank dies, up to ``--max-restarts`` restarts without progress, and keeps every rank's
 output in ``<state>/jobs/<job>/rank<N>.log``. Ctrl-C stops the job.
+
+An agent that goes away meanwhile (killed, crashed, restarted by systemd) does not take the job
+with it: its ranks train on, and an agent started again on the state directory adopts them. So
+the command waits for it and follows on from where it was, while any of the job's ranks on this
+node still runs and for ``AGENT_GRACE_S`` after.
 """
 
 from __future__ import annotations
@@ -14,7 +19,11 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
+
+from trainguard.agent.api.client import ApiClientError
+from trainguard.agent.lifecycle.records import process_start_ticks
 
 FINISHED = {"succeeded", "failed", "stopped"}
 # What the agent says about a job that a user running it wants to see as it happens.
@@ -82,20 +91,67 @@ class OutputFollower:
         return more
 
 
+AGENT_GRACE_S = 60.0
+"""How long ``follow`` waits for a lost agent once none of the job's ranks on this node runs: an
+agent restarted meanwhile still tells how the job ended (while a rank runs, it waits on)."""
+
+
+class AgentAway:
+    """The job's ranks on this node when the agent went away (pid and start time, so that a pid
+    used again by another process is not taken for a rank), to tell how long to wait for it."""
+
+    def __init__(self, info: dict[str, Any], now: float, grace_s: float,
+                 start_ticks: Callable[[int], int | None] = process_start_ticks) -> None:
+        self.start_ticks = start_ticks
+        self.ranks = {int(r["pid"]): t for r in info.get("ranks", [])
+                      if r.get("alive") and r.get("pid") and (t := start_ticks(int(r["pid"]))) is not None}
+        self.grace_s = grace_s
+        self.last_running = now
+
+    def running(self) -> list[int]:
+        return [pid for pid, ticks in self.ranks.items() if self.start_ticks(pid) == ticks]
+
+    def give_up(self, now: float) -> bool:
+        if self.running():
+            self.last_running = now
+            return False
+        return now - self.last_running >= self.grace_s
+
+
 def follow(client: Any, job: str, *, out: TextIO = sys.stdout, err: TextIO = sys.stderr, poll_s: float = 0.2,
-           idle_poll_s: float = 1.0) -> int:
+           idle_poll_s: float = 1.0, agent_grace_s: float = AGENT_GRACE_S,
+           clock: Callable[[], float] = time.monotonic) -> int:
     """Stream the job's output and notable events until it ends; return its exit code. Polls every
     ``poll_s`` while the job prints, backing off to ``idle_poll_s`` while it is quiet: each poll is
     one request to the agent (the job, each rank's new output, the events), CPU that a busy
-    training node's ranks would otherwise have."""
+    training node's ranks would otherwise have. Rides out an agent that goes away (``AgentAway``)."""
     follower = OutputFollower(out)
     seen = client.events(since=0, limit=1)["next"]
     info: dict[str, Any] = {}
     wait = poll_s
+    away: AgentAway | None = None
     try:
         while True:
             before = dict(follower.offsets)
-            got = client.follow_job(job, seen, follower.offsets)
+            try:
+                got = client.follow_job(job, seen, follower.offsets)
+            except ApiClientError as exc:
+                if exc.status != 0:  # the agent answered (e.g. the job is unknown): not a lost agent
+                    raise
+                if away is None:
+                    away = AgentAway(info, clock(), agent_grace_s)
+                    err.write(f"trainguard: {exc} -- the job's ranks train on without it; waiting for the agent "
+                              "to come back and adopt them (Ctrl-C stops waiting, not the job)\n")
+                    err.flush()
+                elif away.give_up(clock()):
+                    err.write(f"trainguard: no agent came back and job {job}'s ranks on this node have ended; "
+                              "`trainguard status` tells how it ended once an agent runs on this state directory\n")
+                    return 1
+                time.sleep(idle_poll_s)
+                continue
+            if away is not None:
+                err.write("trainguard: the agent is back; following the job again\n")
+                away = None
             info = got["job"]
             more = follower.take(got["output"])
             for e in got["events"]:
@@ -110,6 +166,11 @@ def follow(client: Any, job: str, *, out: TextIO = sys.stdout, err: TextIO = sys
             wait = poll_s if follower.offsets != before else min(idle_poll_s, wait * 2)
             time.sleep(wait)
     except KeyboardInterrupt:
+        if away is not None:
+            pids = " ".join(map(str, away.running())) or "none left"
+            err.write(f"trainguard: stopped waiting; job {job} was not stopped (no agent to stop it): its ranks on "
+                      f"this node (pids {pids}) run on until an agent adopts them (`trainguard stop {job}` then)\n")
+            return 130
         err.write(f"trainguard: stopping job {job}\n")
         client.stop_job(job, reason="interrupted by the user (Ctrl-C)")
         return 130
