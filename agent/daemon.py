@@ -358,7 +358,6 @@ class Agent:
         saved, problems = records.load_all()
         for problem in problems:
             self.events.emit("job_not_adopted", f"unreadable job record {problem}", severity="error", cause=problem)
-        self.supervisor.exit_events = self.collector_state.get("ebpf", (False, None))[0]
         self.supervisor.adopt(saved)
 
     def _start_collectors(self) -> None:

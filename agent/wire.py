@@ -9,6 +9,9 @@ small and free of torch (the agent never imports torch) and of anything else hea
 * Plan, agent -> ranks: a versioned JSON object per job, written atomically by the agent to the
   file named by ``$TRAINGUARD_PLAN``. Rank 0 reads it at sync points and passes it on through the
   job's store (``trainguard.plansync``), so every rank applies one version at one step.
+* Exit status, warm launcher -> agent: how a rank the launcher forked ended, in a small JSON file
+  beside the rank's log (``exit_status_path``), written when the launcher reaps it. An agent that
+  was away when the rank ended (killed, restarted) reads it there instead of guessing.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
@@ -369,4 +373,54 @@ def read_plan_file(path: str) -> Plan | None:
         with open(path, "rb") as fh:
             return Plan.decode(fh.read())
     except (OSError, WireError, TypeError):
+        return None
+
+
+def process_start_ticks(pid: int, proc_root: Path = Path("/proc")) -> int | None:
+    """The process's start time in clock ticks since boot; None when it is gone (or a zombie)."""
+    try:
+        text = (proc_root / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    fields = text[text.rfind(")") + 2:].split()
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def exit_status_path(log_path: str) -> str:
+    """Where the warm launcher writes how the rank logging to ``log_path`` ended."""
+    return log_path + ".exit"
+
+
+def write_exit_status(path: str, pid: int, start_ticks: int | None, code: int, signal: int | None) -> None:
+    """Atomically record that process ``pid`` (started at ``start_ticks``) ended with ``code``, or by
+    ``signal``. Best effort: an OSError (a full disk) leaves the agent to judge the end without it."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as fh:
+            json.dump({"pid": pid, "start_ticks": start_ticks, "code": code, "signal": signal}, fh)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def read_exit_status(path: str, pid: int, start_ticks: int | None) -> int | None:
+    """How process ``pid`` (started at ``start_ticks``, when known) ended, in ``subprocess.Popen``'s
+    convention (-N for signal N); None when ``path`` is missing, unreadable or of another process
+    (a pid used again: the start times differ)."""
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+        same = doc["pid"] == pid and (start_ticks is None or doc["start_ticks"] in (None, start_ticks))
+        code, signal = int(doc["code"]), doc["signal"]
+        return (-int(signal) if signal else code) if same else None
+    except (OSError, ValueError, KeyError, TypeError):
         return None

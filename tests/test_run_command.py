@@ -295,3 +295,57 @@ def test_run_follows_on_through_its_agent_killed_and_started_again(agent_factory
                if e.get("job") == "outlive"]
     assert adopted and sorted(adopted[0]["fields"]["pids"]) == pids, adopted
     assert again.client().job("outlive")["restarts"] == 0
+
+
+def _kill_agent(agent: Any) -> None:
+    agent.proc.send_signal(signal.SIGKILL)
+    agent.proc.wait(10)
+    for name in ("agent.sock", "metrics.addr"):  # what a killed agent leaves; the fixture waits on them
+        (agent.state_dir / "run" / name).unlink(missing_ok=True)
+
+
+def test_a_job_that_ends_while_no_agent_runs_ends_as_it_did(agent_factory: Any, tmp_path: Path) -> None:
+    """The agent SIGKILLed and the job's ranks finish before another agent starts: their warm
+    launcher recorded how they ended, so the new agent tells the job succeeded (not a restart of
+    a finished job) and ``trainguard run``, which waited, exits 0 with all the output."""
+    agent = agent_factory(config=CONFIG)
+    cli = run_cli(agent, tmp_path, "--nproc", "2", "--job", "early", "--", sys.executable, API, "--steps", "300",
+                  "--step-sleep", "0.01")
+    try:
+        pids = wait_for(lambda: (r := [rank_pid(agent, "early", k) for k in (0, 1)]) and all(r) and r, 60,
+                        "the ranks running")
+        _kill_agent(agent)
+        wait_for(lambda: all(not os.path.exists(f"/proc/{p}") for p in pids), 60, "the ranks done")
+        assert cli.poll() is None, cli.communicate()
+        again = agent_factory(config=CONFIG)
+        out, err = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode == 0, err
+    assert [int(line.split()[1]) for line in out.splitlines() if line.startswith("[rank0]:step ")] == \
+        list(range(0, 300, 20))
+    client = again.client()
+    info = client.job("early")
+    assert info["state"] == "succeeded" and info["restarts"] == 0, info
+    adopted = [e for e in client.events(since=0, limit=10000, kind="job_adopted")["events"] if e.get("job") == "early"]
+    assert adopted and adopted[0]["fields"]["ended"] == {"0": 0, "1": 0}, adopted
+    assert not [e for e in client.events(since=0, limit=10000, kind="job_restart")["events"] if e.get("job") == "early"]
+
+
+def test_a_job_accepted_but_not_started_outlives_its_agent(agent_factory: Any, tmp_path: Path) -> None:
+    """The agent SIGKILLed right after it accepted a job, while the job's warm launcher still
+    imports torch: the job was kept from its submission, so the next agent starts it."""
+    agent = agent_factory(config=CONFIG)
+    res = subprocess.run([sys.executable, "-m", "trainguard", "run", "--state-dir", str(agent.state_dir), "--nproc",
+                          "2", "--job", "pending", "--detach", "--", sys.executable, PLAIN, "--steps", "40"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0 and res.stdout.strip() == "pending", res.stderr
+    _kill_agent(agent)
+    again = agent_factory(config=CONFIG)
+    client = again.client()
+    done = wait_for(lambda: (j := client.job("pending"))["state"] in ("succeeded", "failed") and j, 120,
+                    "the job to run and end")
+    assert done["state"] == "succeeded" and done["attempt"] == 1 and done["restarts"] == 0, done
+    adopted = [e for e in client.events(since=0, limit=10000, kind="job_adopted")["events"] if e.get("job") == "pending"]
+    assert adopted and adopted[0]["fields"]["action"] == "start", adopted

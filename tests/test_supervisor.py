@@ -14,7 +14,9 @@ from trainguard.agent.eventlog import EventLog
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
 from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
 from trainguard.agent.lifecycle.plans import PlanStore
+from trainguard.agent.lifecycle.records import RecordStore
 from trainguard.agent.lifecycle.supervisor import Supervisor
+from trainguard.agent.waiting import wait_for
 
 FAKE = [sys.executable, str(Path(__file__).resolve().parent / "helpers" / "fake_rank.py")]
 
@@ -131,3 +133,31 @@ def test_warm_ranks_start_with_their_imports_and_the_corpus_listing_done(tmp_pat
     assert "WARM trainguard.snapshot,trainguard.checkpointing,trainguard.trainer.train 1" in log, log
     sup.launcher.close_job("warm-job")
     sup.close()
+
+
+def test_a_job_is_kept_from_its_submission_and_one_that_could_not_start_stays_failed(tmp_path) -> None:
+    """The record is written when the job is accepted (an agent killed before the ranks started
+    must not lose it); a job whose ranks could not start is kept as failed, so that an agent
+    started later on the same state directory does not start it."""
+    sup, events = make_supervisor(tmp_path, "cold")
+    sup.records = RecordStore(str(tmp_path / "records"))
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "nope").write_text("a file where the job's log folder must go\n")  # no rank can start
+    sup.submit(JobSpec("nope", 1, command=FAKE))
+    assert wait_state(sup, "nope", {JobState.FAILED, JobState.SUCCEEDED}) == JobState.FAILED
+    records = sup.records
+
+    def kept() -> list[tuple[str, str]]:
+        saved, problems = records.load_all()
+        assert not problems
+        return [(s.spec["job"], s.state) for s in saved]
+
+    assert kept() in ([("nope", "starting")], [("nope", "failed")])  # from the submission on
+    wait_for(lambda: kept() == [("nope", "failed")], 10, "the failed state on disk")  # written just after
+    saved, _ = records.load_all()
+    assert "could not start ranks" in [e for e in events.since(0) if e["kind"] == "job_failed"][0]["message"]
+    sup.close()
+    later, later_events = make_supervisor(tmp_path / "later", "cold")
+    later.adopt(saved)
+    assert "nope" not in later.jobs and not later_events.since(0)
+    later.close()

@@ -8,7 +8,9 @@ Protocol (JSON lines): the agent writes ``{"op": "spawn", "rank": r, "env": {...
 (a module name, or ``path:/abs/script.py`` for a script)
 "args": [...], "log": path, "cwd": dir}`` and ``{"op": "exit"}`` on stdin; the zygote answers
 ``{"ev": "ready", "pid": p, "import_s": t}`` once, then ``{"ev": "spawned", "rank": r, "pid": p}``
-and ``{"ev": "exit", "pid": p, "code": c, "signal": s}`` on stdout.
+and ``{"ev": "exit", "pid": p, "code": c, "signal": s}`` on stdout. A spawn may name an
+``"exit_file"``: the same end is written there too (``wire.write_exit_status``), which an agent
+started after the rank ended (the one that spawned it killed meanwhile) reads instead.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import signal
 import sys
 import time
 from typing import Any
+
+from trainguard.agent.wire import process_start_ticks, write_exit_status
 
 PRELOAD = (
     "torch",
@@ -143,7 +147,8 @@ def serve(stdin_fd: int = 0, out: Any = None) -> int:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     _say(out, ev="ready", pid=os.getpid(), import_s=round(time.perf_counter() - t0, 3))
     buf = b""
-    children: set[int] = set()
+    children: dict[int, tuple[str, int | None]] = {}
+    """pid -> (its exit file or "", its start time: the file names the very process)."""
     running = True
     while running or children:
         ready, _, _ = select.select([stdin_fd, wake_r] if running else [wake_r], [], [], 1.0)
@@ -158,9 +163,11 @@ def serve(stdin_fd: int = 0, out: Any = None) -> int:
                 break
             if pid == 0:
                 break
-            children.discard(pid)
+            exit_file, ticks = children.pop(pid, ("", None))
             sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
             code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + (sig or 0)
+            if exit_file:
+                write_exit_status(exit_file, pid, ticks, code, sig)
             _say(out, ev="exit", pid=pid, code=code, signal=sig)
         if running and stdin_fd in ready:
             chunk = os.read(stdin_fd, 65536)
@@ -184,7 +191,7 @@ def serve(stdin_fd: int = 0, out: Any = None) -> int:
                         os.close(wake_r)
                         os.close(wake_w)
                         _child(req)
-                    children.add(pid)
+                    children[pid] = (str(req.get("exit_file") or ""), process_start_ticks(pid))
                     _say(out, ev="spawned", rank=req.get("rank"), pid=pid)
     return 0
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from trainguard.agent.api.client import ApiClientError
-from trainguard.agent.lifecycle.records import process_start_ticks
+from trainguard.agent.wire import process_start_ticks
 
 FINISHED = {"succeeded", "failed", "stopped"}
 # What the agent says about a job that a user running it wants to see as it happens.

@@ -18,26 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.agent.wire import exit_status_path, process_start_ticks, read_exit_status
+
 log = logging.getLogger(__name__)
 
 RECORD_FILE = "record.json"
 VERSION = 1
-
-
-def process_start_ticks(pid: int, proc_root: Path = Path("/proc")) -> int | None:
-    """The process's start time in clock ticks since boot; None when it is gone (or a zombie)."""
-    try:
-        text = (proc_root / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    fields = text[text.rfind(")") + 2:].split()
-    if not fields or fields[0] in ("Z", "X"):
-        return None
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
 
 
 @dataclass(frozen=True)
@@ -145,19 +131,21 @@ class AdoptedProcess:
     """A rank a previous agent started, now watched by this one; quacks like ``subprocess.Popen``
     for the supervisor. Not our child, so no waitpid: its end is seen through a pidfd (the
     supervisor's monitor) or /proc, and its exit status comes from the eBPF exit event when that
-    collector runs (``status_hint``, in Popen's convention: -N for signal N), else from ``resolve()`` (the supervisor's judgement from the
-    job's own telemetry), and ``status_source`` says which."""
+    collector runs (``status_hint``, in Popen's convention: -N for signal N), else from the file
+    the warm launcher that forked it writes when it reaps it (``wire.exit_status_path``: also for a
+    rank that ended before this agent started), else from ``resolve()`` (the supervisor's
+    judgement from the job's own telemetry); ``status_source`` says which."""
 
     HINT_WAIT_S = 0.5
-    """How long a seen end waits for the eBPF exit event to bring the status (it is usually first)."""
+    """How long a seen end waits for its status to come (the eBPF event is usually first; the
+    launcher writes its file once it has reaped the rank)."""
 
-    def __init__(self, rank: RankRecord, resolve: Callable[[], int], *, expect_hint: bool,
+    def __init__(self, rank: RankRecord, resolve: Callable[[], int], *,
                  proc_root: Path = Path("/proc"), clock: Callable[[], float] = time.monotonic) -> None:
         self.record = rank
         self.pid = rank.pid
         self.args = [f"adopted pid {rank.pid}"]
         self.resolve = resolve
-        self.expect_hint = expect_hint
         self.proc_root = proc_root
         self.clock = clock
         self.returncode: int | None = None
@@ -165,22 +153,28 @@ class AdoptedProcess:
         self.status_source = ""
         self._gone_at: float | None = None
 
+    def recorded_status(self) -> int | None:
+        """The status the warm launcher recorded for this very process, if it did."""
+        return read_exit_status(exit_status_path(self.record.log_path), self.pid, self.record.start_ticks)
+
     def poll(self) -> int | None:
         if self.returncode is not None:
             return self.returncode
         if self.record.alive(self.proc_root):
             return None
-        if self.status_hint is None and self.expect_hint:
-            now = self.clock()
-            self._gone_at = now if self._gone_at is None else self._gone_at
-            if now - self._gone_at < self.HINT_WAIT_S:
-                return None
         if self.status_hint is not None:
-            self.returncode = self.status_hint
-            self.status_source = "ebpf"
-        else:
-            self.returncode = self.resolve()
-            self.status_source = "telemetry" if self.returncode == 0 else "unknown"
+            self.returncode, self.status_source = self.status_hint, "ebpf"
+            return self.returncode
+        recorded = self.recorded_status()
+        if recorded is not None:
+            self.returncode, self.status_source = recorded, "launcher"
+            return self.returncode
+        now = self.clock()
+        self._gone_at = now if self._gone_at is None else self._gone_at
+        if now - self._gone_at < self.HINT_WAIT_S:
+            return None
+        self.returncode = self.resolve()
+        self.status_source = "telemetry" if self.returncode == 0 else "unknown"
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:

@@ -24,6 +24,7 @@ from trainguard.agent.lifecycle.jobs import JobSpec, JobState, check_transition
 from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher, RankBlock, RankProcess
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.records import AdoptedProcess, RecordStore, SavedJob
+from trainguard.agent.wire import exit_status_path, read_exit_status
 
 
 def _set_logs_aside(log_dir: str) -> None:
@@ -119,6 +120,11 @@ class JobRecord:
         }
 
 
+def _status_text(status: int) -> str:
+    """A Popen-convention status as the rank_exit event words it (-N: signal N)."""
+    return f"signal {-status}" if status < 0 else f"code {status}"
+
+
 PEER_EXIT_GRACE_S = 0.5
 """How long a rank's exit 1 waits for a still-running peer to end on its own (see _judge_exits)."""
 
@@ -143,7 +149,6 @@ class Supervisor:
         launch_env: Callable[[JobRecord], dict[str, str]] | None = None,
         on_submit: Callable[[str], None] | None = None,
         records: RecordStore | None = None,
-        exit_events: bool = False,
     ) -> None:
         self.events = events
         self.plans = plans
@@ -158,8 +163,6 @@ class Supervisor:
         """Called with the job id before its ranks start (the telemetry table registers the job)."""
         self.records = records
         """Where every job's record is kept for a restarted agent (None: not kept)."""
-        self.exit_events = exit_events
-        """Whether ``on_exit_event`` will bring exit statuses (eBPF): adopted ranks wait for them."""
         self.jobs: dict[str, JobRecord] = {}
         self.restart_total = 0
         self._lock = threading.RLock()
@@ -182,6 +185,9 @@ class Supervisor:
             record = JobRecord(spec, block=block, on_failure=on_failure)
             self.jobs[spec.job] = record
             self.plans.reset(spec.job)
+            # Kept from now on, not from its launch: a job accepted while its warm launcher still
+            # imports torch (seconds) must outlive an agent killed in that time.
+            self._persist(record)
         if block is None:
             # A job id used before (by this agent or an earlier one) keeps its logs in the same
             # folder: the new run must not start with the old one's output (``trainguard run``
@@ -200,7 +206,7 @@ class Supervisor:
             with self._lock:
                 if not record.state.finished:
                     record.reason = f"could not start ranks: {exc}"
-                    record.state = JobState.FAILED
+                    self._set_state(record, JobState.FAILED)  # kept: a later agent must not start it again
             self.events.emit("job_failed", f"job {record.job}: could not start ranks: {exc}", severity="error", job=record.job, cause=str(exc))
 
     def _launch(self, record: JobRecord) -> None:
@@ -261,7 +267,11 @@ class Supervisor:
                                  severity="error", job=job, cause=str(exc))
                 continue
             alive = [r for r in old.ranks if r.alive()]
-            gone = [r.rank for r in old.ranks if r not in alive]
+            # Ranks that ended while no agent ran: their warm launcher outlives the agent, reaps them
+            # and records how they ended; only a rank whose end nobody recorded is lost to us.
+            ended = {r.rank: code for r in old.ranks if r not in alive
+                     and (code := read_exit_status(exit_status_path(r.log_path), r.pid, r.start_ticks)) is not None}
+            gone = [r.rank for r in old.ranks if r not in alive and r.rank not in ended]
             if old.spans_nodes:
                 self.events.emit("job_not_adopted", f"job {job} spans nodes: the cluster leader places it again",
                                  severity="warning", job=job, pids=[r.pid for r in alive])
@@ -274,20 +284,33 @@ class Supervisor:
             self.plans.adopt(job)
             if self.on_submit is not None:
                 self.on_submit(job)
-            if old.state == "running" and alive and not gone and len(alive) == spec.nproc:
+            if old.state == "running" and old.ranks and not gone and len(old.ranks) == spec.nproc:
+                # Every rank runs on or ended with a recorded status: the job goes on as if this agent
+                # had watched it all along (an ended rank's status is judged at the monitor's next look).
                 record.ranks = [RankProcess(r.rank, r.local_rank,
-                                            AdoptedProcess(r, functools.partial(self._adopted_status, record),
-                                                           expect_hint=self.exit_events),
+                                            AdoptedProcess(r, functools.partial(self._adopted_status, record)),
                                             self.launcher.clock(), r.log_path) for r in old.ranks]
                 reattach = getattr(self.launcher, "reattach_cgroup", None)
                 if reattach is not None:
                     reattach(spec)  # its usage counts on, and it is cleaned up when the job ends
                 self._persist(record)
+                meanwhile = (f"; {len(ended)} ended meanwhile ("
+                             + ", ".join(f"rank {k} with {_status_text(v)}" for k, v in sorted(ended.items()))
+                             + ")") if ended else ""
                 self.events.emit("job_adopted", f"job {job}: adopted its {len(alive)} running ranks "
-                                 f"(attempt {old.attempt}) from the previous agent", severity="warning", job=job,
-                                 attempt=old.attempt, pids=[r.pid for r in alive], action="adopt")
+                                 f"(attempt {old.attempt}) from the previous agent{meanwhile}", severity="warning",
+                                 job=job, attempt=old.attempt, pids=[r.pid for r in alive], action="adopt",
+                                 ended={str(k): v for k, v in ended.items()})
                 self._ranks_changed()
                 os.write(self._wake_w, b"x")
+                continue
+            if old.state == "starting" and old.attempt == 0 and not old.ranks:
+                # Accepted, but the previous agent stopped before any rank started: start it now.
+                record.state = JobState.STARTING
+                self.events.emit("job_adopted", f"job {job}: submitted but not yet started when the previous "
+                                 "agent stopped; starting it now", severity="warning", job=job, attempt=0, pids=[],
+                                 action="start", ended={})
+                threading.Thread(target=self._launch_safely, args=(record,), name=f"launch-{job}", daemon=True).start()
                 continue
             # Ranks ended while no agent watched (their exit status is lost), or the job was
             # between attempts: the survivors cannot go on without them.

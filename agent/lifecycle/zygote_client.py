@@ -13,6 +13,8 @@ import subprocess
 import threading
 from typing import IO, Any
 
+from trainguard.agent.wire import exit_status_path
+
 
 class ZygoteError(RuntimeError):
     pass
@@ -104,7 +106,8 @@ class Zygote:
         return self.proc.poll() is None
 
     def spawn(self, rank: int, env: dict[str, str], log: str, cwd: str, module: str, args: list[str]) -> ZygoteChild:
-        req = {"op": "spawn", "rank": rank, "env": env, "log": log, "cwd": cwd, "module": module, "args": args}
+        req = {"op": "spawn", "rank": rank, "env": env, "log": log, "cwd": cwd, "module": module, "args": args,
+               "exit_file": exit_status_path(log)}
         with self._lock:
             if not self.alive or self.proc.stdin is None:
                 raise ZygoteError("warm launcher is not running")
