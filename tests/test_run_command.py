@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.test_rank_output import _fill
 from trainguard.agent import waiting
 
 REPO = Path(__file__).resolve().parents[1]
@@ -349,3 +350,39 @@ def test_a_job_accepted_but_not_started_outlives_its_agent(agent_factory: Any, t
     assert done["state"] == "succeeded" and done["attempt"] == 1 and done["restarts"] == 0, done
     adopted = [e for e in client.events(since=0, limit=10000, kind="job_adopted")["events"] if e.get("job") == "pending"]
     assert adopted and adopted[0]["fields"]["action"] == "start", adopted
+
+
+def test_a_full_log_disk_does_not_end_the_job(agent_factory: Any, tmp_path: Path, tiny_tmpfs: Path) -> None:
+    """The job's log folder is on a disk that is full (a real 1 MiB tmpfs the test filled): the
+    ranks' prints are dropped and counted, not raised, so the tutorial script trains to its end
+    (its final parameters saved elsewhere) and exits 0 with no restart. Before, its first print
+    raised OSError, and so did the traceback's: the rank exited 0 at step 0, a job "succeeded"
+    that never trained."""
+    agent = agent_factory(config=CONFIG)
+    (tiny_tmpfs / "fulllog").mkdir()
+    (agent.state_dir / "jobs").mkdir(exist_ok=True)
+    (agent.state_dir / "jobs" / "fulllog").symlink_to(tiny_tmpfs / "fulllog")
+    _fill(tiny_tmpfs)
+    final = tmp_path / "final.pt"
+    cli = run_cli(agent, tmp_path, "--nproc", "2", "--job", "fulllog", "--", sys.executable, PLAIN, "--steps", "100",
+                  "--out", str(final))
+    out, err = cli.communicate(timeout=180)
+    assert cli.returncode == 0, err[-2000:]
+    info = agent.client().job("fulllog")
+    assert info["state"] == "succeeded" and info["restarts"] == 0, info
+    assert final.exists(), "the script did not train to its end"
+    assert (tiny_tmpfs / "fulllog" / "rank0.log").stat().st_size == 0  # nothing got through: it was full
+
+
+def test_a_script_that_fails_where_its_traceback_cannot_be_written_still_fails(agent_factory: Any,
+                                                                               tmp_path: Path) -> None:
+    """A script that closed its stderr and then raised: the traceback cannot be written, and the
+    rank exited 0 before (the exit code was set after printing it), so the job "succeeded"."""
+    script = tmp_path / "closes_stderr.py"
+    script.write_text("import sys\nsys.stderr.close()\nraise RuntimeError('failed with nowhere to say so')\n")
+    agent = agent_factory(config=CONFIG)
+    res = subprocess.run([sys.executable, "-m", "trainguard", "run", "--state-dir", str(agent.state_dir), "--nproc",
+                          "1", "--max-restarts", "0", "--job", "mute", "--", sys.executable, str(script)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 1, res.stderr
+    assert agent.client().job("mute")["state"] == "failed"

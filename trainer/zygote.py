@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import io
 import json
 import os
 import runpy
@@ -51,6 +52,48 @@ TRAINER_WARM = (("trainguard.trainer.data", "stdlib_digest"),)
 _agent_gone = False
 
 
+class DroppingFile(io.RawIOBase):
+    """A rank's output file, under the text streams its ``print`` and ``logging`` write to: a
+    write the disk refuses (full, an I/O error) is dropped and counted, never raised. A script
+    does not catch an OSError from ``print``, so a full log disk would end training, and every
+    restart with it. The next write that gets through first says how much was lost."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+        self.dropped = 0
+        self.why = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    @property
+    def name(self) -> int:
+        return self.fd  # as ``open(fd)``'s file names itself
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        try:
+            if self.dropped:
+                os.write(self.fd, f"[trainguard: {self.dropped} bytes of output dropped: {self.why}]\n".encode())
+                self.dropped = 0
+            return os.write(self.fd, view)
+        except OSError as exc:
+            self.dropped += len(view)
+            self.why = exc.strerror or str(exc)
+            return len(view)
+
+
+def text_stream(fd: int, errors: str = "strict") -> io.TextIOWrapper:
+    """``open(fd, "w", buffering=1)`` as a rank's stdout or stderr, over a ``DroppingFile``."""
+    stream = io.TextIOWrapper(io.BufferedWriter(DroppingFile(fd)), errors=errors, line_buffering=True)
+    stream.mode = "w"  # type: ignore[misc]  # what ``open`` sets, and code that sniffs streams reads
+    return stream
+
+
 def _say(out: Any, **msg: Any) -> None:
     """One line to the agent. When the agent is gone (killed, restarted) the pipe is broken: the
     zygote goes on reaping its ranks quietly, so they never become zombies of a dead launcher; a
@@ -80,8 +123,8 @@ def _child(req: dict[str, Any]) -> None:
         os.close(log_fd)
         os.close(null_fd)
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - lives as long as the process
-        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stdout = text_stream(1)
+        sys.stderr = text_stream(2, errors="backslashreplace")  # as the interpreter's own stderr
         os.environ.clear()
         os.environ.update(req["env"])
         if req.get("cwd"):
@@ -110,8 +153,11 @@ def _child(req: dict[str, Any]) -> None:
     except BaseException:  # noqa: BLE001 - report like an interpreter would, then exit non-zero
         import traceback
 
-        traceback.print_exc()
-        code = 1
+        code = 1  # first: a traceback that cannot be written (a full log disk) must not make it 0
+        try:
+            traceback.print_exc()
+        except Exception:  # noqa: BLE001 - the exit code still tells
+            pass
     finally:
         try:
             # As the interpreter ends: the script's atexit handlers run (a logger's flush,
