@@ -386,3 +386,29 @@ def test_a_script_that_fails_where_its_traceback_cannot_be_written_still_fails(a
                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert res.returncode == 1, res.stderr
     assert agent.client().job("mute")["state"] == "failed"
+
+
+def test_ranks_whose_warm_launcher_was_killed_train_on_and_their_job_ends(agent_factory: Any, tmp_path: Path) -> None:
+    """SIGKILL of the job's warm launcher (the zygote its ranks were forked from: an OOM kill would
+    pick it, it holds torch's imports) while the ranks train: they go on as orphans, and when they
+    end the job ends with their statuses (before, the agent waited for the zygote's report forever,
+    spinning on their pidfds, and ``trainguard run`` never returned)."""
+    agent = agent_factory(config=CONFIG)
+    cli = run_cli(agent, tmp_path, "--nproc", "2", "--job", "orphans", "--", sys.executable, API, "--steps", "400",
+                  "--step-sleep", "0.01")
+    try:
+        pid = wait_for(lambda: (p := rank_pid(agent, "orphans", 0)) and (agent.client().job("orphans").get("progress_step")
+                       or 0) >= 20 and p, 60, "the job training")
+        zygote = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the rank's parent
+        assert "trainguard.trainer.zygote" in Path(f"/proc/{zygote}/cmdline").read_text()
+        os.kill(zygote, signal.SIGKILL)
+        out, err = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode == 0, err[-2000:]
+    info = agent.client().job("orphans")
+    assert info["state"] == "succeeded" and info["restarts"] == 0, info
+    assert "[rank0]:step 380 " in out
+    exits = events(agent, "orphans", "rank_exit")
+    assert len(exits) == 2 and all("warm launcher had died" in e["message"] for e in exits), exits

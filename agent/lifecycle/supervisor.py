@@ -24,6 +24,7 @@ from trainguard.agent.lifecycle.jobs import JobSpec, JobState, check_transition
 from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher, RankBlock, RankProcess
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.records import AdoptedProcess, RecordStore, SavedJob
+from trainguard.agent.lifecycle.zygote_client import ZygoteChild
 from trainguard.agent.wire import exit_status_path, read_exit_status
 
 
@@ -413,7 +414,9 @@ class Supervisor:
         found = self.find_rank(pid)
         if found is not None:
             handle = found[1].popen
-            if isinstance(handle, AdoptedProcess) and handle.status_hint is None:
+            # Ranks no waitpid of ours or their launcher's will report: adopted ones, and those
+            # whose warm launcher died.
+            if isinstance(handle, (AdoptedProcess, ZygoteChild)) and handle.status_hint is None:
                 sig, code = fields.get("signal"), fields.get("exit_code")
                 handle.status_hint = -int(sig) if sig else (int(code) if isinstance(code, int) else None)
             os.write(self._wake_w, b"x")
@@ -526,7 +529,9 @@ class Supervisor:
             failed = r.exit_code != 0
             how = f"signal {r.exit_signal}" if r.exit_signal else f"code {r.exit_code}"
             source = getattr(r.popen, "status_source", "")
-            if source and source != "ebpf":  # an adopted rank's status that no exit event brought
+            if isinstance(r.popen, ZygoteChild) and source:
+                how += f" (its warm launcher had died: status from {source})"
+            elif source and source != "ebpf":  # an adopted rank's status that no exit event brought
                 how += f" (adopted rank: status from {source})"
             self.events.emit(
                 "rank_exit",

@@ -2,7 +2,9 @@
 
 The zygote is started once per job and kept across restarts; it forks ranks in milliseconds.
 Its children are not the agent's, so their exit statuses come from the zygote's ``exit`` reports
-(and their exits are also seen at once through pidfds and the eBPF exit event).
+(and their exits are also seen at once through pidfds and the eBPF exit event). A zygote that dies
+(killed, OOM) leaves its ranks training, orphans of init: their ends are then seen through /proc
+and their statuses come from the eBPF exit event, or count as failures when none came.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import json
 import os
 import subprocess
 import threading
+import time
+from collections.abc import Callable
 from typing import IO, Any
 
-from trainguard.agent.wire import exit_status_path
+from trainguard.agent.wire import exit_status_path, process_start_ticks
 
 
 class ZygoteError(RuntimeError):
@@ -23,10 +27,21 @@ class ZygoteError(RuntimeError):
 class ZygoteChild:
     """A rank forked by the zygote; quacks like ``subprocess.Popen`` for the supervisor."""
 
-    def __init__(self, pid: int, args: list[str]) -> None:
+    HINT_WAIT_S = 0.5
+    """How long an orphaned rank's seen end waits for the eBPF exit event to bring its status."""
+
+    def __init__(self, pid: int, args: list[str], *, clock: Callable[[], float] = time.monotonic) -> None:
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
+        self.start_ticks = process_start_ticks(pid)
+        self.orphaned = False
+        """Its zygote died: no ``exit`` report will come."""
+        self.status_hint: int | None = None
+        """The status from the eBPF exit event (Popen's convention), set by the supervisor."""
+        self.status_source = ""
+        self.clock = clock
+        self._gone_at: float | None = None
         self._done = threading.Event()
 
     def _ended(self, code: int, sig: int | None) -> None:
@@ -34,13 +49,30 @@ class ZygoteChild:
         self._done.set()
 
     def poll(self) -> int | None:
+        if self.returncode is not None or not self.orphaned:
+            return self.returncode
+        now_ticks = process_start_ticks(self.pid)
+        if now_ticks is not None and (self.start_ticks is None or now_ticks == self.start_ticks):
+            return None  # trains on without its zygote
+        if self.status_hint is None:
+            now = self.clock()
+            self._gone_at = now if self._gone_at is None else self._gone_at
+            if now - self._gone_at < self.HINT_WAIT_S:
+                return None
+        self.status_source = "ebpf" if self.status_hint is not None else "unknown"
+        self._ended(self.status_hint if self.status_hint is not None else 1, None)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if not self._done.wait(timeout):
-            raise subprocess.TimeoutExpired(self.args, timeout or 0)
-        assert self.returncode is not None
-        return self.returncode
+        deadline = None if timeout is None else self.clock() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - self.clock())
+            wait_s = remaining if not self.orphaned else min(0.02, remaining if remaining is not None else 0.02)
+            if self._done.wait(wait_s) or self.poll() is not None:
+                assert self.returncode is not None
+                return self.returncode
+            if deadline is not None and self.clock() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
 
 
 class Zygote:
@@ -93,7 +125,9 @@ class Zygote:
         with self._cond:
             self._replies.append({"ev": "gone"})
             self._cond.notify_all()
-            # The zygote died: its ranks are orphaned and will be killed by the supervisor.
+            # The zygote died: its ranks train on as orphans, watched through /proc from now on.
+            for child in self._children.values():
+                child.orphaned = True
 
     def _next_reply(self, timeout: float) -> dict[str, Any]:
         with self._cond:
