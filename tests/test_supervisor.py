@@ -155,7 +155,8 @@ def test_a_job_is_kept_from_its_submission_and_one_that_could_not_start_stays_fa
     assert kept() in ([("nope", "starting")], [("nope", "failed")])  # from the submission on
     wait_for(lambda: kept() == [("nope", "failed")], 10, "the failed state on disk")  # written just after
     saved, _ = records.load_all()
-    assert "could not start ranks" in [e for e in events.since(0) if e["kind"] == "job_failed"][0]["message"]
+    failed = wait_for(lambda: [e for e in events.since(0) if e["kind"] == "job_failed"], 10, "job_failed")  # told after
+    assert "could not start ranks" in failed[0]["message"]
     sup.close()
     later, later_events = make_supervisor(tmp_path / "later", "cold")
     later.adopt(saved)

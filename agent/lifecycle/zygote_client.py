@@ -10,6 +10,7 @@ and their statuses come from the eBPF exit event, or count as failures when none
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import threading
@@ -64,15 +65,14 @@ class ZygoteChild:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else self.clock() + timeout
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - self.clock())
-            wait_s = remaining if not self.orphaned else min(0.02, remaining if remaining is not None else 0.02)
-            if self._done.wait(wait_s) or self.poll() is not None:
-                assert self.returncode is not None
-                return self.returncode
-            if deadline is not None and self.clock() >= deadline:
+        deadline = math.inf if timeout is None else self.clock() + timeout
+        while (code := self.poll()) is None:
+            left = deadline - self.clock()
+            if left <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            # The zygote's report ends the wait at once; an orphan's end is found by looking.
+            self._done.wait(min(left, 0.02 if self.orphaned else 0.5))
+        return code
 
 
 class Zygote:

@@ -1,0 +1,36 @@
+"""``ZygoteChild`` once its warm launcher is gone (``orphaned``): no exit report will come, so its
+end is looked for in /proc and its status taken from the eBPF exit event, or counted a failure
+when none came. The whole job with its zygote SIGKILLed is in test_run_command.py."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+
+import pytest
+
+from trainguard.agent.lifecycle.zygote_client import ZygoteChild
+
+GONE_PID = 2**22 + 4321  # above the kernel's largest pid: no such process
+
+
+def test_an_orphan_that_runs_is_running_and_one_that_ended_takes_its_status_from_the_exit_event() -> None:
+    alive = ZygoteChild(os.getpid(), ["-m", "x"])
+    alive.orphaned = True
+    assert alive.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        alive.wait(0.05)
+    ended = ZygoteChild(GONE_PID, ["-m", "x"])
+    assert ended.poll() is None  # its zygote still reports: not looked for in /proc
+    ended.orphaned = True
+    ended.status_hint = -9  # the eBPF exit event's SIGKILL
+    assert ended.poll() == -9 and ended.wait(1) == -9 and ended.status_source == "ebpf"
+
+
+def test_an_orphan_whose_end_no_event_told_counts_as_failed_after_a_short_wait() -> None:
+    ticks = itertools.count()
+    child = ZygoteChild(GONE_PID, ["-m", "x"], clock=lambda: next(ticks) * 0.1)
+    child.orphaned = True
+    assert child.poll() is None  # gone, but the exit event may still be on its way
+    assert child.wait(5) == 1 and child.status_source == "unknown"
