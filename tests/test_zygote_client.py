@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -15,22 +16,23 @@ from trainguard.agent.lifecycle.zygote_client import ZygoteChild
 GONE_PID = 2**22 + 4321  # above the kernel's largest pid: no such process
 
 
-def test_an_orphan_that_runs_is_running_and_one_that_ended_takes_its_status_from_the_exit_event() -> None:
-    alive = ZygoteChild(os.getpid(), ["-m", "x"])
+def test_an_orphan_that_runs_is_running_and_one_that_ended_takes_its_status_from_the_exit_event(tmp_path: Path) -> None:
+    log = str(tmp_path / "rank0.log")
+    alive = ZygoteChild(os.getpid(), ["-m", "x"], log)
     alive.orphaned = True
     assert alive.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         alive.wait(0.05)
-    ended = ZygoteChild(GONE_PID, ["-m", "x"])
+    ended = ZygoteChild(GONE_PID, ["-m", "x"], log)
     assert ended.poll() is None  # its zygote still reports: not looked for in /proc
     ended.orphaned = True
     ended.status_hint = -9  # the eBPF exit event's SIGKILL
     assert ended.poll() == -9 and ended.wait(1) == -9 and ended.status_source == "ebpf"
 
 
-def test_an_orphan_whose_end_no_event_told_counts_as_failed_after_a_short_wait() -> None:
+def test_an_orphan_whose_end_no_event_told_counts_as_failed_after_a_short_wait(tmp_path: Path) -> None:
     ticks = itertools.count()
-    child = ZygoteChild(GONE_PID, ["-m", "x"], clock=lambda: next(ticks) * 0.1)
+    child = ZygoteChild(GONE_PID, ["-m", "x"], str(tmp_path / "rank0.log"), clock=lambda: next(ticks) * 0.1)
     child.orphaned = True
     assert child.poll() is None  # gone, but the exit event may still be on its way
     assert child.wait(5) == 1 and child.status_source == "unknown"

@@ -39,6 +39,10 @@ class RankRecord:
         now = process_start_ticks(self.pid, proc_root)
         return now is not None and (self.start_ticks is None or now == self.start_ticks)
 
+    def recorded_status(self) -> int | None:
+        """How this very process ended as its warm launcher recorded it (None: no record of it)."""
+        return read_exit_status(exit_status_path(self.log_path), self.pid, self.start_ticks)
+
 
 @dataclass(frozen=True)
 class SavedJob:
@@ -153,10 +157,6 @@ class AdoptedProcess:
         self.status_source = ""
         self._gone_at: float | None = None
 
-    def recorded_status(self) -> int | None:
-        """The status the warm launcher recorded for this very process, if it did."""
-        return read_exit_status(exit_status_path(self.record.log_path), self.pid, self.record.start_ticks)
-
     def poll(self) -> int | None:
         if self.returncode is not None:
             return self.returncode
@@ -165,7 +165,7 @@ class AdoptedProcess:
         if self.status_hint is not None:
             self.returncode, self.status_source = self.status_hint, "ebpf"
             return self.returncode
-        recorded = self.recorded_status()
+        recorded = self.record.recorded_status()
         if recorded is not None:
             self.returncode, self.status_source = recorded, "launcher"
             return self.returncode

@@ -25,7 +25,6 @@ from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher, RankBlo
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.records import AdoptedProcess, RecordStore, SavedJob
 from trainguard.agent.lifecycle.zygote_client import ZygoteChild
-from trainguard.agent.wire import exit_status_path, read_exit_status
 
 
 def _set_logs_aside(log_dir: str) -> None:
@@ -270,8 +269,7 @@ class Supervisor:
             alive = [r for r in old.ranks if r.alive()]
             # Ranks that ended while no agent ran: their warm launcher outlives the agent, reaps them
             # and records how they ended; only a rank whose end nobody recorded is lost to us.
-            ended = {r.rank: code for r in old.ranks if r not in alive
-                     and (code := read_exit_status(exit_status_path(r.log_path), r.pid, r.start_ticks)) is not None}
+            ended = {r.rank: code for r in old.ranks if r not in alive and (code := r.recorded_status()) is not None}
             gone = [r.rank for r in old.ranks if r not in alive and r.rank not in ended]
             if old.spans_nodes:
                 self.events.emit("job_not_adopted", f"job {job} spans nodes: the cluster leader places it again",

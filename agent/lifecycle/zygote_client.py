@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
+from trainguard.agent.lifecycle.records import AdoptedProcess, RankRecord
 from trainguard.agent.wire import exit_status_path, process_start_ticks
 
 
@@ -28,12 +29,11 @@ class ZygoteError(RuntimeError):
 class ZygoteChild:
     """A rank forked by the zygote; quacks like ``subprocess.Popen`` for the supervisor."""
 
-    HINT_WAIT_S = 0.5
-    """How long an orphaned rank's seen end waits for the eBPF exit event to bring its status."""
-
-    def __init__(self, pid: int, args: list[str], *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, pid: int, args: list[str], log_path: str, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.pid = pid
         self.args = args
+        self.log_path = log_path
         self.returncode: int | None = None
         self.start_ticks = process_start_ticks(pid)
         self.orphaned = False
@@ -42,7 +42,7 @@ class ZygoteChild:
         """The status from the eBPF exit event (Popen's convention), set by the supervisor."""
         self.status_source = ""
         self.clock = clock
-        self._gone_at: float | None = None
+        self._watch: AdoptedProcess | None = None
         self._done = threading.Event()
 
     def _ended(self, code: int, sig: int | None) -> None:
@@ -52,16 +52,16 @@ class ZygoteChild:
     def poll(self) -> int | None:
         if self.returncode is not None or not self.orphaned:
             return self.returncode
-        now_ticks = process_start_ticks(self.pid)
-        if now_ticks is not None and (self.start_ticks is None or now_ticks == self.start_ticks):
-            return None  # trains on without its zygote
-        if self.status_hint is None:
-            now = self.clock()
-            self._gone_at = now if self._gone_at is None else self._gone_at
-            if now - self._gone_at < self.HINT_WAIT_S:
-                return None
-        self.status_source = "ebpf" if self.status_hint is not None else "unknown"
-        self._ended(self.status_hint if self.status_hint is not None else 1, None)
+        if self._watch is None:
+            # Watched from now on as a rank an agent adopted is: its end through /proc, its status
+            # from the eBPF exit event, else a failure (no report will say otherwise).
+            record = RankRecord(-1, -1, self.pid, self.start_ticks, self.log_path)
+            self._watch = AdoptedProcess(record, lambda: 1, clock=self.clock)
+        self._watch.status_hint = self.status_hint
+        code = self._watch.poll()
+        if code is not None:
+            self.status_source = self._watch.status_source
+            self._ended(code, None)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -150,7 +150,7 @@ class Zygote:
             reply = self._next_reply(30.0)
         if reply.get("ev") != "spawned":
             raise ZygoteError(f"warm launcher could not fork rank {rank}: {reply}")
-        child = ZygoteChild(int(reply["pid"]), ["-m", module, *args])
+        child = ZygoteChild(int(reply["pid"]), ["-m", module, *args], log)
         with self._cond:
             self._children[child.pid] = child
             early = self._early_exits.pop(child.pid, None)
