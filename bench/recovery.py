@@ -250,10 +250,13 @@ def run_trainguard(nproc: int, trainer: dict[str, Any], kills: list[int], work: 
         res = analyse(name, rows, 100, recovered)
         res.ok = job["state"] == "succeeded"
         snaps = [r["snapshot_s"] for r in rows if r.get("snapshot_s") is not None]
+        costs = [r["snapshot_cost_s"] for r in rows if r.get("snapshot_cost_s") is not None]
         every = [r["snapshot_every"] for r in rows if r.get("snapshot_every") is not None]
         if snaps:
-            res.note = (f"snapshots: stall median {statistics.median(snaps) * 1000:.2f} ms, every "
-                        f"{statistics.median(every):g} step(s) (median over the run)")
+            res.note = (f"snapshots: stall median {statistics.median(snaps) * 1000:.2f} ms, cost "
+                        f"{statistics.median(costs) * 1000 if costs else NAN:.2f} ms, every "
+                        f"{statistics.median(every):g} step(s) (median over the run; "
+                        f"{sum(1 for e in every if e == 1) / len(every):.0%} of steps at every step)")
         return res
     finally:
         agent.send_signal(signal.SIGTERM)
@@ -356,8 +359,8 @@ def kill_steps(rng: random.Random, steps: int, count: int) -> list[int]:
 def stall_probe(model: dict[str, Any], cache: str, label: str) -> dict[str, float]:
     """In a fresh single-rank process: the snapshot stall of the trainer's whole state against a
     memcpy of the same bytes, and against the step time. Snapshots are taken as ``Run`` takes
-    them, one after each training step, the optimizer-owned tensors copied while the next step
-    runs: the stall is what ``take`` blocked plus what the next optimizer step waited for that
+    them for one rank with a core to spare (``overlap_pays``), one after each training step, the
+    optimizer-owned tensors copied while the next step runs: the stall is what ``take`` blocked plus what the next optimizer step waited for that
     copy (``take_ms``: ``take`` alone)."""
     code = r'''
 import json, os, statistics, sys, tempfile, time
@@ -365,7 +368,7 @@ os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"
                   MASTER_PORT=sys.argv[3])
 import torch
 torch.set_num_threads(1)
-from trainguard.snapshot import SnapshotWriter
+from trainguard.snapshot import SnapshotWriter, overlap_pays
 from trainguard.trainer.parallel import RankEnv
 from trainguard.trainer.testing import tiny_config
 from trainguard.trainer.train import Trainer
@@ -378,7 +381,7 @@ for _ in range(6):
 state, meta = t.checkpoint_state(), t.run_handle.checkpoint_meta()
 # Its slots are two copies of the state in shared memory (600 MB for the large one): removed after.
 slots = tempfile.TemporaryDirectory(dir="/dev/shm")
-w = SnapshotWriter(slots.name, 0, 1, 0, overlap=True)  # as Run takes them
+w = SnapshotWriter(slots.name, 0, 1, 0, overlap=overlap_pays(1))  # as Run takes them: one rank, a core to spare
 w.take(1, state, meta)
 takes, blocked = [], []
 for i in range(2, 23):

@@ -73,6 +73,26 @@ _RANK = textwrap.dedent("""
     result = {"meta": meta, "epoch": state["epoch"], "same": same, "same_opt": same_opt,
               "same_rand": torch.equal(torch.rand(2), want_rand), "payload": writer.stats.state_bytes,
               "whole": alone.stats.state_bytes, "replicated": replicated}
+    # Parameters given new memory alike on every rank (``p.data = ...``): each rank checks only the
+    # tensors its slot keeps, and that still sees it, copied at once or by the helper thread.
+    for overlap in (False, True):
+        swap_dir = directory + f"-swap{int(overlap)}"
+        w = SnapshotWriter(swap_dir, rank, world, 0, share=True, overlap=overlap)
+        w.take(1, state, {})
+        w.wait()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.detach().clone() + 5.0
+        w.take(2, state, {})  # overlapped: skipped, the helper finds the memory moved
+        w.take(3, state, {})
+        w.close()
+        want_swap = {k: v.clone() for k, v in model.state_dict().items()}
+        dist.barrier()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        load_snapshot(swap_dir, rank, world, 3, state)
+        result[f"swap_overlap_{overlap}"] = all(torch.equal(v, want_swap[k]) for k, v in model.state_dict().items())
     dist.barrier()
     if rank == 1:
         for slot in ("a", "b"):
@@ -125,6 +145,7 @@ def test_three_ddp_ranks_keep_a_third_each_and_restore_the_whole_state(tmp_path:
     for rank, res in enumerate(results):
         assert res["same"] and res["same_opt"] and res["same_rand"], (rank, res)
         assert res["meta"] == {"rank": rank} and res["epoch"] == 10 + rank
+        assert res["swap_overlap_False"] and res["swap_overlap_True"], (rank, res)
     # Parameters and AdamW's state (4 bytes an element, 3 copies, and the step counts): every rank
     # holds them alike, and the three slots keep them once, a third or so each, beside what each
     # rank keeps whole (BatchNorm's statistics, the RNG).

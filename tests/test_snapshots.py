@@ -24,7 +24,7 @@ from trainguard.agent.checkpoint.snapshots import (
     slot_path,
     snapshot_dir,
 )
-from trainguard.snapshot import SnapshotError, SnapshotWriter, _LateCopy
+from trainguard.snapshot import SnapshotError, SnapshotWriter, _LateCopy, overlap_pays
 from trainguard.snapshot_load import load_snapshot
 
 
@@ -348,6 +348,15 @@ def test_every_dtype_run_and_a_swapped_tensor_come_back_at_each_step(tmp_path: P
 
 
 # -- overlap: the optimizer-owned tensors copied while the next step runs --------------------------
+def test_the_copy_overlaps_the_next_step_only_where_a_core_is_left_for_each_ranks_helper() -> None:
+    assert not overlap_pays(4, cpus=2, threads=1)  # the recovery bench: 4 ranks on 2 cores
+    assert not overlap_pays(2, cpus=2, threads=1)
+    assert overlap_pays(1, cpus=2, threads=1)  # one rank, one compute thread, a core to spare
+    assert overlap_pays(8, cpus=96, threads=8)
+    assert not overlap_pays(8, cpus=64, threads=8)
+    assert overlap_pays(0, cpus=2, threads=1)  # a run that does not know its local ranks counts one
+
+
 
 
 @pytest.fixture

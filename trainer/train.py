@@ -431,6 +431,7 @@ class Trainer:
             if handle is not None and snap is not None:  # the previous step's (this step's comes after the row)
                 row["snapshot_s"] = round(snap.last_stall_s, 6)
                 row["snapshot_every"] = handle.snapshot_every
+                row["snapshot_cost_s"] = round(snap.last_cost_s, 6)
             if ratio is not None:
                 row["comm_bytes"] = comm_b
                 row["compress_ratio"] = ratio

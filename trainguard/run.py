@@ -560,14 +560,15 @@ class Run:
     def _snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
         """Take the snapshot that is due after ``step``."""
         # Imported here: torch is needed only by a run that checkpoints.
-        from trainguard.snapshot import SnapshotError, SnapshotWriter
+        from trainguard.snapshot import SnapshotError, SnapshotWriter, overlap_pays
 
         try:
             if self._snapshots is None:
                 # Replicas share their common tensors out only where every slot is on this node.
                 one_node = not self.env.part and self.env.local_world_size == self.env.world_size
                 self._snapshots = SnapshotWriter(self.env.snapshot_dir, self.env.rank, self.env.world_size,
-                                                 self.env.attempt, share=one_node, overlap=True)
+                                                 self.env.attempt, share=one_node,
+                                                 overlap=overlap_pays(self.env.local_world_size))
             self._snapshots.take(step + 1, state, self.checkpoint_meta())
             if self._snapshots.stats.taken == 1:
                 self._snapshots.check_restorable()

@@ -10,7 +10,8 @@ tensors of one dtype lie back to back in the slot and go in with one ``torch.cat
 tensors, 1.6 MB, against 0.06 ms for one cat); device tensors go with ``_foreach_copy_``. The training thread is blocked for that copy and the walk, nothing
 else: no collective, no planning, no file creation after the first snapshot.
 
-With ``overlap`` (what ``Run`` uses), the tensors that only an optimizer's ``step`` changes (the
+With ``overlap`` (what ``Run`` uses where the node has a core for each rank's helper thread:
+``overlap_pays``), the tensors that only an optimizer's ``step`` changes (the
 parameters of a built-in ``torch.optim`` optimizer in the state, and its state) are copied by a
 helper thread while the next step's forward and backward run (CheckFreq's pipelined snapshot): torch
 releases the GIL for the copy, and the optimizer's step pre-hook waits for it, so the copy still sees
@@ -33,6 +34,7 @@ slot keeps its part of them and says which rank's slot keeps each of the others
 
 from __future__ import annotations
 
+import ctypes
 import io
 import mmap
 import operator
@@ -69,6 +71,18 @@ _SKELETON_RESERVE = 64 << 10
 _PARTS = struct.Struct("<III")  # lengths of the skeleton's parts: tensor specs, static tree, per-step values
 _SAFE_BUILTINS = frozenset({"dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "bool",
                             "str", "bytes", "bytearray", "slice", "range", "NoneType"})
+
+
+def overlap_pays(local_ranks: int, *, cpus: int | None = None, threads: int | None = None) -> bool:
+    """Whether a rank's snapshots should copy in a helper thread while the next step runs: only
+    where the node's cores leave one for each rank's helper besides its ``threads`` compute threads.
+    Where the ranks fill the cores the helper takes its CPU from training all the same, and the
+    hand-off, the thread switches and the GIL between them cost more than the copy saves: on the
+    recovery bench's 4 ranks on 2 cores a snapshot cost 0.35 ms overlapped against 0.26 ms copied
+    in ``take``, and the job ran 3-7 % fewer steps a second (BENCHMARKS.md)."""
+    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    threads = torch.get_num_threads() if threads is None else threads
+    return cpus >= max(1, local_ranks) * (threads + 1)
 
 
 class SnapshotError(Exception):
@@ -177,10 +191,16 @@ def rng_states() -> dict[str, Any]:
 
 def _rng_bytes() -> dict[str, bytes | None]:
     """``rng_states`` as bytes, which a snapshot pickles into its skeleton: as a tensor of the slot
-    it went through the copy of the state's tensors and its layout's signature (~20 us more)."""
+    it went through the copy of the state's tensors and its layout's signature (~20 us more). Read
+    straight from the state tensor's memory (through numpy: ~3 us more between two steps)."""
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-    return {"torch": torch.get_rng_state().numpy().tobytes(),
-            "cuda": cuda.numpy().tobytes() if cuda is not None else None}
+    return {"torch": _tensor_bytes(torch.default_generator.get_state()),
+            "cuda": _tensor_bytes(cuda) if cuda is not None else None}
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A contiguous CPU uint8 tensor's bytes (an RNG state)."""
+    return ctypes.string_at(tensor.data_ptr(), tensor.numel())
 
 
 def _rng_tensor(value: Any) -> Any:
@@ -250,10 +270,17 @@ class _Plan:
             if any(s is not None for s in sizes):
                 self.holders = holders(sizes, share[1], share[0])
         self.deferred = self._deferred(view)
+        self.kept = [i for i in range(len(self.tensors)) if i >= len(self.holders) or self.holders[i] < 0]
+        """The plan tensors this rank's slot keeps the bytes of. Only these are checked before a
+        copy: a tensor another rank's slot keeps is a replica, replaced alike on every rank, and
+        its keeper sees that (a restore refuses shares whose shapes disagree)."""
+        self.kept_tensors = [self.tensors[i] for i in self.kept]
+        assert len(self._checks) == len(self.tensors), "each plan tensor has its check at its index"
         # The checks as columns, so that holds() runs them in C (~100 per snapshot).
-        self._tables = [table for table, _, _ in self._checks]
-        self._keys = [key for _, key, _ in self._checks]
-        self._held = [t for _, _, t in self._checks]
+        checks = [self._checks[i] for i in self.kept]
+        self._tables = [table for table, _, _ in checks]
+        self._keys = [key for _, key, _ in checks]
+        self._held = [t for _, _, t in checks]
         self._sharded = any(isinstance(t, DTensor) for t in self._held)
 
     def _module(self, key: str, module: nn.Module) -> bool:
@@ -268,12 +295,13 @@ class _Plan:
     def _optimizer(self, key: str, optim: torch.optim.Optimizer) -> bool:
         params = [p for group in optim.param_groups for p in group["params"]]
         state: dict[int, dict[str, TensorRef]] = {}
+        # Each plan tensor has its check at the same index (``kept``): refuse before any ref.
+        if not all(isinstance(v, torch.Tensor) for entry in optim.state.values() for v in entry.values()):
+            return False
         for index, param in enumerate(params):
             entry = optim.state.get(param)
             if entry is None:
                 continue
-            if not all(isinstance(v, torch.Tensor) for v in entry.values()):
-                return False
             state[index] = {name: _ref(v, self.tensors) for name, v in entry.items()}
             self._checks += [(entry, name, v) for name, v in entry.items()]
         groups, start = [], 0
@@ -313,9 +341,6 @@ class _Plan:
                 objects += list(value.modules())
         return objects
 
-    def holds(self, view: Mapping[str, Any]) -> bool:
-        return self.holds_objects(view) and self.holds_tensors()
-
     def holds_objects(self, view: Mapping[str, Any]) -> bool:
         # Modules and optimizers must be the same objects; the rest is read afresh every time
         # (a state mapping built per step may wrap its sampler anew).
@@ -324,17 +349,17 @@ class _Plan:
         return not any(len(optim.state) != n for optim, n in self._state_sizes)
 
     def holds_tensors(self) -> bool:
-        """Each plan tensor is still held where it was found."""
+        """Each plan tensor this rank keeps is still held where it was found."""
         return all(map(operator.is_, map(dict.get, self._tables, self._keys), self._held))
 
     def holds_memory(self, ptrs: list[int]) -> bool:
-        """Where each plan tensor was found, a tensor still starts at its address in ``ptrs``: one
+        """Where each kept plan tensor was found, a tensor still starts at its address in ``ptrs``: one
         pass for both ways a deferred copy could read memory training no longer uses (a tensor
         replaced in its module or optimizer, or given new memory by ``.data =``). The plan keeps
         the tensors it found alive, so a new tensor cannot start at an old one's address unless it
         is a view of the very same memory, which then holds the values to copy."""
         if self._sharded:  # what is held is a DTensor, what is copied its local shard
-            return self.holds_tensors() and _data_ptrs(self.tensors) == ptrs
+            return self.holds_tensors() and _data_ptrs(self.kept_tensors) == ptrs
         try:
             held: Any = map(dict.get, self._tables, self._keys)
             return list(map(torch.Tensor.data_ptr, held)) == ptrs
@@ -634,6 +659,8 @@ class SnapshotWriter:
         self._plan: _Plan | None = None
         self._flats: list[torch.Tensor] | None = None
         self._flat_ptrs: list[int] = []
+        self._flats_plan: _Plan | None = None
+        self._meta_cache: tuple[dict[str, Any], bytes] | None = None
 
     def _target(self) -> _Slot:
         """The slot not holding the newest complete snapshot."""
@@ -654,21 +681,29 @@ class SnapshotWriter:
         # With the copy deferred, the helper checks the plan's tensors (identity, data pointers)
         # when it copies them: nothing may change them before the optimizer step it waits for.
         late_ok = self.overlap and plan is not None and bool(plan.deferred) and self._flats is not None
-        rebuilt = (plan is None or self._stale
-                   or not (plan.holds_objects(view) if late_ok else plan.holds(view)))  # type: ignore[union-attr]
-        if plan is None or rebuilt:
+        flats_ok = False
+        if plan is not None and not self._stale and plan.holds_objects(view):
+            # The kept tensors still where they were found, at the same addresses: the plan and
+            # its flat views hold. One pass; a tensor given new memory keeps the plan, not the
+            # views. With the copy deferred the helper runs that check when it copies.
+            flats_ok = late_ok or (plan is self._flats_plan and plan.holds_memory(self._flat_ptrs))
+            if not flats_ok and not plan.holds_tensors():
+                plan = None
+        else:
+            plan = None
+        if plan is None:
             plan = self._plan = _Plan(view, (self.rank, self.world_size) if self.share else None)
             self._stale = False
         tensors = list(plan.tensors)
         try:
-            dynamic = _pickle_stripped({"dynamic": plan.dynamic(view), "rng": _rng_bytes(), "meta": dict(meta)},
-                                       tensors)
+            dynamic = _pickle_stripped({"dynamic": plan.dynamic(view), "rng": _rng_bytes(),
+                                        "meta": self._meta_bytes(meta)}, tensors)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             self._plan = None
             raise SnapshotError(f"the state holds something snapshots cannot carry: {exc}") from exc
         slot = self._target()
         signature = plan.signature + _signature(tensors[len(plan.tensors):])
-        flats = self._flats if late_ok and not rebuilt else self._flat_sources(plan.tensors)
+        flats = self._flats if flats_ok else self._flat_sources(plan)
         late = self.overlap and flats is not None and bool(plan.deferred)
         deferred = plan.deferred if late else ()
         # The specs' pickle is ~40 bytes a tensor: a first layout with room for it maps the slot once.
@@ -711,6 +746,13 @@ class SnapshotWriter:
         st.last_cost_s = stall
         st.total_stall_s += stall
         return stall
+
+    def _meta_bytes(self, meta: Mapping[str, Any]) -> bytes:
+        """``meta`` pickled, once while it stays equal (a run's checkpoint meta changes with its plan)."""
+        cached = self._meta_cache
+        if cached is None or cached[0] != meta:
+            cached = self._meta_cache = (dict(meta), _pickle_stripped(dict(meta), []))
+        return cached[1]
 
     def wait(self) -> float:
         """Wait for the deferred copy in flight (none: at once); the seconds waited, which count
@@ -768,16 +810,21 @@ class SnapshotWriter:
             handle.remove()
         self._hooks, self._hooked, self._guarded_plan = [], (), None
 
-    def _flat_sources(self, stable: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Flat views of the plan's tensors, kept while each still has the same data pointer (a
-        view costs ~1 us, a pointer read ~0.1 us; the views hold the old storage, so a replaced
+    def _flat_sources(self, plan: _Plan) -> list[torch.Tensor] | None:
+        """Per plan tensor, a flat view of it where this rank's slot keeps it (the tensor itself
+        elsewhere: no copy here reads it), kept while each kept one still has the same data pointer
+        (a view costs ~1 us, a pointer read ~0.1 us; the views hold the old storage, so a replaced
         tensor's memory cannot come back at the same address). None: they go one by one."""
-        ptrs = _data_ptrs(stable)
-        if ptrs != self._flat_ptrs:
-            self._flat_ptrs = ptrs
+        kept = plan.kept_tensors
+        ptrs = _data_ptrs(kept)
+        if ptrs != self._flat_ptrs or plan is not self._flats_plan:
+            self._flat_ptrs, self._flats_plan = ptrs, plan
             self._flats = None
-            if all(t.device.type == "cpu" and t.is_contiguous() for t in stable):
-                self._flats = [t.detach().view(-1) for t in stable]
+            if all(t.device.type == "cpu" and t.is_contiguous() for t in kept):
+                flats = list(plan.tensors)
+                for i in plan.kept:
+                    flats[i] = plan.tensors[i].detach().view(-1)
+                self._flats = flats
         return self._flats
 
     def check_restorable(self) -> None:

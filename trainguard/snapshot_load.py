@@ -185,5 +185,6 @@ def load_snapshot(directory: str, rank: int, world_size: int, step: int, state: 
         elif isinstance(state, MutableMapping) and key in state:
             state[key] = loaded
     set_rng_states(tree["rng"])
-    meta: dict[str, Any] = dict(per_step["meta"])
+    saved = per_step["meta"]  # pickled on its own: it changes far less often than the rest
+    meta: dict[str, Any] = dict(loads_skeleton(saved) if isinstance(saved, bytes) else saved)
     return meta
