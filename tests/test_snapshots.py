@@ -6,6 +6,7 @@ snapshots cannot carry are clear errors, never a SIGBUS or a half-restored state
 from __future__ import annotations
 
 import collections
+import copy
 import os
 import threading
 import time
@@ -281,6 +282,28 @@ def test_a_replaced_parameter_or_new_optimizer_state_is_seen_by_the_next_snapsho
     load_snapshot(str(tmp_path), 0, 1, 2, {"model": fresh, "optim": fresh_opt})
     assert torch.equal(fresh[0].weight, torch.full_like(fresh[0].weight, 0.5))
     assert len(fresh_opt.state) == len(list(model.parameters())) - 0  # every parameter's Adam state came back
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_optimizer_rolled_back_by_load_state_dict_is_snapshotted_as_loaded(tmp_path: Path, overlap: bool) -> None:
+    """A script's own rollback (``optimizer.load_state_dict`` of an older state) gives the optimizer
+    new state tensors; the next snapshot holds those, not the ones it had found before."""
+    model, opt = _trained(steps=2)
+    older = copy.deepcopy(opt.state_dict())
+    opt.zero_grad()
+    model(torch.randn(5, 8)).pow(2).mean().backward()
+    opt.step()
+    state = {"model": model, "optim": opt}
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0, overlap=overlap)
+    writer.take(1, state, {})
+    opt.load_state_dict(older)
+    want = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    writer.take(2, state, {})
+    writer.close()
+    fresh, fresh_opt = _trained(seed=1, steps=1)
+    load_snapshot(str(tmp_path), 0, 1, 2, {"model": fresh, "optim": fresh_opt})
+    got = [fresh_opt.state[p] for p in fresh.parameters()]
+    assert all(torch.equal(g[k], w[k]) for g, w in zip(got, want, strict=True) for k in w)
 
 
 def test_a_state_mapping_built_anew_each_step_keeps_the_worked_out_copy(tmp_path: Path) -> None:

@@ -253,7 +253,8 @@ class _Plan:
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self._checks: list[tuple[dict[Any, Any], Any, Any]] = []
         """(table, key, object): each plan tensor where it must still be held."""
-        self._state_sizes: list[tuple[torch.optim.Optimizer, int]] = []
+        self._optimizer_states: list[tuple[torch.optim.Optimizer, Any, int]] = []
+        """(optimizer, its ``state`` mapping, that mapping's size) as found."""
         for key, value in view.items():
             if isinstance(value, nn.Module) and self._module(key, value):
                 continue
@@ -310,7 +311,7 @@ class _Plan:
             start += len(group["params"])
         self.static[key] = ("optimizer", state, groups)
         self.optimizers[key] = optim
-        self._state_sizes.append((optim, len(optim.state)))
+        self._optimizer_states.append((optim, optim.state, len(optim.state)))
         return True
 
     def _deferred(self, view: Mapping[str, Any]) -> tuple[bool, ...]:
@@ -342,11 +343,13 @@ class _Plan:
         return objects
 
     def holds_objects(self, view: Mapping[str, Any]) -> bool:
-        # Modules and optimizers must be the same objects; the rest is read afresh every time
-        # (a state mapping built per step may wrap its sampler anew).
+        # Modules and optimizers must be the same objects, and each optimizer's state the same
+        # mapping of the same size: its ``load_state_dict`` (a rollback in the script) gives it a
+        # new one, whose tensors are not those checked by ``holds_tensors``. The rest is read
+        # afresh every time (a state mapping built per step may wrap its sampler anew).
         if view.keys() != self.objects.keys() or any(view[k] is not self.objects[k] for k in self.static):
             return False
-        return not any(len(optim.state) != n for optim, n in self._state_sizes)
+        return all(optim.state is state and len(state) == n for optim, state, n in self._optimizer_states)
 
     def holds_tensors(self) -> bool:
         """Each plan tensor this rank keeps is still held where it was found."""
