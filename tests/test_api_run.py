@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,9 @@ import trainguard
 from trainguard.agent.checkpoint.memory import MemoryTier
 from trainguard.agent.checkpoint.snapshots import SnapshotSet, snapshot_dir
 from trainguard.agent.wire import Plan, write_plan_file
+from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.plansync import MAX_GAP, SYNC_TARGET_S
+from trainguard.run import Run
 from trainguard.trainer.testing import TelemetryCapture
 
 
@@ -393,3 +396,27 @@ def test_automatic_snapshot_intervals_are_agreed_so_every_rank_keeps_the_same_st
     assert taken[0] == taken[1], taken
     assert len(taken[0]) < SNAP_STEPS // wishes[1] // 2, taken  # rank 0's wide interval won, not rank 1's narrow one
     assert SnapshotSet(tmp_path / "shm", "snap").common_step(2) == taken[0][-1]
+
+
+def test_the_automatic_snapshot_interval_keeps_within_one_percent_and_ignores_noise(tmp_path: Path) -> None:
+    """A cost whose median is under 1 % of the step snapshots every step though single snapshots
+    cost more (a median of a few samples crossed 1 % on the recovery bench's job); a cost over it
+    goes to the fewest steps, a power of two, that bring it under."""
+    env = RunEnvironment(job="j", rank=0, local_rank=0, world_size=1, local_world_size=1, attempt=0, socket="",
+                         plan_path="", memory_root="", memory_every=100, restore_path="", part="", parts=(),
+                         launched_by_agent=True, snapshot_dir=str(tmp_path / "snap"), snapshot_every=SNAPSHOT_AUTO)
+    run = Run(env)
+    assert run.snapshot_every == 1
+    run._last_step_s = 0.027
+    rng = random.Random(5)  # lognormal noise around 0.85 % of the step: a median of 9 crosses 1 % 14 times
+    every_seen = []
+    for i in range(200):
+        cost = 0.027 * 0.0085 * math.exp(rng.gauss(0, 0.25))
+        run._tune_snapshots(cost * (30.0 if i == 100 else 1.0))  # and one copy 30x slower
+        if i >= 10:
+            every_seen.append(run.snapshot_every)
+    assert set(every_seen) == {1}, every_seen
+    for _ in range(30):
+        run._tune_snapshots(0.027 * 0.025)  # 2.5 %: every 4 steps (0.63 %), not 2 (1.25 %)
+    assert run.snapshot_every == 4
+    run.close()

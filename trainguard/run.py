@@ -225,6 +225,12 @@ def _finite(value: Any, default: float) -> float:
     return number
 
 
+SNAPSHOT_COST_WINDOW = 25
+"""Snapshots whose cost the automatic interval takes the median of. With 9, a cost whose median
+was 0.94-0.97 % of the step (the recovery bench's job, BENCHMARKS.md) had a median of 9 above 1 %
+often enough to snapshot every 2 steps for 28-40 % of a run."""
+
+
 class Run:
     """One rank's handle on trainguard (see the module docstring). Build it with ``init()``."""
 
@@ -586,14 +592,15 @@ class Run:
 
     def _tune_snapshots(self, stall_s: float) -> None:
         """The fewest steps between snapshots, a power of two, that keeps their cost within 1% of
-        the step time: from the median of the last 9 cost/step ratios (one slow step or one slow
-        copy does not move it). In a multi-rank job with an agent this is only a wish: rank 0's is
+        the step time: from the median of the last ``SNAPSHOT_COST_WINDOW`` cost/step ratios (one
+        slow step or one slow copy does not move it, nor does the noise of a cost near the budget
+        flip it back and forth). In a multi-rank job with an agent this is only a wish: rank 0's is
         agreed at the plan sync points (``PlanSync``), since ranks whose intervals drift apart keep
         no common step in their two slots; alone, the rank applies it."""
         if self._last_step_s <= 0:
             return
         self._stall_ratios.append(stall_s / self._last_step_s)
-        del self._stall_ratios[:-9]
+        del self._stall_ratios[:-SNAPSHOT_COST_WINDOW]
         ratio = statistics.median(self._stall_ratios)
         every = 1
         while every < 64 and ratio / every > 0.01:
