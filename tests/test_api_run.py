@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -420,3 +421,51 @@ def test_the_automatic_snapshot_interval_keeps_within_one_percent_and_ignores_no
         run._tune_snapshots(0.027 * 0.025)  # 2.5 %: every 4 steps (0.63 %), not 2 (1.25 %)
     assert run.snapshot_every == 4
     run.close()
+
+
+_LET_GO = """
+import os, sys, weakref
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+import trainguard
+dist.init_process_group("gloo")
+model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+optim = torch.optim.SGD(model.parameters(), lr=0.01)
+run = trainguard.init(batch_size=4)
+state = {"model": model, "optim": optim}
+run.restore(state)
+run.watch_gradients(model.parameters())
+for step in range(6):
+    with run.step(step, samples=4) as s:
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        optim.zero_grad()
+        s.weighted(loss).backward()
+        optim.step()
+        s.report(loss=loss.item())
+    run.checkpoint(step, state)
+assert run.snapshot_stats is not None and run.snapshot_stats.taken > 0 and run.last_checkpoint
+run.close()
+ref = weakref.ref(model)
+del model, optim, state, s, loss
+print("kept" if ref() is not None else "let go")  # no gc: its last reference must be gone
+dist.destroy_process_group()
+"""
+
+
+def test_a_closed_run_lets_the_scripts_model_go(tmp_path: Path) -> None:
+    """After ``run.close()`` nothing of trainguard's holds the script's DDP model (the memory tier's
+    learned state dicts did): a script that drops it before ``destroy_process_group`` frees its
+    reducer there. Freed after the group instead, the reducer's destructor joins gloo's threads
+    holding the GIL, and one of them waiting for the GIL hung the rank's exit (seen under load in
+    the suite: a rank of a finished job asleep in ``~ProcessGroupGloo`` for good)."""
+    script = tmp_path / "let_go.py"
+    script.write_text(_LET_GO)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "TRAINGUARD_JOB": "letgo", "TRAINGUARD_SOCKET": str(tmp_path / "no-agent.sock"),
+           "TRAINGUARD_SNAPSHOT_DIR": str(tmp_path / "snap"), "TRAINGUARD_SNAPSHOT_EVERY": "1",
+           "TRAINGUARD_CKPT_MEMORY_ROOT": str(tmp_path / "mem"), "TRAINGUARD_CKPT_MEMORY_EVERY": "2"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "let go", out.stdout + out.stderr[-2000:]

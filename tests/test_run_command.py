@@ -305,6 +305,27 @@ def _kill_agent(agent: Any) -> None:
         (agent.state_dir / "run" / name).unlink(missing_ok=True)
 
 
+def _ranks_report(agent: Any, job: str, pids: list[int]) -> str:
+    """What the ranks were doing (their state, where the kernel has them wait) and their last output."""
+    lines = []
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            state = next((line for line in status.splitlines() if line.startswith("State:")), "?")
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+            threads = len(os.listdir(f"/proc/{pid}/task"))
+            lines.append(f"pid {pid}: {state}, wchan {wchan}, {threads} threads")
+            spy = Path(sys.executable).with_name("py-spy")
+            if spy.exists():
+                dump = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20)
+                lines.append(dump.stdout[-3000:] + dump.stderr[-500:])
+        except OSError as exc:
+            lines.append(f"pid {pid}: {exc}")
+    for log in sorted((agent.state_dir / "jobs" / job).glob("rank*.log")):
+        lines.append(f"--- {log.name} (last 1500 chars)\n{log.read_text(errors='replace')[-1500:]}")
+    return "\n".join(lines)
+
+
 def test_a_job_that_ends_while_no_agent_runs_ends_as_it_did(agent_factory: Any, tmp_path: Path) -> None:
     """The agent SIGKILLed and the job's ranks finish before another agent starts: their warm
     launcher recorded how they ended, so the new agent tells the job succeeded (not a restart of
@@ -316,7 +337,10 @@ def test_a_job_that_ends_while_no_agent_runs_ends_as_it_did(agent_factory: Any, 
         pids = wait_for(lambda: (r := [rank_pid(agent, "early", k) for k in (0, 1)]) and all(r) and r, 60,
                         "the ranks running")
         _kill_agent(agent)
-        wait_for(lambda: all(not os.path.exists(f"/proc/{p}") for p in pids), 60, "the ranks done")
+        try:
+            wait_for(lambda: all(not os.path.exists(f"/proc/{p}") for p in pids), 60, "the ranks done")
+        except TimeoutError as exc:
+            raise AssertionError(_ranks_report(agent, "early", pids)) from exc
         assert cli.poll() is None, cli.communicate()
         again = agent_factory(config=CONFIG)
         out, err = cli.communicate(timeout=120)

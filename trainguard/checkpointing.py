@@ -461,6 +461,7 @@ class TierWriter:
         if self._saver is not None:
             self._collect(self._saver.close(SAVE_WAIT_S))
             self._saver = None
+        self._learned.forget()
 
     def _note(self, text: str) -> None:
         if text not in self._notes:

@@ -872,6 +872,9 @@ class SnapshotWriter:
         self.wait()
         self._unhook()
         _WRITERS.discard(self)
+        # What the plan found (the script's modules and optimizers) is the script's to let go.
+        self._plan = self._flats_plan = self._flats = None
+        self._flat_ptrs = []
         for slot in self._slots:
             slot.close()
 

@@ -116,6 +116,13 @@ class LearnedStateDicts:
             self.kept = [LearnedStateDict(m, o, self.options) for m, o in pairs]
         return [getter() for getter in self.kept]
 
+    def forget(self) -> None:
+        """Let go of the models and optimizers (the saver is closing): a script that drops its DDP
+        model before ``destroy_process_group`` must be able to, or the model's reducer dies with the
+        last reference, after the group, and can hang the rank's exit (torch: its destructor joins
+        gloo's threads while holding the GIL, which one of them may need)."""
+        self.kept = []
+
 
 def sharded(value: Any) -> bool:
     """A tensor type of torch.distributed (DTensor, ShardedTensor): a part of a larger value."""
