@@ -27,7 +27,7 @@ from trainguard.agent.checkpoint.snapshots import SnapshotSet, snapshot_dir
 from trainguard.agent.wire import Plan, write_plan_file
 from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.plansync import MAX_GAP, SYNC_TARGET_S
-from trainguard.run import Run
+from trainguard.run import SNAPSHOT_COST_WINDOW, Run
 from trainguard.trainer.testing import TelemetryCapture
 
 
@@ -421,6 +421,21 @@ def test_the_automatic_snapshot_interval_keeps_within_one_percent_and_ignores_no
         run._tune_snapshots(0.027 * 0.025)  # 2.5 %: every 4 steps (0.63 %), not 2 (1.25 %)
     assert run.snapshot_every == 4
     run.close()
+    # A new attempt's first snapshots: a little over the budget waits for a full window of costs,
+    # far over it moves at once.
+    first = Run(env)
+    first._last_step_s = 0.027
+    for _ in range(SNAPSHOT_COST_WINDOW - 1):
+        first._tune_snapshots(0.027 * 0.015)
+    assert first.snapshot_every == 1
+    first._tune_snapshots(0.027 * 0.015)
+    assert first.snapshot_every == 2
+    first.close()
+    costly = Run(env)
+    costly._last_step_s = 0.027
+    costly._tune_snapshots(0.027 * 0.06)
+    assert costly.snapshot_every == 8
+    costly.close()
 
 
 _LET_GO = """

@@ -230,6 +230,10 @@ SNAPSHOT_COST_WINDOW = 25
 was 0.94-0.97 % of the step (the recovery bench's job, BENCHMARKS.md) had a median of 9 above 1 %
 often enough to snapshot every 2 steps for 28-40 % of a run."""
 
+SNAPSHOT_CLEARLY_OVER = 4.0
+"""Times the budget (1 % of the step) a median cost must reach to move the interval before the
+window is full: a state whose snapshot costs a large part of a step should not take 25 of them."""
+
 
 class Run:
     """One rank's handle on trainguard (see the module docstring). Build it with ``init()``."""
@@ -594,7 +598,10 @@ class Run:
         """The fewest steps between snapshots, a power of two, that keeps their cost within 1% of
         the step time: from the median of the last ``SNAPSHOT_COST_WINDOW`` cost/step ratios (one
         slow step or one slow copy does not move it, nor does the noise of a cost near the budget
-        flip it back and forth). In a multi-rank job with an agent this is only a wish: rank 0's is
+        flip it back and forth). Until the window is full, only a cost clearly over the budget
+        (``SNAPSHOT_CLEARLY_OVER`` times it) moves the interval: the first snapshots of an attempt
+        run out of colder caches, and the median of a few of them took the recovery bench's job to
+        every 2 steps for its first ~20 steps. In a multi-rank job with an agent this is only a wish: rank 0's is
         agreed at the plan sync points (``PlanSync``), since ranks whose intervals drift apart keep
         no common step in their two slots; alone, the rank applies it."""
         if self._last_step_s <= 0:
@@ -602,6 +609,8 @@ class Run:
         self._stall_ratios.append(stall_s / self._last_step_s)
         del self._stall_ratios[:-SNAPSHOT_COST_WINDOW]
         ratio = statistics.median(self._stall_ratios)
+        if len(self._stall_ratios) < SNAPSHOT_COST_WINDOW and ratio < SNAPSHOT_CLEARLY_OVER * 0.01:
+            return
         every = 1
         while every < 64 and ratio / every > 0.01:
             every *= 2
