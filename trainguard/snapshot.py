@@ -79,7 +79,7 @@ def overlap_pays(local_ranks: int, *, cpus: int | None = None, threads: int | No
     Where the ranks fill the cores the helper takes its CPU from training all the same, and the
     hand-off, the thread switches and the GIL between them cost more than the copy saves: on the
     recovery bench's 4 ranks on 2 cores a snapshot cost 0.35 ms overlapped against 0.26 ms copied
-    in ``take``, and the job ran 3-7 % fewer steps a second (BENCHMARKS.md)."""
+    in ``take``, and the job ran no faster for the overlap (BENCHMARKS.md)."""
     cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
     threads = torch.get_num_threads() if threads is None else threads
     return cpus >= max(1, local_ranks) * (threads + 1)
@@ -778,7 +778,11 @@ class SnapshotWriter:
     def _meta_bytes(self, meta: Mapping[str, Any]) -> bytes:
         """``meta`` pickled, once while it stays equal (a run's checkpoint meta changes with its plan)."""
         cached = self._meta_cache
-        if cached is None or cached[0] != meta:
+        try:
+            same = cached is not None and bool(cached[0] == meta)
+        except Exception:  # noqa: BLE001 - a value whose == is no plain answer (an array): pickled anew
+            same = False
+        if cached is None or not same:
             cached = self._meta_cache = (dict(meta), _pickle_stripped(dict(meta), []))
         return cached[1]
 
