@@ -601,9 +601,9 @@ class Run:
         flip it back and forth). Until the window is full, only a cost clearly over the budget
         (``SNAPSHOT_CLEARLY_OVER`` times it) moves the interval: the first snapshots of an attempt
         run out of colder caches, and the median of a few of them took the recovery bench's job to
-        every 2 steps for its first ~20 steps. In a multi-rank job with an agent this is only a wish: rank 0's is
-        agreed at the plan sync points (``PlanSync``), since ranks whose intervals drift apart keep
-        no common step in their two slots; alone, the rank applies it."""
+        every 2 steps for its first ~20 steps. In a multi-rank job with an agent this is only a
+        wish: rank 0's is agreed at the plan sync points (``PlanSync``), since ranks whose
+        intervals drift apart keep no common step in their two slots; alone, the rank applies it."""
         if self._last_step_s <= 0:
             return
         self._stall_ratios.append(stall_s / self._last_step_s)
