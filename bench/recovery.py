@@ -360,8 +360,8 @@ def stall_probe(model: dict[str, Any], cache: str, label: str) -> dict[str, floa
     """In a fresh single-rank process: the snapshot stall of the trainer's whole state against a
     memcpy of the same bytes, and against the step time. Snapshots are taken as ``Run`` takes
     them for one rank with a core to spare (``overlap_pays``), one after each training step, the
-    optimizer-owned tensors copied while the next step runs: the stall is what ``take`` blocked plus what the next optimizer step waited for that
-    copy (``take_ms``: ``take`` alone)."""
+    optimizer-owned tensors copied while the next step runs: the stall is what ``take`` blocked
+    plus what the next optimizer step waited for that copy (``take_ms``: ``take`` alone)."""
     code = r'''
 import json, os, statistics, sys, tempfile, time
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

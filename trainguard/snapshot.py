@@ -200,13 +200,6 @@ class _ReusedPickler:
         return out.getvalue()
 
 
-def _pickle_stripped(value: Any, tensors: list[torch.Tensor]) -> bytes:
-    """``value`` pickled with its tensors appended to ``tensors`` (one entry per tensor object)."""
-    out = io.BytesIO()
-    _StrippingPickler(out, tensors).dump(value)
-    return out.getvalue()
-
-
 def rng_states() -> dict[str, Any]:
     """This process's RNG states, as snapshots and checkpoints keep them."""
     return {"torch": torch.get_rng_state(),
@@ -687,7 +680,6 @@ class SnapshotWriter:
         self._plan: _Plan | None = None
         self._flats: list[torch.Tensor] | None = None
         self._flat_ptrs: list[int] = []
-        self._flats_plan: _Plan | None = None
         self._meta_cache: tuple[dict[str, Any], bytes] | None = None
         self._pickler = _ReusedPickler()
 
@@ -715,7 +707,7 @@ class SnapshotWriter:
             # The kept tensors still where they were found, at the same addresses: the plan and
             # its flat views hold. One pass; a tensor given new memory keeps the plan, not the
             # views. With the copy deferred the helper runs that check when it copies.
-            flats_ok = late_ok or (plan is self._flats_plan and plan.holds_memory(self._flat_ptrs))
+            flats_ok = late_ok or plan.holds_memory(self._flat_ptrs)
             if not flats_ok and not plan.holds_tensors():
                 plan = None
         else:
@@ -783,7 +775,7 @@ class SnapshotWriter:
         except Exception:  # noqa: BLE001 - a value whose == is no plain answer (an array): pickled anew
             same = False
         if cached is None or not same:
-            cached = self._meta_cache = (dict(meta), _pickle_stripped(dict(meta), []))
+            cached = self._meta_cache = (dict(meta), self._pickler.dumps(dict(meta), []))
         return cached[1]
 
     def wait(self) -> float:
@@ -844,19 +836,18 @@ class SnapshotWriter:
 
     def _flat_sources(self, plan: _Plan) -> list[torch.Tensor] | None:
         """Per plan tensor, a flat view of it where this rank's slot keeps it (the tensor itself
-        elsewhere: no copy here reads it), kept while each kept one still has the same data pointer
-        (a view costs ~1 us, a pointer read ~0.1 us; the views hold the old storage, so a replaced
-        tensor's memory cannot come back at the same address). None: they go one by one."""
+        elsewhere: no copy here reads it), and the kept ones' addresses, against which ``take``
+        checks them before it reuses the views (a view costs ~1 us, a pointer read ~0.1 us; the
+        views hold the old storage, so a replaced tensor's memory cannot come back at the same
+        address). None: they go one by one."""
         kept = plan.kept_tensors
-        ptrs = _data_ptrs(kept)
-        if ptrs != self._flat_ptrs or plan is not self._flats_plan:
-            self._flat_ptrs, self._flats_plan = ptrs, plan
-            self._flats = None
-            if all(t.device.type == "cpu" and t.is_contiguous() for t in kept):
-                flats = list(plan.tensors)
-                for i in plan.kept:
-                    flats[i] = plan.tensors[i].detach().view(-1)
-                self._flats = flats
+        self._flat_ptrs = _data_ptrs(kept)
+        self._flats = None
+        if all(t.device.type == "cpu" and t.is_contiguous() for t in kept):
+            flats = list(plan.tensors)
+            for i in plan.kept:
+                flats[i] = plan.tensors[i].detach().view(-1)
+            self._flats = flats
         return self._flats
 
     def check_restorable(self) -> None:
@@ -877,7 +868,7 @@ class SnapshotWriter:
         self._unhook()
         _WRITERS.discard(self)
         # What the plan found (the script's modules and optimizers) is the script's to let go.
-        self._plan = self._flats_plan = self._flats = None
+        self._plan = self._flats = None
         self._flat_ptrs = []
         for slot in self._slots:
             slot.close()

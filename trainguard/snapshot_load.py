@@ -41,7 +41,7 @@ class _Shard:
 
 
 def _fill(value: Any, tensors: list[torch.Tensor], own: bool = False) -> Any:
-    """The inverse of ``_pickle_stripped``: a DTensor's shard comes back as a ``_Shard`` until
+    """The inverse of ``_StrippingPickler``: a DTensor's shard comes back as a ``_Shard`` until
     placed. ``own``: each tensor in memory of its own, not a view into the payload (code that reads
     a tensor's storage, as ``Generator.set_state`` does, reads it from the payload's start)."""
     def placed(ref: TensorRef) -> Any:
