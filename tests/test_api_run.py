@@ -5,6 +5,7 @@ another world size."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -395,7 +396,11 @@ def test_automatic_snapshot_intervals_are_agreed_so_every_rank_keeps_the_same_st
     wishes = [int((tmp_path / f"wish{r}").read_text()) for r in (0, 1)]
     assert wishes[0] >= 4 * wishes[1], wishes  # the ranks really did want different intervals
     assert taken[0] == taken[1], taken
-    assert len(taken[0]) < SNAP_STEPS // wishes[1] // 2, taken  # rank 0's wide interval won, not rank 1's narrow one
+    # Rank 0's wide interval won, not rank 1's narrow one: judged on the run's second half, after
+    # the sync points agreed it (the first ~15 steps snapshot every step, and under load rank 1
+    # wants every 8, so a count over the whole run could not tell the two apart).
+    late_gaps = [b - a for a, b in itertools.pairwise(taken[0]) if a >= SNAP_STEPS // 2]
+    assert late_gaps and min(late_gaps) >= 2 * wishes[1], (wishes, taken)
     assert SnapshotSet(tmp_path / "shm", "snap").common_step(2) == taken[0][-1]
 
 

@@ -130,7 +130,9 @@ def test_plan_applies_at_one_step_on_every_rank(cache_dir: str, tmp_path) -> Non
     assert 1 in written and 2 in written
     first_v1 = {}
     for rank, msgs in result.telemetry.items():
-        first_v1[rank] = next(m.step for m in msgs if m.plan_version == 1)
+        # A message sums up a window of steps whose length each rank sets from its own step times:
+        # the plan's first step is where the first v1 window began, not where it ended.
+        first_v1[rank] = next(m.step - m.steps + 1 for m in msgs if m.plan_version == 1)
         for m in msgs:
             if m.plan_version == 0:
                 assert m.batch_size == 4 and math.isclose(m.lr, cfg.optim.lr)
