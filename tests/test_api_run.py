@@ -362,13 +362,14 @@ from the second one on, and must then outweigh the first ones' narrow interval."
 
 
 def _snapshot_ranks(rank: int, nproc: int, port: int, plan_path: str, snap_dir: str, out_dir: str) -> None:
-    """Rank 0 holds 16 MB of extra state: its copy costs far more than 1% of a 20 ms step, so it
-    wants a wide snapshot interval; rank 1's tiny state would snapshot (nearly) every step."""
+    """Rank 0 holds 64 MB of extra state: its copy costs a third of a 20 ms step or more, so it
+    wants the widest snapshot interval (64); rank 1's tiny state would snapshot every step or
+    nearly (every 16 under fresh-clone CI's load, where 16 MB on rank 0 had wanted only 32)."""
     _init(rank, nproc, port, {"TRAINGUARD_PLAN": plan_path, "TRAINGUARD_JOB": "snap", "TRAINGUARD_SNAPSHOT_DIR": snap_dir,
                               "TRAINGUARD_SNAPSHOT_EVERY": "auto", "TRAINGUARD_SOCKET": "/nonexistent"})
     state: dict[str, Any] = {"w": torch.zeros(4)}
     if rank == 0:
-        state["big"] = torch.zeros(4 << 20)
+        state["big"] = torch.zeros(16 << 20)
     run = trainguard.init()
     taken = []
     t = torch.zeros(1)
@@ -394,7 +395,7 @@ def test_automatic_snapshot_intervals_are_agreed_so_every_rank_keeps_the_same_st
     _spawn(_snapshot_ranks, 2, plan_path, snap_dir, str(tmp_path))
     taken = [[int(s) for s in (tmp_path / f"taken{r}").read_text().split(",")] for r in (0, 1)]
     wishes = [int((tmp_path / f"wish{r}").read_text()) for r in (0, 1)]
-    assert wishes[0] >= 4 * wishes[1], wishes  # the ranks really did want different intervals
+    assert wishes[0] >= 2 * wishes[1], wishes  # the ranks really did want different intervals
     assert taken[0] == taken[1], taken
     # Rank 0's wide interval won, not rank 1's narrow one: judged on the run's second half, after
     # the sync points agreed it (the first ~15 steps snapshot every step, and under load rank 1
