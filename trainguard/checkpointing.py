@@ -189,6 +189,8 @@ class SaveStats:
     last_write_s: float = 0.0
     """How long the background writer took for the last save it wrote."""
     last_error: str = ""
+    agreed_later: int = 0
+    """Saves whose all-gather ran while training went on (``TierWriter._agree_later``)."""
 
 
 def _describe(exc: BaseException) -> str:
@@ -216,6 +218,13 @@ class TierWriter:
         self._notes: set[str] = set()
         self._replay = ReplaySaver()  # the background writer's copy keeps its template from save to save
         self._learned = LearnedStateDicts(_OPTIM_OPTS)
+        self.agree_later = False
+        """Whether a save of replicas may leave their agreement to the background (``_agree_later``):
+        set where per-step snapshots cover a crash in the steps before it is handed over."""
+        self._agreed_layout: int | None = None
+        """The layout hash every replica held at the last save they agreed on (the same on every
+        rank: read from the same all-gather), or None: the next save agrees before it writes."""
+        self._pending: _Agreement | None = None
 
     @property
     def tier_job(self) -> str:
@@ -235,6 +244,9 @@ class TierWriter:
             if self._tier is None:
                 self._tier = MemoryTier(self.env.memory_root)
             path = self._tier.stage(self.tier_job, label)
+            if len(str(path).encode()) > _ROW_TEXT:  # not expected (a memory root of ~4 KB)
+                self._tier.abort(self.tier_job, label)
+                return None, "the staging path is too long to share"
             os.makedirs(path / "rng", exist_ok=True)
             return str(path), None
         except (OSError, CheckpointError) as exc:
@@ -262,35 +274,102 @@ class TierWriter:
         were ~2 ms of a ~6 ms save on two loaded cores; each rank writing its own RNG file and an
         all-reduce to agree they all could, ~0.8 ms more)."""
         staged, error = self._stage_here(label)
-        text = (staged or error or "").encode()  # only rank 0's is read
-        if len(text) > _ROW_TEXT:
-            if staged is not None:
-                self._abort(label, staged)
-                staged, text = None, b"the staging path is too long to share"
-            text = text[:_ROW_TEXT]
-        head = layout.to_bytes(8, "little", signed=True) + bytes([1 if staged is not None else 0])
-        head += len(text).to_bytes(2, "little")
-        rng = _rng_blob()
-        rng = rng if len(rng) <= _ROW_RNG - 4 else b""  # not expected: the RNG file is then left out
-        row = torch.zeros(_ROW_HEAD + _ROW_TEXT + _ROW_RNG, dtype=torch.uint8)
-        row[:_ROW_HEAD + len(text)] = torch.frombuffer(bytearray(head + text), dtype=torch.uint8)
-        at = _ROW_HEAD + _ROW_TEXT
-        row[at:at + 4 + len(rng)] = torch.frombuffer(bytearray(len(rng).to_bytes(4, "little") + rng), dtype=torch.uint8)
+        row = _replica_row(staged, error, layout, later=False)
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, row)
-        raw = [r.numpy().tobytes() for r in rows]
-        layouts = [int.from_bytes(r[:8], "little", signed=True) for r in raw]
-        rngs = [r[at + 4:at + 4 + int.from_bytes(r[at:at + 4], "little")] for r in raw]
-        first = raw[0]
-        told = first[_ROW_HEAD:_ROW_HEAD + int.from_bytes(first[9:11], "little")].decode(errors="replace")
-        alone = layout >= 0 and all(v == layout for v in layouts)
-        return (told, None, alone, rngs) if first[8] == 1 else (None, told, alone, rngs)
+        agreed = _read_rows(rows)
+        self._agreed_layout = agreed.layout
+        if agreed.layout is None and agreed.any_later:
+            # A replica whose layout was the agreed one did not wait for this all-gather
+            # (``_agree_later``): it meets no collective save now, so this one is given up. Every
+            # rank read the same rows, so the next save agrees first everywhere.
+            error = "the replicas' state layouts no longer agree"
+            if staged is not None:
+                self._abort(label, staged)
+            return None, error, False, agreed.rngs
+        alone = agreed.layout is not None and agreed.layout == layout
+        return (agreed.told, None, alone, agreed.rngs) if agreed.staged else (None, agreed.told, alone, agreed.rngs)
+
+    def _agree_later(self, label: int, layout: int, tree: Mapping[str, Any], world: int,
+                     meta: Mapping[str, Any]) -> str | None | bool:
+        """A save of replicas whose layout is the one they last agreed on: rank 0 copies the
+        state into its background writer's buffer, every rank starts the all-gather of its row
+        and training goes on; rank 0 hands the save to its writer once the rows are in
+        (``settle``: at the next checkpoint call, ``wait`` or ``close``). Waiting for that
+        all-gather -- for the slowest rank and for gloo's round trips on busy cores -- was 3-14 ms
+        of a ~14 ms save on the recovery bench's 4 ranks on 2 cores (BENCHMARKS.md). The
+        checkpoint's path (committed shortly, like any background save), None when rank 0 could
+        not stage it (reported), or False when rank 0 has no background writer to hand it to: then
+        it agrees and writes in the step, as a first save does (the others' all-gather meets its
+        own, and with every layout equal no other collective follows)."""
+        rank = dist.get_rank()
+        staged, error, job = None, None, None
+        if rank == 0:
+            staged, error = self._stage_here(label)
+            if staged is not None:
+                # Staged before the all-gather starts: the writer's first start forks this process.
+                job = self._stage_background(label, staged, tree, world, meta, [])
+                if job is None:
+                    self._abort(label, staged)
+                    return False
+        row = _replica_row(staged, error, layout, later=True)
+        rows = [torch.empty_like(row) for _ in range(world)]
+        work = dist.all_gather(rows, row, async_op=True)
+        self._pending = _Agreement(label, staged, row, rows, work, job)
+        self.stats.agreed_later += 1
+        if rank == 0 and staged is None:
+            return self._failed(label, error or "no staging directory")
+        if staged is not None:
+            return os.path.join(os.path.dirname(staged), step_dirname(label))
+        return str(MemoryTier(self.env.memory_root).step_path(self.tier_job, label))
+
+    def settle(self, block: bool) -> None:
+        """Finish the save whose all-gather ``_agree_later`` started, once its rows are in (at
+        once with ``block``): rank 0 hands it to its writer with every rank's RNG states, or drops
+        it when the replicas' layouts no longer agree (the next save then agrees first, on every
+        rank: they all read the same rows)."""
+        pending = self._pending
+        if pending is None or not (block or pending.work.is_completed()):
+            return
+        self._pending = None
+        try:
+            pending.work.wait()
+        except Exception as exc:  # noqa: BLE001 - a rank gone mid-save costs the save, never training
+            self._agreed_layout = None
+            self._drop_pending(pending, f"the ranks' agreement failed: {_describe(exc)}")
+            return
+        agreed = _read_rows(pending.rows)
+        self._agreed_layout = agreed.layout
+        if agreed.layout is None:
+            self._drop_pending(pending, "the replicas' state layouts no longer agree")
+            return
+        if pending.job is None:  # not rank 0, or its staging failed (reported)
+            if dist.get_rank() != 0:
+                self._saved(pending.label)
+            return
+        pending.job.context["rngs"] = agreed.rngs
+        if not self._submit(pending.job):
+            assert pending.staged is not None
+            self._abort(pending.label, pending.staged)
+            self._report_later(pending.label, "the background writer could not take the save")
+
+    def _drop_pending(self, pending: _Agreement, error: str) -> None:
+        if pending.staged is not None:
+            self._abort(pending.label, pending.staged)
+        if pending.job is not None:  # rank 0's to report (a staging that failed was reported)
+            self._report_later(pending.label, error)
+
+    def _report_later(self, label: int, error: str) -> None:
+        """A failure found after ``save`` returned: counted, printed, and told at the next ``poll``."""
+        self._failed(label, error)
+        self.failed_in_background.append((label, error))
 
     def save(self, label: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> str | None:
         """Collective save of ``state`` as checkpoint ``label`` (steps done); the checkpoint's path
         (committed now, or by the background writer shortly), or None when the save failed
         (already reported). A background write that fails later is reported by ``poll``."""
         t0 = time.perf_counter()
+        self.settle(block=True)
         self._collect(self._saver.wait(SAVE_WAIT_S) if self._saver is not None and self._saver.in_flight else None)
         rank = dist.get_rank() if self._distributed() else 0
         world = dist.get_world_size() if self._distributed() else 1
@@ -305,6 +384,11 @@ class TierWriter:
             # Every rank holds the same keys, shapes and plain tensors (data-parallel replicas):
             # DCP would keep one copy of each anyway, so rank 0 writes it alone, without DCP's
             # dozen collectives (~50 ms on two loaded cores, for any state size).
+            if self.agree_later and early is not None and layout == self._agreed_layout and self.background:
+                later = self._agree_later(label, layout, early, world, meta)
+                if later is not False:
+                    self.stats.last_stall_s = time.perf_counter() - t0
+                    return later  # type: ignore[return-value]
             path, error, alone, rngs = self._stage_among_replicas(label, layout)
         else:
             path, error = self._staging_path(label)
@@ -435,8 +519,7 @@ class TierWriter:
         if result.ok:
             self._saved(result.label)
         else:
-            self._failed(result.label, result.error)
-            self.failed_in_background.append((result.label, result.error))
+            self._report_later(result.label, result.error)
 
     def _saved(self, label: int) -> None:
         self.stats.saves += 1
@@ -444,6 +527,7 @@ class TierWriter:
 
     def poll(self) -> list[tuple[int, str]]:
         """(step, error) of background saves that failed since the last call (never waits)."""
+        self.settle(block=False)
         if self._saver is not None and self._saver.in_flight is not None:
             self._collect(self._saver.poll())
         failed, self.failed_in_background = self.failed_in_background, []
@@ -452,12 +536,14 @@ class TierWriter:
     def wait(self, timeout: float = SAVE_WAIT_S) -> bool:
         """Wait for the background save in flight; False when it is still being written after
         ``timeout`` (its outcome, like every failure, comes from ``poll``)."""
+        self.settle(block=True)
         if self._saver is not None and self._saver.in_flight is not None:
             self._collect(self._saver.wait(timeout))
         return self._saver is None or self._saver.in_flight is None
 
     def close(self) -> None:
         """Finish the background save in flight and end the writer process."""
+        self.settle(block=True)
         if self._saver is not None:
             self._collect(self._saver.close(SAVE_WAIT_S))
             self._saver = None
@@ -488,9 +574,64 @@ class TierWriter:
         return None
 
 
-_ROW_HEAD = 11  # layout hash (8 bytes), staged or not (1), text length (2)
+_ROW_HEAD = 11  # layout hash (8 bytes), flags (1: _STAGED, _LATER), text length (2)
+_STAGED, _LATER = 1, 2
 _ROW_TEXT = 4085
 _ROW_RNG = 8192  # the rank's RNG states: their length (4 bytes) and ``_rng_blob`` (CPU ~5 KB, CUDA 16 bytes)
+
+
+@dataclass
+class _Agreement:
+    """A replicas' save whose all-gather is still in flight (``TierWriter._agree_later``): the
+    rows stay referenced until it is done."""
+
+    label: int
+    staged: str | None
+    row: torch.Tensor
+    rows: list[torch.Tensor]
+    work: Any
+    job: SaveJob | None
+
+
+@dataclass
+class _Rows:
+    """What one all-gather of the replicas' rows says."""
+
+    told: str
+    """Rank 0's staging path, or its error."""
+    staged: bool
+    layout: int | None
+    """The layout every rank holds, None when they differ or one is its own (sharded)."""
+    any_later: bool
+    """Whether a rank went on training without waiting for these rows (``_agree_later``)."""
+    rngs: list[bytes]
+
+
+def _replica_row(staged: str | None, error: str | None, layout: int, *, later: bool) -> torch.Tensor:
+    """This rank's row: its layout hash, whether rank 0 staged (with the path, or its error),
+    whether this rank goes on without waiting for the rows (``later``) and its RNG states."""
+    text = (staged or error or "").encode()[:_ROW_TEXT]  # only rank 0's is read (a path fits: ``_stage_here``)
+    flags = (_STAGED if staged is not None else 0) | (_LATER if later else 0)
+    head = layout.to_bytes(8, "little", signed=True) + bytes([flags])
+    head += len(text).to_bytes(2, "little")
+    rng = _rng_blob()
+    rng = rng if len(rng) <= _ROW_RNG - 4 else b""  # not expected: the RNG file is then left out
+    row = torch.zeros(_ROW_HEAD + _ROW_TEXT + _ROW_RNG, dtype=torch.uint8)
+    row[:_ROW_HEAD + len(text)] = torch.frombuffer(bytearray(head + text), dtype=torch.uint8)
+    at = _ROW_HEAD + _ROW_TEXT
+    row[at:at + 4 + len(rng)] = torch.frombuffer(bytearray(len(rng).to_bytes(4, "little") + rng), dtype=torch.uint8)
+    return row
+
+
+def _read_rows(rows: list[torch.Tensor]) -> _Rows:
+    raw = [r.numpy().tobytes() for r in rows]
+    at = _ROW_HEAD + _ROW_TEXT
+    layouts = [int.from_bytes(r[:8], "little", signed=True) for r in raw]
+    rngs = [r[at + 4:at + 4 + int.from_bytes(r[at:at + 4], "little")] for r in raw]
+    first = raw[0]
+    told = first[_ROW_HEAD:_ROW_HEAD + int.from_bytes(first[9:11], "little")].decode(errors="replace")
+    common = layouts[0] if layouts[0] >= 0 and all(v == layouts[0] for v in layouts) else None
+    return _Rows(told, bool(first[8] & _STAGED), common, any(r[8] & _LATER for r in raw), rngs)
 
 
 def _save_alone_dcp(path: str, tree: Mapping[str, Any]) -> None:

@@ -426,6 +426,8 @@ class Run:
     def _flush_at_exit(self) -> None:
         if os.getpid() == self._pid:  # not in a child forked from this rank that exits through atexit
             self._flush_window(urgent=True)
+            if self._writer is not None:
+                self._writer.settle(block=True)  # a save still being agreed goes to the writer, which outlives the rank
 
     def _flush_window(self, urgent: bool = False) -> None:
         """End the window: the steps gathered since the last message become one (nothing when there
@@ -535,6 +537,9 @@ class Run:
         writer = self._tier_writer()
         self._ckpt_id_seen = max(self._ckpt_id_seen, self._plan.checkpoint_id)
         self._view = self._make_view(self._plan)
+        # Snapshots every few steps cover a crash before a save is handed over, so the ranks need
+        # not wait for each other to agree on it (rank 0 keeps it out of the step only then).
+        writer.agree_later = self.snapshot_every > 0 and self._snapshots is not None
         path = writer.save(step + 1, state, self.checkpoint_meta())
         self._background_failures(writer.poll())
         if path is None:
