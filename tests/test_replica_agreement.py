@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -72,14 +73,18 @@ def _job(tmp_path: Path, mode: str) -> tuple[MemoryTier, list[dict[str, Any]]]:
                    TRAINGUARD_SNAPSHOT_DIR=str(tmp_path / "snap"), TRAINGUARD_SNAPSHOT_EVERY="1")
         procs.append(subprocess.Popen([sys.executable, str(script), mode, out], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:  # a rank waiting forever in a collective (the hang these tests look for)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert [p.returncode for p in procs] == [0, 0], outputs
     return MemoryTier(str(root)), [json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1)]
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
