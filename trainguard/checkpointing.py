@@ -295,9 +295,9 @@ class TierWriter:
         """A save of replicas whose layout is the one they last agreed on: rank 0 copies the
         state into its background writer's buffer, every rank starts the all-gather of its row
         and training goes on; rank 0 hands the save to its writer once the rows are in
-        (``settle``: at the next checkpoint call, ``wait`` or ``close``). Waiting for that
-        all-gather -- for the slowest rank and for gloo's round trips on busy cores -- was 3-14 ms
-        of a ~14 ms save on the recovery bench's 4 ranks on 2 cores (BENCHMARKS.md). The
+        (``settle``: at the next checkpoint call, ``wait``, ``close`` or the run's exit). Waiting
+        for that all-gather -- for the slowest rank and for gloo's round trips on busy cores -- was
+        1-14 ms of a ~14 ms save on the recovery bench's 4 ranks on 2 cores (BENCHMARKS.md). The
         checkpoint's path (committed shortly, like any background save), None when rank 0 could
         not stage it (reported), or False when rank 0 has no background writer to hand it to: then
         it agrees and writes in the step, as a first save does (the others' all-gather meets its
