@@ -17,7 +17,9 @@ with ``--peers-venv`` (bench/peers_venv.sh), the peers as shipped beside the sam
 Per failure: kill -> first resumed step (resume), steps lost (kill step - restored step), lost
 time (resume + recomputing the lost steps), trainguard's recovery timeline from its job_resumed
 event. Per run: checkpoint overhead (time between steps / wall), effective training time (useful
-step time / wall). Then the snapshot stall against a memcpy of the same bytes and against 1 % of
+step time / wall: final step x the run's median step), and beside it the time in kept steps / wall
+(each step's own time, once: a recomputed step's last run; it counts a step slower than the median
+as training, which the effective time counts as lost). Then the snapshot stall against a memcpy of the same bytes and against 1 % of
 the step, measured in-process on the bench's model and on a >= 200 MB one.
 
 The full run (4 ranks, 4 kills) sizes its steps so that kills come about every ``--kill-every-s``
@@ -80,6 +82,8 @@ class RunResult:
     failures: list[Failure] = field(default_factory=list)
     median_step_s: float = 0.0
     effective: float = 0.0
+    in_kept_steps: float = 0.0
+    """The steps whose work was kept (each step's last run), their own times summed, over the wall."""
     overhead: float = 0.0
     """Time between steps (checkpoints, telemetry, plan sync) over the run's healthy stretches, as a
     fraction of their wall time."""
@@ -190,6 +194,8 @@ def analyse(name: str, rows: list[dict[str, Any]], ckpt_every: int, recovered: d
     res.final_step = rows[-1]["step"]
     res.wall_s = rows[-1]["time"] - rows[0]["time"] + rows[0]["step_s"]
     res.effective = res.final_step * res.median_step_s / res.wall_s if res.wall_s > 0 else 0.0
+    kept = {row["step"]: row["step_s"] for row in rows}  # a recomputed step: its last run
+    res.in_kept_steps = sum(kept.values()) / res.wall_s if res.wall_s > 0 else 0.0
     return res
 
 
@@ -490,14 +496,14 @@ def main() -> int:
     print(f"\ntorchrun DCP-to-disk save stall {stall * 1000:.1f} ms; trainguard checkpoint overhead "
           f"{ours.overhead * 100:.2f}% of step time -> iso-overhead torchrun interval: every {iso_every} steps")
     print(f"\n{'run':<14} {'ok':<4} {'fail':>4} {'detect_s':>9} {'resume_s':>9} {'steps_lost':>10} {'lost_s/fail':>11} "
-          f"{'step_s':>7} {'overhead':>9} {'effective':>9}")
+          f"{'step_s':>7} {'overhead':>9} {'effective':>9} {'in_steps':>8}")
     labels = {"trainguard": "trainguard", "torchrun": f"torchrun/{disk_every}", "torchrun-iso": f"torchrun/{iso_every}",
               "ft_launcher": f"ft_launcher/{iso_every}", "torchft": "torchft", "torchft-allreduce": "torchft/allreduce"}
     for r in results:
         det = [f.detect_s for f in r.failures if f.detect_s is not None]
         print(f"{labels[r.name]:<14} {'yes' if r.ok else 'NO':<4} {len(r.failures):>4} {_fmt(statistics.median(det) if det else NAN, '.3f'):>9} "
               f"{_fmt(r.resume_median):>9} {_fmt(r.steps_lost_mean, '.1f'):>10} {_fmt(r.lost_per_failure):>11} "
-              f"{r.median_step_s:>7.3f} {r.overhead * 100:>8.2f}% {r.effective:>9.3f}  {r.note}")
+              f"{r.median_step_s:>7.3f} {r.overhead * 100:>8.2f}% {r.effective:>9.3f} {r.in_kept_steps:>8.3f}  {r.note}")
     for r in results:
         for f in r.failures:
             phases = ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in f.timeline.items())
@@ -531,7 +537,8 @@ def main() -> int:
         f"steps_lost={ours.steps_lost_mean:.2f} torchrun_resume_s={torchrun.resume_median:.2f} "
         f"iso_every={iso_every} lost_time_ratio={ratio_disk:.2f} iso_lost_time_ratio={ratio_iso:.2f} "
         f"effective_time={ours.effective:.3f} torchrun_effective_time={torchrun.effective:.3f} "
-        f"iso_effective_time={iso.effective:.3f} overhead={ours.overhead:.4f} "
+        f"iso_effective_time={iso.effective:.3f} in_kept_steps={ours.in_kept_steps:.3f} "
+        f"torchrun_in_kept_steps={torchrun.in_kept_steps:.3f} overhead={ours.overhead:.4f} "
         f"snapshot_memcpy_ratio={small['stall_ms'] / small['memcpy_ms']:.2f} "
         f"large_snapshot_memcpy_ratio={large['stall_ms'] / large['memcpy_ms']:.2f} "
         f"large_state_mb={large['state_mb']:.0f}{peers}"

@@ -70,3 +70,16 @@ def test_a_warm_restart_faster_than_the_slack_is_one_failure() -> None:
     assert index == len(before) and failure.kill_step == 89 and failure.steps_lost == 1
     res = recovery.analyse("x", all_rows, 0, {index: failure})
     assert res.failures == [failure]
+
+
+def test_time_in_kept_steps_counts_each_step_once_and_a_slow_one_in_full() -> None:
+    """Beside the effective time (final step x median step / wall), the steps whose work was kept:
+    each step's last run with its own time, so a restore's recomputed steps count once and a slow
+    step counts whole, where the median-based figure counts its excess as lost."""
+    all_rows = rows(range(1, 41), 1000.0) + rows(range(33, 60), 1010.0)
+    all_rows[5]["step_s"] = 0.5  # step 6, kept (the restore went back to step 32)
+    assert all_rows[42]["step"] == 35
+    all_rows[42]["step_s"] = 0.2  # step 35's second run: the kept one
+    res = recovery.analyse("x", all_rows, 0)
+    assert math.isclose(res.in_kept_steps, (57 * 0.1 + 0.5 + 0.2) / res.wall_s)
+    assert math.isclose(res.effective, 59 * 0.1 / res.wall_s)
