@@ -19,8 +19,9 @@ time (resume + recomputing the lost steps), trainguard's recovery timeline from 
 event. Per run: checkpoint overhead (time between steps / wall), effective training time (useful
 step time / wall: final step x the run's median step), and beside it the time in kept steps / wall
 (each step's own time, once: a recomputed step's last run; it counts a step slower than the median
-as training, which the effective time counts as lost). Then the snapshot stall against a memcpy of the same bytes and against 1 % of
-the step, measured in-process on the bench's model and on a >= 200 MB one.
+as training, which the effective time counts as lost). Then the snapshot stall against a memcpy
+of the same bytes and against 1 % of the step, measured in-process on the bench's model and on a
+>= 200 MB one.
 
 The full run (4 ranks, 4 kills) sizes its steps so that kills come about every ``--kill-every-s``
 (30) seconds of training, from the median step of a short plain torchrun run on the same machine;

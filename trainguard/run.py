@@ -537,8 +537,8 @@ class Run:
         writer = self._tier_writer()
         self._ckpt_id_seen = max(self._ckpt_id_seen, self._plan.checkpoint_id)
         self._view = self._make_view(self._plan)
-        # Snapshots every few steps cover a crash before a save is handed over, so the ranks need
-        # not wait for each other to agree on it (rank 0 keeps it out of the step only then).
+        # Only while snapshots cover a crash in the steps before a save reaches rank 0's writer do
+        # the ranks agree on it while they train on (``TierWriter._agree_later``).
         writer.agree_later = self.snapshot_every > 0 and self._snapshots is not None
         path = writer.save(step + 1, state, self.checkpoint_meta())
         self._background_failures(writer.poll())
