@@ -218,9 +218,6 @@ class TierWriter:
         self._notes: set[str] = set()
         self._replay = ReplaySaver()  # the background writer's copy keeps its template from save to save
         self._learned = LearnedStateDicts(_OPTIM_OPTS)
-        self.agree_later = False
-        """Whether a save of replicas may leave their agreement to the background (``_agree_later``):
-        set where per-step snapshots cover a crash in the steps before it is handed over."""
         self._agreed_layout: int | None = None
         """The layout hash every replica held at the last save they agreed on (the same on every
         rank: read from the same all-gather), or None: the next save agrees before it writes."""
@@ -364,10 +361,14 @@ class TierWriter:
         self._failed(label, error)
         self.failed_in_background.append((label, error))
 
-    def save(self, label: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> str | None:
+    def save(self, label: int, state: Mapping[str, Any], meta: Mapping[str, Any], *,
+             agree_later: bool = False) -> str | None:
         """Collective save of ``state`` as checkpoint ``label`` (steps done); the checkpoint's path
         (committed now, or by the background writer shortly), or None when the save failed
-        (already reported). A background write that fails later is reported by ``poll``."""
+        (already reported). A background write that fails later is reported by ``poll``.
+        ``agree_later``: a save of replicas may leave their agreement to the background
+        (``_agree_later``); for a caller whose per-step snapshots cover a crash before it is
+        handed over."""
         t0 = time.perf_counter()
         self.settle(block=True)
         self._collect(self._saver.wait(SAVE_WAIT_S) if self._saver is not None and self._saver.in_flight else None)
@@ -384,7 +385,7 @@ class TierWriter:
             # Every rank holds the same keys, shapes and plain tensors (data-parallel replicas):
             # DCP would keep one copy of each anyway, so rank 0 writes it alone, without DCP's
             # dozen collectives (~50 ms on two loaded cores, for any state size).
-            if self.agree_later and early is not None and layout == self._agreed_layout and self.background:
+            if agree_later and early is not None and layout == self._agreed_layout and self.background:
                 later = self._agree_later(label, layout, early, world, meta)
                 if later is not False:
                     self.stats.last_stall_s = time.perf_counter() - t0

@@ -539,8 +539,8 @@ class Run:
         self._view = self._make_view(self._plan)
         # Only while snapshots cover a crash in the steps before a save reaches rank 0's writer do
         # the ranks agree on it while they train on (``TierWriter._agree_later``).
-        writer.agree_later = self.snapshot_every > 0 and self._snapshots is not None
-        path = writer.save(step + 1, state, self.checkpoint_meta())
+        path = writer.save(step + 1, state, self.checkpoint_meta(),
+                           agree_later=self.snapshot_every > 0 and self._snapshots is not None)
         self._background_failures(writer.poll())
         if path is None:
             self._background_failures([(step + 1, writer.stats.last_error)])
