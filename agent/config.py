@@ -217,7 +217,8 @@ class CheckpointSection:
     while the newest snapshot is still being copied; ``trainguard.snapshot``)."""
     snapshot_every: int = 0
     """Steps between snapshots; 0: chosen by each rank from its measured stall, the fewest steps
-    (1, 2, 4, ... 64) that keep snapshots within 1% of its step time."""
+    (1, 2, 4, ... 64) that keep snapshots within 1% of its step time (a stall counted as many times
+    over as the node's ranks outnumber its cores: ``trainguard.snapshot.cost_scale``)."""
     disk_dir: str = ""
     """Disk tier directory (empty: <state_dir>/checkpoints)."""
     disk_every: int = 500

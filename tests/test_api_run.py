@@ -442,6 +442,15 @@ def test_the_automatic_snapshot_interval_keeps_within_one_percent_and_ignores_no
     costly._tune_snapshots(0.027 * 0.06)
     assert costly.snapshot_every == 8
     costly.close()
+    # Where the node's ranks outnumber its cores, each rank's snapshot slows every rank: a stall of
+    # 0.8 % of the step on a node with twice as many ranks as cores costs the job 1.6 %.
+    crowded = Run(env)
+    crowded._last_step_s = 0.027
+    crowded._snapshot_cost_scale = 2.0
+    for _ in range(SNAPSHOT_COST_WINDOW):
+        crowded._tune_snapshots(0.027 * 0.008)
+    assert crowded.snapshot_every == 2
+    crowded.close()
 
 
 _LET_GO = """

@@ -25,7 +25,7 @@ from trainguard.agent.checkpoint.snapshots import (
     slot_path,
     snapshot_dir,
 )
-from trainguard.snapshot import SnapshotError, SnapshotWriter, _LateCopy, overlap_pays
+from trainguard.snapshot import SnapshotError, SnapshotWriter, _LateCopy, cost_scale, overlap_pays
 from trainguard.snapshot_load import load_snapshot
 
 
@@ -378,6 +378,15 @@ def test_the_copy_overlaps_the_next_step_only_where_a_core_is_left_for_each_rank
     assert overlap_pays(8, cpus=96, threads=8)
     assert not overlap_pays(8, cpus=64, threads=8)
     assert overlap_pays(0, cpus=2, threads=1)  # a run that does not know its local ranks counts one
+
+
+def test_a_snapshot_costs_the_job_more_where_its_ranks_outnumber_the_cores() -> None:
+    assert cost_scale(4, cpus=2) == 2.0  # the recovery bench: every rank's snapshot slows all four
+    assert cost_scale(3, cpus=2) == 1.5
+    assert cost_scale(2, cpus=2) == 1.0  # a core each: a snapshot holds up its own rank only
+    assert cost_scale(8, cpus=96) == 1.0
+    assert cost_scale(0, cpus=2) == 1.0
+    assert cost_scale(4, cpus=0) == 4.0  # no cores known: one
 
 
 

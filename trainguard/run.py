@@ -267,6 +267,8 @@ class Run:
         """Steps between snapshots now (0: none); tuned from the measured stall when automatic."""
         self._snapshot_wish = self.snapshot_every  # what this rank's stalls ask for (rank 0's is agreed)
         self._stall_ratios: list[float] = []
+        self._snapshot_cost_scale = 1.0
+        """``trainguard.snapshot.cost_scale`` of this node, set with the first snapshot."""
         self._last_step_s = 0.0
         self.restored_from = ""
         """What ``restore`` loaded: "snapshot", "checkpoint" or "" (nothing)."""
@@ -575,7 +577,7 @@ class Run:
     def _snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
         """Take the snapshot that is due after ``step``."""
         # Imported here: torch is needed only by a run that checkpoints.
-        from trainguard.snapshot import SnapshotError, SnapshotWriter, overlap_pays
+        from trainguard.snapshot import SnapshotError, SnapshotWriter, cost_scale, overlap_pays
 
         try:
             if self._snapshots is None:
@@ -584,6 +586,7 @@ class Run:
                 self._snapshots = SnapshotWriter(self.env.snapshot_dir, self.env.rank, self.env.world_size,
                                                  self.env.attempt, share=one_node,
                                                  overlap=overlap_pays(self.env.local_world_size))
+                self._snapshot_cost_scale = cost_scale(self.env.local_world_size)
             self._snapshots.take(step + 1, state, self.checkpoint_meta())
             if self._snapshots.stats.taken == 1:
                 self._snapshots.check_restorable()
@@ -600,8 +603,9 @@ class Run:
         return True
 
     def _tune_snapshots(self, stall_s: float) -> None:
-        """The fewest steps between snapshots, a power of two, that keeps their cost within 1% of
-        the step time: from the median of the last ``SNAPSHOT_COST_WINDOW`` cost/step ratios (one
+        """The fewest steps between snapshots, a power of two, that keeps their cost to the job
+        within 1% of the step time (``stall_s`` times ``trainguard.snapshot.cost_scale``: where the
+        node's ranks outnumber its cores, each rank's snapshot work slows them all): from the median of the last ``SNAPSHOT_COST_WINDOW`` cost/step ratios (one
         slow step or one slow copy does not move it, nor does the noise of a cost near the budget
         flip it back and forth). Until the window is full, only a cost clearly over the budget
         (``SNAPSHOT_CLEARLY_OVER`` times it) moves the interval: the first snapshots of an attempt
@@ -611,7 +615,7 @@ class Run:
         intervals drift apart keep no common step in their two slots; alone, the rank applies it."""
         if self._last_step_s <= 0:
             return
-        self._stall_ratios.append(stall_s / self._last_step_s)
+        self._stall_ratios.append(stall_s * self._snapshot_cost_scale / self._last_step_s)
         del self._stall_ratios[:-SNAPSHOT_COST_WINDOW]
         ratio = statistics.median(self._stall_ratios)
         if len(self._stall_ratios) < SNAPSHOT_COST_WINDOW and ratio < SNAPSHOT_CLEARLY_OVER * 0.01:

@@ -85,6 +85,18 @@ def overlap_pays(local_ranks: int, *, cpus: int | None = None, threads: int | No
     return cpus >= max(1, local_ranks) * (threads + 1)
 
 
+def cost_scale(local_ranks: int, *, cpus: int | None = None) -> float:
+    """How many times a rank's snapshot work costs the job its own length, where the node's ranks
+    outnumber its cores: there every CPU second is taken from ranks that all wait for the slowest
+    at the next collective, and the job's step grows by the ranks' snapshot work shared over the
+    cores (``local_ranks / cpus`` times one rank's). 1 where each rank has a core: the snapshot
+    holds up its own rank only. On the recovery bench's 4 ranks on 2 cores a snapshot measured
+    0.23-0.25 ms in ``take`` (0.9-1 % of a 25-28 ms step) and the time between its steps grew by
+    0.43 ms a step with snapshots on (bench/BENCHMARKS.md)."""
+    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    return max(1.0, local_ranks / max(1, cpus))
+
+
 class SnapshotError(Exception):
     """A snapshot that cannot be taken or restored (the caller falls back to DCP checkpoints)."""
 
