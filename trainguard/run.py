@@ -784,7 +784,7 @@ def init(*, job: str | None = None, dp_rank: int | None = None, dp_size: int | N
     a data-parallel replica (tensor or pipeline parallelism); default RANK/WORLD_SIZE.
     ``batch_size``: this rank's own samples per step, what ``run.plan.batch_size`` says until the
     agent moves samples between ranks. ``plan_every``: the fewest steps between two looks at the
-    agent's plan (one store round trip each; more steps when steps are short, about one look per
-    0.1 s: ``trainguard.plansync``). Never raises for a missing agent."""
+    agent's plan (one store round trip each, made by a thread of the rank; more steps when steps
+    are short, about one look per 0.3 s: ``trainguard.plansync``). Never raises for a missing agent."""
     env = RunEnvironment.from_environ(environ, job=job)
     return Run(env, dp_rank=dp_rank, dp_size=dp_size, batch_size=batch_size, plan_every=plan_every)
