@@ -451,6 +451,15 @@ def test_the_automatic_snapshot_interval_keeps_within_one_percent_and_ignores_no
         crowded._tune_snapshots(0.027 * 0.008)
     assert crowded.snapshot_every == 2
     crowded.close()
+    # Widening costs a crash steps: at every 2, a cost of 1.1 % of the step there keeps it (the
+    # budget's noise on a loaded node), 1.3 % goes to 4; a cost that fits a narrower one goes back.
+    hold = Run(env)
+    hold._last_step_s = 0.027
+    for cost, every in ((0.015, 2), (0.022, 2), (0.026, 4), (0.015, 2)):
+        for _ in range(SNAPSHOT_COST_WINDOW):
+            hold._tune_snapshots(0.027 * cost)
+        assert hold.snapshot_every == every, (cost, hold.snapshot_every)
+    hold.close()
 
 
 _LET_GO = """

@@ -234,6 +234,12 @@ SNAPSHOT_CLEARLY_OVER = 4.0
 """Times the budget (1 % of the step) a median cost must reach to move the interval before the
 window is full: a state whose snapshot costs a large part of a step should not take 25 of them."""
 
+SNAPSHOT_WIDEN_OVER = 1.25
+"""Times the budget a median cost must reach at the interval in force to widen it: a wider interval
+costs a crash more steps, and a cost near the budget moves with the node's load. On the recovery
+bench's 4 ranks on 2 cores snapshots every 2 steps cost 0.95-1.1 % of the step, and the interval
+went to 4 for part of a run, where a kill lost 2 steps (BENCHMARKS.md)."""
+
 
 class Run:
     """One rank's handle on trainguard (see the module docstring). Build it with ``init()``."""
@@ -605,14 +611,17 @@ class Run:
     def _tune_snapshots(self, stall_s: float) -> None:
         """The fewest steps between snapshots, a power of two, that keeps their cost to the job
         within 1% of the step time (``stall_s`` times ``trainguard.snapshot.cost_scale``: where the
-        node's ranks outnumber its cores, each rank's snapshot work slows them all): from the median of the last ``SNAPSHOT_COST_WINDOW`` cost/step ratios (one
-        slow step or one slow copy does not move it, nor does the noise of a cost near the budget
-        flip it back and forth). Until the window is full, only a cost clearly over the budget
-        (``SNAPSHOT_CLEARLY_OVER`` times it) moves the interval: the first snapshots of an attempt
-        run out of colder caches, and the median of a few of them took the recovery bench's job to
-        every 2 steps for its first ~20 steps. In a multi-rank job with an agent this is only a
-        wish: rank 0's is agreed at the plan sync points (``PlanSync``), since ranks whose
-        intervals drift apart keep no common step in their two slots; alone, the rank applies it."""
+        node's ranks outnumber its cores, each rank's snapshot work slows them all), from the
+        median of the last ``SNAPSHOT_COST_WINDOW`` cost/step ratios (one slow step or one slow
+        copy does not move it, nor does the noise of a cost near the budget flip it back and
+        forth). A wider interval than the one in force needs a cost ``SNAPSHOT_WIDEN_OVER`` times
+        the budget at the one in force. Until the window is full, only a cost clearly over the
+        budget (``SNAPSHOT_CLEARLY_OVER`` times it) moves the interval: the first snapshots of an
+        attempt run out of colder caches, and the median of a few of them took the recovery
+        bench's job to every 2 steps for its first ~20 steps. In a multi-rank job with an agent
+        this is only a wish: rank 0's is agreed at the plan sync points (``PlanSync``), since ranks
+        whose intervals drift apart keep no common step in their two slots; alone, the rank
+        applies it."""
         if self._last_step_s <= 0:
             return
         self._stall_ratios.append(stall_s * self._snapshot_cost_scale / self._last_step_s)
@@ -623,6 +632,8 @@ class Run:
         every = 1
         while every < 64 and ratio / every > 0.01:
             every *= 2
+        if every > self._snapshot_wish and ratio / self._snapshot_wish <= SNAPSHOT_WIDEN_OVER * 0.01:
+            every = self._snapshot_wish
         self._snapshot_wish = every
         if self._sync is None:
             self.snapshot_every = every
