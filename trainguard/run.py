@@ -530,7 +530,8 @@ class Run:
 
     def checkpoint(self, step: int, state: Mapping[str, Any]) -> bool:
         """After step ``step`` (counting from 0) is done: snapshot ``state`` into this rank's shared
-        memory when a snapshot is due (every step by default, ``trainguard.snapshot``: no collective),
+        memory when a snapshot is due (every step by default, wider where that costs over 1% of the
+        step: ``_tune_snapshots``; ``trainguard.snapshot``: no collective),
         and save it into the memory tier when that is due (every ``memory_every`` steps, or when the
         plan asks; collective: every rank calls it). Objects with ``state_dict``/``load_state_dict``
         (models, optimizers, schedulers) and plain values are saved; a failed save is skipped and
