@@ -212,7 +212,7 @@ class PlanSync:
                 raw = fetch[1].get()
             except Exception:  # noqa: BLE001 - read once more below
                 raw = None
-        return self._decode(raw if raw is not None else self.store.get(key))
+        return self._decode(raw) if raw is not None else self._get(key)
 
     def _next_gap(self, step_s: float) -> int:
         if step_s <= 0:
