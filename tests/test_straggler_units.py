@@ -261,10 +261,14 @@ def test_run_delay_per_step_is_a_median_over_ticks(tmp_path: Path) -> None:
 
 
 class SimJob:
-    """Ranks that obey the plan's batch sizes: compute = fixed + n * per_sample (with jitter)."""
+    """Ranks that obey the plan's batch sizes: compute = fixed + n * per_sample (with jitter).
+    ``fixed_samples``: forward+backward's own per-step part, in samples' worth at the rank's speed
+    (a slow rank is slow at it too)."""
 
-    def __init__(self, table: RankTable, plans: PlanStore, job: str, per_sample: list[float], seed: int = 0) -> None:
+    def __init__(self, table: RankTable, plans: PlanStore, job: str, per_sample: list[float], seed: int = 0,
+                 global_batch: int = 32, fixed_samples: float = 0.0) -> None:
         self.table, self.plans, self.job = table, plans, job
+        self.global_batch, self.fixed_samples = global_batch, fixed_samples
         self.per_sample = list(per_sample)
         self.rng = random.Random(seed)
         self.step = 0
@@ -274,9 +278,10 @@ class SimJob:
         n = len(self.per_sample)
         for _ in range(steps):
             plan = self.plans.get(self.job)
-            sizes = plan.batch_sizes or [32 // n] * n
+            sizes = plan.batch_sizes or [self.global_batch // n] * n
             self.step += 1
-            computes = [0.002 + sizes[r] * self.per_sample[r] * self.rng.lognormvariate(0, 0.05) for r in range(n)]
+            computes = [0.002 + (self.fixed_samples + sizes[r]) * self.per_sample[r] * self.rng.lognormvariate(0, 0.05)
+                        for r in range(n)]
             step_s = max(computes) + 0.005
             self.t += step_s
             for r in range(n):
@@ -288,7 +293,7 @@ class SimJob:
                     dp_rank=r, world_size=n))
 
     def step_time(self, sizes: list[int]) -> float:
-        return max(0.002 + s * p for s, p in zip(sizes, self.per_sample, strict=True))
+        return max(0.002 + (self.fixed_samples + s) * p for s, p in zip(sizes, self.per_sample, strict=True))
 
 
 @pytest.fixture
@@ -355,6 +360,45 @@ def test_service_detects_migrates_converges_and_undoes(sim_agent: Any, tmp_path:
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for m in svc.metrics() for s in m.samples}
     assert samples[("trainguard_stragglers_detected_total", (("cause", "unknown"), ("job", "sim")))] == 1
     assert samples[("trainguard_rank_batch_share", (("job", "sim"), ("rank", "1")))] == 0.25
+
+
+@pytest.mark.parametrize("fixed", [7, 15])
+def test_a_rank_migrated_to_a_small_share_is_judged_recovered(sim_agent: Any, tmp_path: Path, fixed: int) -> None:
+    """Forward+backward with a per-step part worth 7 samples (~30 % of a 16-sample step, as the
+    trainer's small model on CPU): a 3x slow rank is balanced at ~2 of 64 samples. Once it is fast
+    again, carried to the even batch as if all its time were per sample it would still look ~3x
+    slow (2 samples: 9 samples' worth of time), and never get its share back. With 15 samples'
+    worth it ends on 1 sample, where a line fitted over 1 and 2 samples said 6 (it looked 1.7x
+    slow for good): the fit over the widest sizes is the one kept."""
+    cfg = StragglerConfig(window=12, warmup_steps=5, enter_windows=2, leave_windows=2, eval_every_steps=4,
+                          settle_steps=6)
+    svc = install(sim_agent, cfg, proc_root=tmp_path / "noproc", sys_root=tmp_path / "nosys")
+    sim = SimJob(sim_agent.table, sim_agent.plans, "small", [0.0005] * 4, global_batch=64, fixed_samples=fixed)
+    for _ in range(10):
+        sim.run(5)
+        svc.tick(sim.t)
+    sim.per_sample[1] = 0.0015  # rank 1 becomes 3x slower, its per-step part too
+    for _ in range(40):
+        sim.run(4)
+        svc.tick(sim.t)
+    assert [e["rank"] for e in _kinds(sim_agent, "straggler_detected")] == [1]
+    sizes = sim_agent.plans.get("small").batch_sizes
+    assert sizes is not None and sizes[1] <= 4, sizes  # balanced: its step time matches the others'
+    assert sim.step_time(sizes) < sim.step_time([16] * 4) * 0.7
+    assert svc.scores("small")[1][2] == "straggler"  # balanced by migration is not recovered
+    sim.per_sample[1] = 0.0005
+    fast_from, moved = sim.step, len(_kinds(sim_agent, "shard_migration"))
+    for _ in range(30):
+        sim.run(4)
+        svc.tick(sim.t)
+    recovered = _kinds(sim_agent, "straggler_recovered")
+    assert [e["rank"] for e in recovered] == [1]
+    # Judged recovered once its window holds only fast steps and two evaluations agree, not after
+    # re-balances have handed it samples back a few at a time (4 of them and 75 steps before).
+    assert recovered[0]["fields"]["step"] <= fast_from + cfg.window + 4 * (cfg.leave_windows + 2), recovered
+    after = _kinds(sim_agent, "shard_migration")[moved:]
+    assert len(after) <= 2 and after[-1]["fields"]["action"] == "undo", after
+    assert svc.batch_sizes("small") == [16] * 4
 
 
 def test_observe_only_reports_without_acting_and_exclusion(sim_agent: Any, tmp_path: Path) -> None:

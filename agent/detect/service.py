@@ -364,8 +364,8 @@ class StragglerService:
         if fig is not None and peers:
             # Extra compute per step at the even batch, run delay included (as the score sees it).
             even = sum(f.samples for f in [fig, *peers]) / (len(peers) + 1)
-            fastest = min(p.per_sample_s * even + p.delay_s for p in peers)
-            extra = fig.per_sample_s * even + fig.delay_s - fastest
+            fastest = min(p.at_batch(even) + p.delay_s for p in peers)
+            extra = fig.at_batch(even) + fig.delay_s - fastest
         mine = self._evidence(job, rank, views[rank].pid, fig)
         others = [self._evidence(job, p.rank, views[p.rank].pid, p) for p in peers if p.rank in views]
         return attribute(mine, others, extra, min_frac=self.config.cause_min_frac,

@@ -10,6 +10,11 @@ compute time of SPEC §3, so the score is the spec's "fastest-rank median ÷ thi
 Once shard migration has given a slow rank fewer samples its compute time per step drops to match
 the others, while its time per sample does not: judging at the even batch is what lets the
 detector tell "balanced by migration" from "recovered" (and not undo a migration that works).
+Forward+backward has a part that does not shrink with the batch (per-step work, ~30 % of a small
+model's compute on CPU); carried to the even batch as if per sample, it made a rank migrated down
+to 2 of 64 samples look 3x slow long after it recovered, so it never got its share back. Once a
+window holds two batch sizes (a migration), the group's fixed part is fitted and, in samples'
+worth, kept: each rank's time is then carried to the even batch as ``unit * (even + fixed)``.
 Run delay enters as a rate (seconds waiting per second computing), so that it too is judged at
 the even batch. Optimizer time is a per-step constant too; it stays out of
 the score and goes into ``fixed_s`` for the migration model.
@@ -108,6 +113,12 @@ class RankFigures:
     marginal_s: float
     """Forward+backward seconds per additional sample (the slope; ``per_sample_s`` until the window
     holds two batch sizes to fit it from)."""
+    unit_s: float
+    """Median over the window of forward+backward time / (samples + ``fixed_samples``)."""
+    unit_mad_s: float
+    fixed_samples: float
+    """The group's per-step fixed forward+backward work in samples' worth (0 until fitted): what
+    ``at_batch`` adds to the batch."""
     delay_s: float
     """CPU run delay per step (0 when not measured)."""
     compute_s: float
@@ -117,6 +128,10 @@ class RankFigures:
     last_step: int
     n: int
     """Steps the figures are computed over."""
+
+    def at_batch(self, samples: float) -> float:
+        """This rank's forward+backward time per step at ``samples`` samples."""
+        return self.unit_s * (samples + self.fixed_samples)
 
     @property
     def speed(self) -> float:
@@ -130,6 +145,14 @@ be fitted: between 36 and 37 samples the step-to-step noise is the slope, and a 
 came out near zero looked ever faster and was handed ever more samples (the demo flapped)."""
 
 
+def _times_by_size(points: Sequence[tuple[int, float]], min_group: int) -> dict[int, list[float]]:
+    """Batch size -> its times, for the sizes seen at least ``min_group`` times."""
+    groups: dict[int, list[float]] = {}
+    for n, t in points:
+        groups.setdefault(n, []).append(t)
+    return {n: ts for n, ts in groups.items() if len(ts) >= min_group}
+
+
 def fit_cost(points: Sequence[tuple[int, float]], min_group: int = 3,
              min_spread: float = FIT_MIN_SPREAD) -> tuple[float, float] | None:
     """(intercept, slope) of time against batch size from the medians of the smallest and the largest
@@ -137,10 +160,8 @@ def fit_cost(points: Sequence[tuple[int, float]], min_group: int = 3,
     differ by less than ``min_spread`` of the largest.
 
     Medians per size rather than least squares: one slow step (a GC pause) must not tilt the line."""
-    groups: dict[int, list[float]] = {}
-    for n, t in points:
-        groups.setdefault(n, []).append(t)
-    sizes = sorted(n for n, ts in groups.items() if len(ts) >= min_group)
+    groups = _times_by_size(points, min_group)
+    sizes = sorted(groups)
     if len(sizes) < 2 or sizes[-1] - sizes[0] < min_spread * sizes[-1]:
         return None
     lo, hi = sizes[0], sizes[-1]
@@ -187,13 +208,56 @@ class Evaluation:
     """False when too few new steps arrived since the last evaluation (states unchanged)."""
 
 
-def figures_for(inp: RankInput, window: int, from_step: int) -> RankFigures | None:
-    """Robust figures over the newest ``window`` steps at or after ``from_step`` (None if fewer)."""
+def _usable(inp: RankInput, window: int, from_step: int) -> list[StepSample] | None:
     usable = [s for s in inp.steps if s.step >= from_step and s.samples > 0][-window:]
-    if len(usable) < window:
+    return usable if len(usable) >= window else None
+
+
+FIXED_SAMPLES_MAX = 4.0
+"""A fitted fixed part above this many times the larger fitted batch is taken as a bad fit (a
+slope near zero from noise) and not kept: carried to the even batch it would judge ranks on their
+raw step times, which would call a straggler balanced by migration recovered."""
+
+
+@dataclass(frozen=True)
+class FixedPart:
+    """A fitted fixed part of forward+backward: ``samples``' worth, fitted over batch sizes
+    ``spread`` samples apart (the wider, the less the line's extrapolation to 0 amplifies noise)."""
+
+    samples: float
+    spread: int
+
+
+def fitted_fixed_part(inp: RankInput, window: int, from_step: int, even: float) -> FixedPart | None:
+    """The fixed part of a rank's forward+backward (intercept / slope), when its window holds two
+    batch sizes far enough apart to fit them (``fit_cost``), by at least ``FIT_MIN_SPREAD`` of the
+    group's even batch ``even`` (what the part is carried to: 1 and 2 samples fit no line for a
+    batch of 16); None otherwise."""
+    usable = _usable(inp, window, from_step)
+    if usable is None:
+        return None
+    points = [(s.samples, s.fwd_bwd_s) for s in usable]
+    fit = fit_cost(points)
+    if fit is None:
+        return None
+    intercept, slope = fit
+    sizes = sorted(_times_by_size(points, 3))
+    k, spread = intercept / slope, sizes[-1] - sizes[0]
+    if spread < FIT_MIN_SPREAD * even or k > FIXED_SAMPLES_MAX * sizes[-1]:
+        return None
+    return FixedPart(k, spread)
+
+
+def figures_for(inp: RankInput, window: int, from_step: int, fixed_samples: float = 0.0) -> RankFigures | None:
+    """Robust figures over the newest ``window`` steps at or after ``from_step`` (None if fewer);
+    ``fixed_samples``: the group's fixed part of forward+backward in samples' worth."""
+    usable = _usable(inp, window, from_step)
+    if usable is None:
         return None
     per = [s.fwd_bwd_s / s.samples for s in usable]
     center = median(per)
+    units = [s.fwd_bwd_s / (s.samples + fixed_samples) for s in usable]
+    unit = median(units)
     opt = median([s.opt_s for s in usable])
     fit = fit_cost([(s.samples, s.fwd_bwd_s) for s in usable])
     intercept, slope = fit if fit is not None else (0.0, center)
@@ -205,6 +269,9 @@ def figures_for(inp: RankInput, window: int, from_step: int) -> RankFigures | No
         per_sample_mad_s=mad(per, center),
         fixed_s=opt + intercept,
         marginal_s=slope,
+        unit_s=unit,
+        unit_mad_s=mad(units, unit),
+        fixed_samples=fixed_samples,
         delay_s=inp.delay_per_step_s,
         compute_s=median([s.fwd_bwd_s + s.opt_s for s in usable]) + inp.delay_per_step_s,
         samples=usable[-1].samples,
@@ -216,7 +283,7 @@ def figures_for(inp: RankInput, window: int, from_step: int) -> RankFigures | No
 def group_scores(figs: Iterable[RankFigures], mad_k: float, with_delay: bool = True) -> dict[int, tuple[float, bool]]:
     """rank -> (score, significant) within one peer group.
 
-    Each rank's time at the group's even batch ``b`` is ``per_sample * b`` (its own compute) and,
+    Each rank's time at the group's even batch ``b`` is ``at_batch(b)`` (its own compute) and,
     ``with_delay``, also that times ``1 + delay rate`` (compute plus waiting for a CPU). A score is the
     fastest rank's time / this rank's; the rank's score is the lower of the two: a rank whose own
     compute is slow is slow however long everyone waits for a CPU (on an oversubscribed node that
@@ -232,13 +299,12 @@ def group_scores(figs: Iterable[RankFigures], mad_k: float, with_delay: bool = T
     if not figs:
         return {}
     even = sum(f.samples for f in figs) / len(figs)
-    pooled = median([f.per_sample_mad_s for f in figs]) * _MAD_TO_SIGMA * even
-    own = {f.rank: f.per_sample_s * even for f in figs}
+    pooled = median([f.unit_mad_s * (even + f.fixed_samples) for f in figs]) * _MAD_TO_SIGMA
+    own = {f.rank: f.at_batch(even) for f in figs}
     # Run delay as a rate (seconds waited per second of compute), carried to the even batch: a rank
     # that gets half a CPU waits as long as it computes whatever its batch, so migrating work off
     # it must not make it look recovered.
-    waited = {f.rank: f.per_sample_s * even * (1.0 + f.delay_s / max(f.per_sample_s * f.samples, 1e-9))
-              for f in figs}
+    waited = {f.rank: f.at_batch(even) * (1.0 + f.delay_s / max(f.at_batch(f.samples), 1e-9)) for f in figs}
     fast_own, fast_waited = min(own.values()), min(waited.values())
     fast_delay = min(f.delay_s for f in figs)
     out: dict[int, tuple[float, bool]] = {}
@@ -262,6 +328,23 @@ class StragglerDetector:
         self.config = config
         self._tracks: dict[int, _Track] = {}
         self._evaluated_at = -1  # min last step over ranks at the previous evaluation
+        self._fixed: dict[int, FixedPart] = {}  # peer group -> its best fitted fixed part
+
+    def fixed_samples(self, group: int) -> float:
+        """The group's fixed forward+backward work in samples' worth (0: never fitted)."""
+        part = self._fixed.get(group)
+        return part.samples if part is not None else 0.0
+
+    def _learn_fixed(self, group: int, parts: list[FixedPart]) -> None:
+        """Keep the fit over the widest spread of batch sizes seen (a newer one on a tie). A
+        migrated rank's window over its first move (16 -> 6 samples) fits the line well; later
+        ones over 2 and 1 samples put a 5 % jitter into the slope and made a 15 samples' worth
+        part 6 (a recovered rank on 1 sample then looked 1.7x slow for good)."""
+        best = max(parts, key=lambda p: p.spread)
+        kept = self._fixed.get(group)
+        if kept is None or best.spread >= kept.spread:
+            widest = [p.samples for p in parts if p.spread == best.spread]
+            self._fixed[group] = FixedPart(median(widest), best.spread)
 
     def state(self, rank: int) -> RankState:
         t = self._tracks.get(rank)
@@ -320,9 +403,22 @@ class StragglerDetector:
             return result
         self._evaluated_at = min(lasts)
         result.evaluated = True
+        judged = {rank: (self._tracks[rank].base_step or 0) + cfg.warmup_steps for rank in inputs}
+        latest: dict[int, list[int]] = {}
+        for inp in inputs.values():
+            if inp.steps:
+                latest.setdefault(inp.group, []).append(inp.steps[-1].samples)
+        even = {group: sum(sizes) / len(sizes) for group, sizes in latest.items()}
+        fitted: dict[int, list[FixedPart]] = {}
         for rank, inp in inputs.items():
-            t = self._tracks[rank]
-            fig = figures_for(inp, cfg.window, (t.base_step or 0) + cfg.warmup_steps)
+            part = fitted_fixed_part(inp, cfg.window, judged[rank], even.get(inp.group, 0.0))
+            if part is not None:
+                fitted.setdefault(inp.group, []).append(part)
+        # Kept after the sizes stop changing: a rank left on a small share is judged by it then.
+        for group, parts in fitted.items():
+            self._learn_fixed(group, parts)
+        for rank, inp in inputs.items():
+            fig = figures_for(inp, cfg.window, judged[rank], self.fixed_samples(inp.group))
             if fig is not None:
                 result.figures[rank] = fig
         groups: dict[int, list[RankFigures]] = {}
