@@ -28,7 +28,7 @@ from trainguard.agent.checkpoint.snapshots import SnapshotSet, snapshot_dir
 from trainguard.agent.wire import Plan, write_plan_file
 from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.plansync import MAX_GAP, SYNC_TARGET_S
-from trainguard.run import SNAPSHOT_COST_WINDOW, Run
+from trainguard.run import SNAPSHOT_COST_WINDOW, SNAPSHOT_EARLY_MIN, Run
 from trainguard.trainer.testing import TelemetryCapture
 
 
@@ -439,9 +439,24 @@ def test_the_automatic_snapshot_interval_keeps_within_one_percent_and_ignores_no
     first.close()
     costly = Run(env)
     costly._last_step_s = 0.027
+    for _ in range(SNAPSHOT_EARLY_MIN - 1):
+        costly._tune_snapshots(0.027 * 0.06)
+    assert costly.snapshot_every == 1
     costly._tune_snapshots(0.027 * 0.06)
     assert costly.snapshot_every == 8
+    # ... and a median that comes down narrows it at once.
+    for _ in range(2 * SNAPSHOT_EARLY_MIN):
+        costly._tune_snapshots(0.027 * 0.005)
+    assert costly.snapshot_every == 1
     costly.close()
+    # One or two cold costs far over the budget (a slot's first fill, 15-34 % of the step on the
+    # recovery bench) move nothing: they once set every 16 steps until a full window of costs.
+    cold = Run(env)
+    cold._last_step_s = 0.027
+    for cost in (0.34, 0.15, 0.02, 0.02, 0.02, 0.02):
+        cold._tune_snapshots(0.027 * cost / 2)
+    assert cold.snapshot_every == 1
+    cold.close()
     # Where the node's ranks outnumber its cores, each rank's snapshot slows every rank: a stall of
     # 0.8 % of the step on a node with twice as many ranks as cores costs the job 1.6 %.
     crowded = Run(env)

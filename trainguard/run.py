@@ -234,6 +234,17 @@ SNAPSHOT_CLEARLY_OVER = 4.0
 """Times the budget (1 % of the step) a median cost must reach to move the interval before the
 window is full: a state whose snapshot costs a large part of a step should not take 25 of them."""
 
+SNAPSHOT_COLD_TAKES = 3
+"""An attempt's first snapshots whose cost the interval does not go by: each of the two slots' first
+fill maps and touches its pages (2.3-6.4 ms against 0.3 ms after, on the recovery bench's job),
+and with the copy overlapped a cost is read one snapshot late."""
+
+SNAPSHOT_EARLY_MIN = 5
+"""Costs the median of which may widen the interval before the window is full (when clearly over
+the budget). The median of the first one to three once said 15-34 % of the step, which set every
+16 steps; the 0.3 ms costs after it could not narrow it back before the window was full (200-400
+steps), and a kill in that time lost up to 16 steps."""
+
 SNAPSHOT_WIDEN_OVER = 1.25
 """Times the budget a median cost must reach at the interval in force to widen it: a wider interval
 costs a crash more steps, and a cost near the budget moves with the node's load. On the recovery
@@ -595,9 +606,11 @@ class Run:
                                                  overlap=overlap_pays(self.env.local_world_size))
                 self._snapshot_cost_scale = cost_scale(self.env.local_world_size)
             self._snapshots.take(step + 1, state, self.checkpoint_meta())
-            if self._snapshots.stats.taken == 1:
+            taken = self._snapshots.stats.taken
+            if taken == 1:
                 self._snapshots.check_restorable()
-                return True  # the first one maps and touches the slot's pages: not a typical stall
+            if taken <= SNAPSHOT_COLD_TAKES:
+                return True
         except (SnapshotError, OSError) as exc:
             self.snapshot_every = 0
             self._warn(f"per-step snapshots off for this attempt (DCP checkpoints go on): {exc}", any_rank=True)
@@ -616,8 +629,9 @@ class Run:
         median of the last ``SNAPSHOT_COST_WINDOW`` cost/step ratios (one slow step or one slow
         copy does not move it, nor does the noise of a cost near the budget flip it back and
         forth). A wider interval than the one in force needs a cost ``SNAPSHOT_WIDEN_OVER`` times
-        the budget at the one in force. Until the window is full, only a cost clearly over the
-        budget (``SNAPSHOT_CLEARLY_OVER`` times it) moves the interval: the first snapshots of an
+        the budget at the one in force; a narrower one goes at once. Until the window is full, only
+        the median of at least ``SNAPSHOT_EARLY_MIN`` costs clearly over the budget
+        (``SNAPSHOT_CLEARLY_OVER`` times it) widens the interval: the first snapshots of an
         attempt run out of colder caches, and the median of a few of them took the recovery
         bench's job to every 2 steps for its first ~20 steps. In a multi-rank job with an agent
         this is only a wish: rank 0's is agreed at the plan sync points (``PlanSync``), since ranks
@@ -628,11 +642,13 @@ class Run:
         self._stall_ratios.append(stall_s * self._snapshot_cost_scale / self._last_step_s)
         del self._stall_ratios[:-SNAPSHOT_COST_WINDOW]
         ratio = statistics.median(self._stall_ratios)
-        if len(self._stall_ratios) < SNAPSHOT_COST_WINDOW and ratio < SNAPSHOT_CLEARLY_OVER * 0.01:
-            return
         every = 1
         while every < 64 and ratio / every > 0.01:
             every *= 2
+        early = len(self._stall_ratios) < SNAPSHOT_COST_WINDOW
+        if early and every > self._snapshot_wish and (
+                len(self._stall_ratios) < SNAPSHOT_EARLY_MIN or ratio < SNAPSHOT_CLEARLY_OVER * 0.01):
+            return
         if every > self._snapshot_wish and ratio / self._snapshot_wish <= SNAPSHOT_WIDEN_OVER * 0.01:
             every = self._snapshot_wish
         self._snapshot_wish = every
