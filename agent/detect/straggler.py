@@ -10,9 +10,10 @@ compute time of SPEC §3, so the score is the spec's "fastest-rank median ÷ thi
 Once shard migration has given a slow rank fewer samples its compute time per step drops to match
 the others, while its time per sample does not: judging at the even batch is what lets the
 detector tell "balanced by migration" from "recovered" (and not undo a migration that works).
-Forward+backward has a part that does not shrink with the batch (per-step work, ~30 % of a small
-model's compute on CPU); carried to the even batch as if per sample, it made a rank migrated down
-to 2 of 64 samples look 3x slow long after it recovered, so it never got its share back. Once a
+Forward+backward has a part that does not shrink with the batch (per-step work: 1.7 ms, 4 samples'
+worth, of a 16-sample step's 9 ms on the straggler test's model on CPU); carried to the even batch
+as if per sample, it made a rank migrated down to 2 of 64 samples look 2-3x slow long after it
+recovered, so it got its share back late or never. Once a
 window holds two batch sizes (a migration), the group's fixed part is fitted and, in samples'
 worth, kept: each rank's time is then carried to the even batch as ``unit * (even + fixed)``.
 Run delay enters as a rate (seconds waiting per second computing), so that it too is judged at
