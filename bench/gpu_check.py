@@ -16,7 +16,6 @@ import importlib.util
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from trainguard.agent.collectors.base import TrackedProcess, noop_emit  # noqa: E402
 from trainguard.agent.collectors.gpu import GpuCollector, GpuCollectorConfig, GpuReading  # noqa: E402
+from trainguard.agent.lifecycle.launcher import free_port  # noqa: E402
 
 MIB = 1024**2
 SMI_FIELDS = [
@@ -348,12 +348,6 @@ def _tree(pid: int) -> set[int]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def train_commands(py: str, state_dir: str) -> list[tuple[str, list[str], dict[str, str]]]:
     override = os.environ.get("GPU_CHECK_TRAIN_CMD")
     if override:
@@ -366,7 +360,7 @@ def train_commands(py: str, state_dir: str) -> list[tuple[str, list[str], dict[s
             "WORLD_SIZE": "1",
             "LOCAL_WORLD_SIZE": "1",
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()),
+            "MASTER_PORT": str(free_port()),
             "TRAINGUARD_JOB_SPEC": '{"steps": 1, "device": "cuda"}',  # cuda device -> NCCL backend
             "TRAINGUARD_JOB": "gpucheck",
             "TRAINGUARD_JSON": "1",

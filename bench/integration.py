@@ -30,7 +30,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,16 +41,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from trainguard.agent.lifecycle.launcher import free_port  # noqa: E402
 from trainguard.agent.recovery.service import default_memory_root  # noqa: E402
 
 PLAIN = str(REPO / "examples" / "ddp_plain.py")
 API = str(REPO / "examples" / "ddp_api.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -39,7 +39,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from trainguard.agent.api.client import ApiClient  # noqa: E402
+from trainguard.agent.lifecycle.launcher import free_port  # noqa: E402
 from trainguard.agent.recovery.service import default_memory_root  # noqa: E402
 from trainguard.trainer.testing import tiny_config  # noqa: E402
 
@@ -109,12 +109,6 @@ class RunResult:
     @property
     def steps_lost_mean(self) -> float:
         return statistics.mean(f.steps_lost for f in self.failures) if self.failures else NAN
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parse_rows(lines: list[str]) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainguard
 from trainguard.agent.checkpoint.memory import MemoryTier
 from trainguard.agent.checkpoint.snapshots import SnapshotSet, snapshot_dir
+from trainguard.agent.lifecycle.launcher import free_port
 from trainguard.agent.wire import Plan, write_plan_file
 from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.plansync import MAX_GAP, SYNC_TARGET_S
@@ -99,16 +100,8 @@ def test_loss_weight_and_batch_size_follow_the_plan(tmp_path: Path) -> None:
 
 
 def _spawn(fn: Any, nproc: int, *args: Any) -> None:
-    port = _free_port()
+    port = free_port()
     mp.start_processes(fn, args=(nproc, port, *args), nprocs=nproc, start_method="fork", join=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _init(rank: int, nproc: int, port: int, extra: dict[str, str]) -> None:
@@ -516,7 +509,7 @@ def test_a_closed_run_lets_the_scripts_model_go(tmp_path: Path) -> None:
     script = tmp_path / "let_go.py"
     script.write_text(_LET_GO)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "TRAINGUARD_JOB": "letgo", "TRAINGUARD_SOCKET": str(tmp_path / "no-agent.sock"),
            "TRAINGUARD_SNAPSHOT_DIR": str(tmp_path / "snap"), "TRAINGUARD_SNAPSHOT_EVERY": "1",
            "TRAINGUARD_CKPT_MEMORY_ROOT": str(tmp_path / "mem"), "TRAINGUARD_CKPT_MEMORY_EVERY": "2"}

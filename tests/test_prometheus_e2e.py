@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from trainguard.agent.lifecycle.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "dashboards" / "prometheus"
@@ -61,12 +62,6 @@ def test_scaling_keeps_names_and_scales_durations() -> None:
     assert _scale(rule) == "rate(x[1250ms]) > 0 and on (instance) (y offset 3750ms) and job:z:p99_5m > 1"
     assert _scale("0m") == "0ms"
     assert _scale("x[1h]") == "x[15000ms]"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(url: str) -> Any:
@@ -109,7 +104,7 @@ def prometheus_for(tmp_path: Path) -> Iterator[Any]:
         (cfg_dir / "prometheus.yml").write_text(yaml.safe_dump(config))
         log = cfg_dir / "prometheus.log"
         for _attempt in range(3):  # the free port may be taken between probe and bind
-            port = _free_port()
+            port = free_port()
             with open(log, "ab") as fh:
                 proc = subprocess.Popen(
                     [PROMETHEUS, f"--config.file={cfg_dir / 'prometheus.yml'}", f"--storage.tsdb.path={cfg_dir / 'data'}",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from trainguard.agent.checkpoint.memory import MemoryTier
+from trainguard.agent.lifecycle.launcher import free_port
 from trainguard.checkpointing import TierWriter, _Agreement
 from trainguard.environment import RunEnvironment
 
@@ -64,7 +64,7 @@ def _job(tmp_path: Path, mode: str) -> tuple[MemoryTier, list[dict[str, Any]]]:
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
     root, out = tmp_path / "tier", str(tmp_path / "out")
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in (0, 1):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
@@ -82,12 +82,6 @@ def _job(tmp_path: Path, mode: str) -> tuple[MemoryTier, list[dict[str, Any]]]:
                 p.wait()
     assert [p.returncode for p in procs] == [0, 0], outputs
     return MemoryTier(str(root)), [json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rng_file(tier: MemoryTier, step: int, rank: int) -> list[int]:

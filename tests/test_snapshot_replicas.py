@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from trainguard.agent.lifecycle.launcher import free_port
 from trainguard.replicas import holders, replicated_ids
 from trainguard.snapshot import SnapshotWriter
 
@@ -121,15 +121,9 @@ _RANK = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(120)
 def test_three_ddp_ranks_keep_a_third_each_and_restore_the_whole_state(tmp_path: Path) -> None:
-    world, port = 3, _free_port()
+    world, port = 3, free_port()
     script = tmp_path / "rank.py"
     script.write_text(_RANK)
     directory, out = tmp_path / "snap", tmp_path / "out"

@@ -365,11 +365,11 @@ def test_service_detects_migrates_converges_and_undoes(sim_agent: Any, tmp_path:
 @pytest.mark.parametrize("fixed", [7, 15])
 def test_a_rank_migrated_to_a_small_share_is_judged_recovered(sim_agent: Any, tmp_path: Path, fixed: int) -> None:
     """Forward+backward with a per-step part worth 7 samples (30 % of a 16-sample step; the
-    straggler test's model on CPU measures 4): a 3x slow rank is balanced at ~2 of 64 samples. Once it is fast
-    again, carried to the even batch as if all its time were per sample it would still look ~3x
-    slow (2 samples: 9 samples' worth of time), and never get its share back. With 15 samples'
-    worth it ends on 1 sample, where a line fitted over 1 and 2 samples said 6 (it looked 1.7x
-    slow for good): the fit over the widest sizes is the one kept."""
+    straggler test's model on CPU measures 4): a 3x slow rank is balanced at ~2 of 64 samples.
+    Once it is fast again, carried to the even batch as if all its time were per sample it would
+    still look ~3x slow (2 samples: 9 samples' worth of time), and get its share back only a few
+    samples at a time. With 15 samples' worth it ends on 1 sample, where a line fitted over 1 and
+    2 samples said 6 (it looked 1.7x slow for good): the fit over the widest sizes is kept."""
     cfg = StragglerConfig(window=12, warmup_steps=5, enter_windows=2, leave_windows=2, eval_every_steps=4,
                           settle_steps=6)
     svc = install(sim_agent, cfg, proc_root=tmp_path / "noproc", sys_root=tmp_path / "nosys")

@@ -10,22 +10,15 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainguard.agent.cluster.etcd import EtcdClient, EtcdUnavailable
+from trainguard.agent.lifecycle.launcher import free_port
 
 ETCD_BINARY = "etcd"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
