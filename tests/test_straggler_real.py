@@ -137,8 +137,16 @@ def test_slow_fault_detected_migrated_converges_and_recovers(harness_factory: Ca
     # 3x before migration; under a loaded CI machine (bench smoke tests beside it) 1.36-1.74 was seen.
     assert 0.7 < converged.ratio < 2.0, (converged.ratio, h.events("shard_migration", job))  # type: ignore[attr-defined]
     # Recovery: rank 1 back to full speed from step 200 -> recovered, shares even again.
+    def story() -> str:  # what a failure here needs to tell stuck from slow (a str: pytest shows it whole)
+        return repr({"steps": {r: v.step for r, v in h.agent.table.snapshot().jobs[job].items()},
+                "migrations": [(e["fields"].get("step"), e["fields"]["action"], e["fields"]["batch_sizes"])
+                               for e in h.events("shard_migration", job)],
+                "stragglers": [(e["kind"], e["rank"], e["fields"].get("step"), e["fields"].get("score"))
+                               for e in h.events("straggler_detected", job) + h.events("straggler_recovered", job)],
+                "scores": h.service.scores(job), "fixed_samples": h.service.fixed_samples(job)})
+
     assert h.run_until(lambda: bool([e for e in h.events("straggler_recovered", job) if e["rank"] == 1])
-                       and h.agent.plans.get(job).batch_sizes is None, 120, job), h.events("shard_migration", job)
+                       and h.agent.plans.get(job).batch_sizes is None, 120, job), story()
     later = h.events("straggler_detected", job)
     # Rank 1 once. Another rank may be blamed for a while later, when this shared machine's other
     # load (the other xdist worker) really slows its CPU time per sample: a matmul-and-memcpy load

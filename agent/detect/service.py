@@ -182,6 +182,13 @@ class StragglerService:
                 out[rank] = (st.detector.score(rank), st.causes.get(rank, ""), state)
             return out
 
+    def fixed_samples(self, job: str, group: int = 0) -> float:
+        """The peer group's fitted fixed forward+backward part in samples' worth (0: not fitted):
+        what a rank on a reduced share is judged with at the even batch."""
+        with self._lock:
+            st = self._jobs.get(job)
+            return st.detector.fixed_samples(group) if st is not None else 0.0
+
     def batch_sizes(self, job: str) -> list[int] | None:
         with self._lock:
             st = self._jobs.get(job)
