@@ -220,6 +220,10 @@ slope near zero from noise) and not kept: carried to the even batch it would jud
 raw step times, which would call a straggler balanced by migration recovered."""
 
 
+FIXED_FITS_KEPT = 15
+"""Fits over the widest spread whose median a group's fixed part is."""
+
+
 @dataclass(frozen=True)
 class FixedPart:
     """A fitted fixed part of forward+backward: ``samples``' worth, fitted over batch sizes
@@ -329,23 +333,28 @@ class StragglerDetector:
         self.config = config
         self._tracks: dict[int, _Track] = {}
         self._evaluated_at = -1  # min last step over ranks at the previous evaluation
-        self._fixed: dict[int, FixedPart] = {}  # peer group -> its best fitted fixed part
+        self._fixed: dict[int, tuple[int, list[float]]] = {}  # peer group -> (widest spread, its fits)
 
     def fixed_samples(self, group: int) -> float:
         """The group's fixed forward+backward work in samples' worth (0: never fitted)."""
-        part = self._fixed.get(group)
-        return part.samples if part is not None else 0.0
+        kept = self._fixed.get(group)
+        return median(kept[1]) if kept is not None else 0.0
 
     def _learn_fixed(self, group: int, parts: list[FixedPart]) -> None:
-        """Keep the fit over the widest spread of batch sizes seen (a newer one on a tie). A
+        """Keep the fits over the widest spread of batch sizes seen, and judge by their median. A
         migrated rank's window over its first move (16 -> 6 samples) fits the line well; later
         ones over 2 and 1 samples put a 5 % jitter into the slope and made a 15 samples' worth
-        part 6 (a recovered rank on 1 sample then looked 1.7x slow for good)."""
+        part 6 (a recovered rank on 1 sample then looked 1.7x slow for good). The windows of the
+        few evaluations over one move each fit it; one of them alone said 7 to 13.5 for the same
+        model on a loaded machine, and a part taken too small keeps a recovered rank looking slow."""
         best = max(parts, key=lambda p: p.spread)
         kept = self._fixed.get(group)
-        if kept is None or best.spread >= kept.spread:
-            widest = [p.samples for p in parts if p.spread == best.spread]
-            self._fixed[group] = FixedPart(median(widest), best.spread)
+        widest = [p.samples for p in parts if p.spread == best.spread]
+        if kept is None or best.spread > kept[0]:
+            self._fixed[group] = (best.spread, widest)
+        elif best.spread == kept[0]:
+            kept[1].extend(widest)
+            del kept[1][:-FIXED_FITS_KEPT]
 
     def state(self, rank: int) -> RankState:
         t = self._tracks.get(rank)
