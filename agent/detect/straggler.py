@@ -13,9 +13,9 @@ detector tell "balanced by migration" from "recovered" (and not undo a migration
 Forward+backward has a part that does not shrink with the batch (per-step work: 1.7 ms, 4 samples'
 worth, of a 16-sample step's 9 ms on the straggler test's model on CPU); carried to the even batch
 as if per sample, it made a rank migrated down to 2 of 64 samples look 2-3x slow long after it
-recovered, so it got its share back late or never. Once a
-window holds two batch sizes (a migration), the group's fixed part is fitted and, in samples'
-worth, kept: each rank's time is then carried to the even batch as ``unit * (even + fixed)``.
+recovered, so it got its share back late or never. Once a window holds two batch sizes (a
+migration), the group's fixed part is fitted and, in samples' worth, kept: each rank's time is
+then carried to the even batch as ``unit * (even + fixed)``.
 Run delay enters as a rate (seconds waiting per second computing), so that it too is judged at
 the even batch. Optimizer time is a per-step constant too; it stays out of
 the score and goes into ``fixed_s`` for the migration model.
@@ -233,38 +233,42 @@ class FixedPart:
     spread: int
 
 
-def fitted_fixed_part(inp: RankInput, window: int, from_step: int, even: float) -> FixedPart | None:
-    """The fixed part of a rank's forward+backward (intercept / slope), when its window holds two
-    batch sizes far enough apart to fit them (``fit_cost``), by at least ``FIT_MIN_SPREAD`` of the
-    group's even batch ``even`` (what the part is carried to: 1 and 2 samples fit no line for a
-    batch of 16); None otherwise."""
+Fit = tuple[float, float] | None
+"""``fit_cost`` of a window: (intercept, slope) of forward+backward time against batch size."""
+
+
+def window_fit(inp: RankInput, window: int, from_step: int) -> tuple[list[StepSample], Fit] | None:
+    """The rank's newest ``window`` steps at or after ``from_step`` (None if fewer) and their cost
+    fit, worked out once per evaluation for both the fixed part and the figures."""
     usable = _usable(inp, window, from_step)
     if usable is None:
         return None
-    points = [(s.samples, s.fwd_bwd_s) for s in usable]
-    fit = fit_cost(points)
+    return usable, fit_cost([(s.samples, s.fwd_bwd_s) for s in usable])
+
+
+def fitted_fixed_part(usable: Sequence[StepSample], fit: Fit, even: float) -> FixedPart | None:
+    """The fixed part of a rank's forward+backward (intercept / slope), when its window holds two
+    batch sizes far enough apart to fit them (``fit``), by at least ``FIT_MIN_SPREAD`` of the
+    group's even batch ``even`` (what the part is carried to: 1 and 2 samples fit no line for a
+    batch of 16); None otherwise."""
     if fit is None:
         return None
     intercept, slope = fit
-    sizes = sorted(_times_by_size(points, 3))
+    sizes = sorted(_times_by_size([(s.samples, s.fwd_bwd_s) for s in usable], 3))
     k, spread = intercept / slope, sizes[-1] - sizes[0]
     if spread < FIT_MIN_SPREAD * even or k > FIXED_SAMPLES_MAX * sizes[-1]:
         return None
     return FixedPart(k, spread)
 
 
-def figures_for(inp: RankInput, window: int, from_step: int, fixed_samples: float = 0.0) -> RankFigures | None:
-    """Robust figures over the newest ``window`` steps at or after ``from_step`` (None if fewer);
+def figures_for(inp: RankInput, usable: Sequence[StepSample], fit: Fit, fixed_samples: float = 0.0) -> RankFigures:
+    """Robust figures over a rank's window ``usable`` with its cost ``fit`` (``window_fit``);
     ``fixed_samples``: the group's fixed part of forward+backward in samples' worth."""
-    usable = _usable(inp, window, from_step)
-    if usable is None:
-        return None
     per = [s.fwd_bwd_s / s.samples for s in usable]
     center = median(per)
     units = [s.fwd_bwd_s / (s.samples + fixed_samples) for s in usable]
     unit = median(units)
     opt = median([s.opt_s for s in usable])
-    fit = fit_cost([(s.samples, s.fwd_bwd_s) for s in usable])
     intercept, slope = fit if fit is not None else (0.0, center)
     return RankFigures(
         rank=inp.rank,
@@ -413,24 +417,28 @@ class StragglerDetector:
             return result
         self._evaluated_at = min(lasts)
         result.evaluated = True
-        judged = {rank: (self._tracks[rank].base_step or 0) + cfg.warmup_steps for rank in inputs}
+        windows = {}
+        for rank, inp in inputs.items():
+            found = window_fit(inp, cfg.window, (self._tracks[rank].base_step or 0) + cfg.warmup_steps)
+            if found is not None:
+                windows[rank] = found
         latest: dict[int, list[int]] = {}
         for inp in inputs.values():
             if inp.steps:
                 latest.setdefault(inp.group, []).append(inp.steps[-1].samples)
         even = {group: sum(sizes) / len(sizes) for group, sizes in latest.items()}
         fitted: dict[int, list[FixedPart]] = {}
-        for rank, inp in inputs.items():
-            part = fitted_fixed_part(inp, cfg.window, judged[rank], even.get(inp.group, 0.0))
+        for rank, (usable, fit) in windows.items():
+            inp = inputs[rank]
+            part = fitted_fixed_part(usable, fit, even.get(inp.group, 0.0))
             if part is not None:
                 fitted.setdefault(inp.group, []).append(part)
         # Kept after the sizes stop changing: a rank left on a small share is judged by it then.
         for group, parts in fitted.items():
             self._learn_fixed(group, parts)
-        for rank, inp in inputs.items():
-            fig = figures_for(inp, cfg.window, judged[rank], self.fixed_samples(inp.group))
-            if fig is not None:
-                result.figures[rank] = fig
+        for rank, (usable, fit) in windows.items():
+            inp = inputs[rank]
+            result.figures[rank] = figures_for(inp, usable, fit, self.fixed_samples(inp.group))
         groups: dict[int, list[RankFigures]] = {}
         for fig in result.figures.values():
             groups.setdefault(fig.group, []).append(fig)
