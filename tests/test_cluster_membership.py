@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from trainguard.agent.cluster import etcdserver
 from trainguard.agent.cluster.config import ClusterConfig
 from trainguard.agent.cluster.etcd import EtcdClient, EtcdUnavailable, prefix_end
 from trainguard.agent.cluster.etcdserver import LocalEtcd
@@ -213,3 +215,30 @@ def test_config_errors_name_the_key() -> None:
     with pytest.raises(ValueError, match=r"^cluster\.name"):
         ClusterConfig(name="a/b")
     assert ClusterConfig().solo
+
+
+def test_local_etcd_starts_again_on_fresh_ports_when_a_port_was_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port probed free can be taken before etcd binds it (CI saw "address already in use"):
+    the cluster starts again on fresh ports instead of failing the test that wanted it."""
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    handed: list[int] = []
+    free_port = etcdserver.free_port
+
+    def first_taken() -> int:
+        port = taken if not handed else free_port()
+        handed.append(port)
+        return port
+
+    monkeypatch.setattr(etcdserver, "free_port", first_taken)
+    try:
+        with LocalEtcd(tmp_path, size=1) as e:
+            assert e.members[0].client_port != taken
+            kv = e.client().get("/trainguard-ready")
+            assert kv is not None and kv.value == b"1"
+        assert "address already in use" in (tmp_path / "m0.log").read_text()
+        assert len(handed) == 4  # two ports per try
+    finally:
+        held.close()

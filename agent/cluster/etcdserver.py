@@ -74,11 +74,29 @@ class LocalEtcd:
     def endpoints(self) -> list[str]:
         return [m.endpoint for m in self.members]
 
-    def start(self, timeout: float = 30.0) -> LocalEtcd:
+    def start(self, timeout: float = 30.0, attempts: int = 3) -> LocalEtcd:
+        """Start the members and wait until the cluster takes a write. Their ports are probed free
+        and then bound by etcd, so another process can take one in between (CI saw a member exit
+        with "address already in use"): then the whole cluster starts again on fresh ports, as the
+        peer ports are written into every member's initial cluster."""
         exe = shutil.which(self.binary)
         if exe is None:
             raise FileNotFoundError(f"{self.binary} not found (Debian: apt-get install etcd-server)")
         self.root.mkdir(parents=True, exist_ok=True)
+        for attempt in range(1, attempts + 1):
+            self._spawn(exe)
+            try:
+                self.wait_ready(timeout)
+                return self
+            except RuntimeError as e:
+                if attempt == attempts or "address already in use" not in str(e):
+                    raise
+                self.stop()
+                for m in self.members:
+                    shutil.rmtree(m.data_dir, ignore_errors=True)
+        raise AssertionError("unreachable")
+
+    def _spawn(self, exe: str) -> None:
         self.members = [
             EtcdMember(f"m{i}", free_port(), free_port(), self.root / f"m{i}.etcd", self.root / f"m{i}.log")
             for i in range(self.size)
@@ -102,8 +120,6 @@ class LocalEtcd:
                 args += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth"]
             with open(m.log_path, "ab") as log:
                 m.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.wait_ready(timeout)
-        return self
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
