@@ -40,14 +40,18 @@ def _trained(seed: int = 0, steps: int = 3) -> tuple[nn.Module, torch.optim.Opti
     return model, opt
 
 
-def test_round_trip_restores_parameters_optimizer_plain_values_and_rng(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_round_trip_restores_parameters_optimizer_plain_values_and_rng(tmp_path: Path, overlap: bool) -> None:
+    """With ``overlap`` the helper thread writes the RNG state into the skeleton after ``take``
+    returned and the generator went on: the state restored is the one at ``take``."""
     model, opt = _trained()
-    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0)
+    writer = SnapshotWriter(str(tmp_path), rank=0, world_size=1, attempt=0, overlap=overlap)
     state = {"model": model, "optim": opt, "epoch": 3, "cursor": [7, 9]}
     torch.manual_seed(123)
     writer.take(4, state, {"plan": {"version": 2}})
-    writer.check_restorable()
     expected_rand = torch.rand(3)
+    writer.check_restorable()
+    assert writer.stats.overlapped == int(overlap)
     params = {k: v.clone() for k, v in model.state_dict().items()}
     exp_avg = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
     writer.close()

@@ -16,8 +16,9 @@ parameters of a built-in ``torch.optim`` optimizer in the state, and its state) 
 helper thread while the next step's forward and backward run (CheckFreq's pipelined snapshot): torch
 releases the GIL for the copy, and the optimizer's step pre-hook waits for it, so the copy still sees
 the state of the step it is labelled with. Everything else (buffers, which a forward may update in
-place, other tensors, the skeleton's values) is copied before ``take`` returns, and the slot is
-marked complete only once the helper is done. Also waited for: the next snapshot, a
+place, other tensors, the skeleton's values) is copied before ``take`` returns (the RNG states are
+read then, and their bytes put into the skeleton by the helper), and the slot is marked complete only
+once the helper is done. Also waited for: the next snapshot, a
 ``load_state_dict`` of a module or optimizer in the state, a ``fork`` of the rank, ``wait``,
 ``close``. Not seen: a script writing parameters in place outside its optimizer between a
 checkpoint and the next optimizer step (``wait()`` first). The stall it costs is the time ``take``
@@ -225,6 +226,46 @@ def _rng_bytes() -> dict[str, bytes | None]:
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
     return {"torch": _tensor_bytes(torch.default_generator.get_state()),
             "cuda": _tensor_bytes(cuda) if cuda is not None else None}
+
+
+def _rng_states_now() -> dict[str, torch.Tensor | None]:
+    """``_rng_bytes`` still as tensors (copies: the generators go on)."""
+    return {"torch": torch.default_generator.get_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
+
+
+_STAND_INS: dict[int, bytes] = {}
+
+
+def _stand_in(length: int) -> bytes:
+    """Random bytes of ``length``, the same all along: what a pickle holds in place of an RNG
+    state until ``_fill_stand_ins`` finds and overwrites them."""
+    found = _STAND_INS.get(length)
+    if found is None:
+        found = _STAND_INS[length] = os.urandom(length)
+    return found
+
+
+def _stand_ins(states: Mapping[str, torch.Tensor | None]) -> dict[str, bytes | None]:
+    return {name: _stand_in(t.numel()) if t is not None else None for name, t in states.items()}
+
+
+def _fill_stand_ins(raw: bytes, states: Mapping[str, torch.Tensor | None]) -> bytearray:
+    """``raw`` (a pickle whose first values are ``_stand_ins(states)``, in their order) with each
+    stand-in overwritten by its state's bytes. Random and thousands of bytes long, a stand-in is
+    not found before its own place, the first after the one before it."""
+    out = bytearray(raw)
+    at = 0
+    for state in states.values():
+        if state is None:
+            continue
+        n = state.numel()
+        at = out.find(_stand_in(n), at)
+        if at < 0:
+            raise SnapshotError("an RNG state's place in the snapshot's skeleton was not found")
+        out[at:at + n] = _tensor_bytes(state)
+        at += n
+    return out
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
@@ -506,7 +547,7 @@ class _Slot:
         self.specs, self.signature, self.payload_bytes = specs, (signature, holders, deferred), offset
         self.specs_bytes = pickle.dumps(specs, protocol=5)
 
-    def finish(self, static: bytes, dynamic: bytes, header: SlotHeader) -> None:
+    def finish(self, static: bytes, dynamic: bytes | bytearray, header: SlotHeader) -> None:
         """Write the skeleton behind the tensors and mark the slot complete (the tensors are in).
         The parts before the per-step values (lengths, specs, static tree) are written again only
         when they changed since this slot's last snapshot, and their checksum is kept with them:
@@ -596,9 +637,11 @@ class _LateCopy:
     what it had, or stays incomplete) and makes the next one work its plan out again."""
 
     def __init__(self, writer: SnapshotWriter, plan: _Plan, slot: _Slot, flats: list[torch.Tensor],
-                 tensors: list[torch.Tensor], dynamic: bytes, header: SlotHeader, touched: bool) -> None:
+                 tensors: list[torch.Tensor], dynamic: bytes, header: SlotHeader, touched: bool,
+                 rng_states: dict[str, torch.Tensor | None] | None = None) -> None:
         self.writer, self.plan, self.slot, self.flats = writer, plan, slot, flats
         self.tensors, self.dynamic, self.header, self.touched = tensors, dynamic, header, touched
+        self.rng_states = rng_states
         self.done = False
         self.cpu_s = 0.0
 
@@ -617,7 +660,8 @@ class _LateCopy:
         if not self.touched:
             slot.write_header(self.header)
         slot.copy_in(self.tensors, self.flats, True)
-        slot.finish(self.plan.static_bytes, self.dynamic, self.header)
+        dynamic = _fill_stand_ins(self.dynamic, self.rng_states) if self.rng_states is not None else self.dynamic
+        slot.finish(self.plan.static_bytes, dynamic, self.header)
         writer._last_skeleton = slot.skeleton_bytes
         self.done = True
 
@@ -728,16 +772,20 @@ class SnapshotWriter:
             plan = self._plan = _Plan(view, (self.rank, self.world_size) if self.share else None)
             self._stale = False
         tensors = list(plan.tensors)
+        flats = self._flats if flats_ok else self._flat_sources(plan)
+        late = self.overlap and flats is not None and bool(plan.deferred)
+        # With a helper to finish the skeleton, the RNG states' bytes are read there (~30 us on a
+        # cache a step has just gone through): the pickle gets stand-ins of their length, the first
+        # thing in it, which the helper overwrites.
+        rng_states = _rng_states_now() if late else None
         try:
-            dynamic = self._pickler.dumps({"dynamic": plan.dynamic(view), "rng": _rng_bytes(),
-                                           "meta": self._meta_bytes(meta)}, tensors)
+            dynamic = self._pickler.dumps({"rng": _stand_ins(rng_states) if rng_states is not None else _rng_bytes(),
+                                           "dynamic": plan.dynamic(view), "meta": self._meta_bytes(meta)}, tensors)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             self._plan = None
             raise SnapshotError(f"the state holds something snapshots cannot carry: {exc}") from exc
         slot = self._target()
         signature = plan.signature + _signature(tensors[len(plan.tensors):])
-        flats = self._flats if flats_ok else self._flat_sources(plan)
-        late = self.overlap and flats is not None and bool(plan.deferred)
         deferred = plan.deferred if late else ()
         # The specs' pickle is ~40 bytes a tensor: a first layout with room for it maps the slot once.
         skeleton_bytes = _PARTS.size + len(plan.static_bytes) + len(dynamic) + 64 * len(tensors) + 4096
@@ -764,7 +812,7 @@ class SnapshotWriter:
             self._guard(plan)
             if self._copier is None:
                 self._copier = _Copier()
-            job = _LateCopy(self, plan, slot, flats, tensors, dynamic, header, touched)
+            job = _LateCopy(self, plan, slot, flats, tensors, dynamic, header, touched, rng_states)
             self._copier.submit(job.run)
             blocked = time.perf_counter() - t0
             self._pending = (step, blocked, job)
