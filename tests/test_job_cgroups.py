@@ -6,6 +6,8 @@ the job, and the cgroup is gone afterwards."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -14,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from trainguard.agent.lifecycle.cgroups import CgroupError, JobCgroup, JobCgroups
+from trainguard.agent.lifecycle.cgroups import JOIN_SCRIPT, CgroupError, JobCgroup, JobCgroups, cpu_limit
 from trainguard.agent.lifecycle.launcher import Launcher
 from trainguard.agent.waiting import wait_for
 
@@ -192,3 +194,50 @@ def test_a_memory_ceiling_ends_in_an_oom_kill_pinned_on_the_job(agent_factory: A
     wait_for(lambda: client.job("oom")["state"] == "failed", 30, "the job failed (no restarts allowed)")
     exits = client.job("oom")["ranks"]
     assert exits[0]["exit_signal"] == 9
+
+
+def test_cpu_limit_is_the_tightest_quota_over_the_process_cgroup_and_its_ancestors(tmp_path: Path) -> None:
+    v2 = tmp_path / "v2"
+    job = v2 / "kubepods" / "pod1" / "rank"
+    job.mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("cpu memory\n")
+    (v2 / "kubepods" / "cpu.max").write_text("max 100000\n")
+    (v2 / "kubepods" / "pod1" / "cpu.max").write_text("250000 100000\n")  # the pod's limit: 2.5 CPUs
+    (job / "cpu.max").write_text("max 100000\n")
+    own = _proc_cgroup(tmp_path, "0::/kubepods/pod1/rank\n")
+    assert cpu_limit(v2, own) == 2.5
+    (job / "cpu.max").write_text("50000 100000\n")
+    assert cpu_limit(v2, own) == 0.5
+    (job / "cpu.max").write_text("garbage\n")  # unreadable: the ancestors still count
+    assert cpu_limit(v2, own) == 2.5
+    assert cpu_limit(v2, _proc_cgroup(tmp_path, "0::/kubepods\n")) is None
+
+    v1 = _fake_v1(tmp_path / "v1")
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu" / "job").mkdir()
+    (v1 / "cpu" / "job" / "cpu.cfs_quota_us").write_text("300000\n")
+    (v1 / "cpu" / "job" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_limit(v1, _proc_cgroup(tmp_path, "3:cpu:/job\n2:memory:/\n")) == 3.0
+    assert cpu_limit(v1, _proc_cgroup(tmp_path, "3:cpu:/\n")) is None
+    assert cpu_limit(tmp_path / "absent", own) is None
+
+
+def test_a_rank_in_a_job_cgroup_with_a_cpu_quota_counts_the_quota_not_the_host_cores(tmp_path: Path) -> None:
+    """For real: a process started into a job cgroup limited to half a CPU (the agent's ``cpus``)
+    reads 0.5, and the snapshots' helper thread does not pay there however many cores it sees."""
+    groups = JobCgroups.detect(CGROUP_ROOT, parent=f"trainguard-test-{os.getpid()}")
+    cg = groups.for_job("cpu-limit")
+    try:
+        cg.limit(cpus=0.5)
+        code = ("from trainguard.snapshot import overlap_pays, usable_cpus; "
+                "print(usable_cpus(), overlap_pays(1, threads=1))")
+        files = cg.procs_files()
+        out = subprocess.run(["/bin/sh", "-c", JOIN_SCRIPT, "sh", str(len(files)), *files, sys.executable, "-c", code],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == ["0.5", "False"], (out.stdout, len(os.sched_getaffinity(0)))
+    finally:
+        cg.remove()
+        groups.close()

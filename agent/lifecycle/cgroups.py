@@ -211,6 +211,41 @@ def own_cgroups(proc_cgroup: Path) -> dict[str, str]:
     return out
 
 
+def cpu_limit(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The tightest CFS quota, in CPUs, over this process's cgroup and its ancestors (a job's own
+    ``cpus``, a container's or a pod's limit); None where there is none or it cannot be read. The
+    affinity mask does not show it: a rank limited to 2 CPUs on a 64-core host sees 64."""
+    own = own_cgroups(proc_cgroup)
+    found: list[float] = []
+    if (root / "cgroup.controllers").exists():
+        top = root
+        here = root / own.get("unified", "/").lstrip("/")
+        files: tuple[str, ...] = ("cpu.max",)
+    else:
+        mount = next((d for d in sorted(root.iterdir()) if not d.is_symlink() and "cpu" in d.name.split(",")), None) \
+            if root.is_dir() else None
+        if mount is None:
+            return None
+        top = mount
+        here = mount / own.get("cpu", "/").lstrip("/")
+        files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+    while True:
+        texts = [_read(here / f) for f in files]
+        try:
+            if len(texts) == 1 and texts[0] is not None:
+                quota, period = texts[0].split()[:2]
+                if quota != "max":
+                    found.append(int(quota) / int(period))
+            elif len(texts) == 2 and texts[0] is not None and texts[1] is not None and int(texts[0]) > 0:
+                found.append(int(texts[0]) / int(texts[1]))
+        except (ValueError, ZeroDivisionError):
+            pass  # a file this kernel writes otherwise: no limit read from it
+        if here == top or top not in here.parents:
+            break
+        here = here.parent
+    return min(found) if found else None
+
+
 class JobCgroups:
     """Makes and finds job cgroups: ``<the agent's own cgroup>/trainguard/<job>`` in each hierarchy.
 
