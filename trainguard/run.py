@@ -14,6 +14,7 @@ This module imports no torch (the agent imports the package); the parts that nee
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import math
 import os
@@ -746,6 +747,12 @@ class Run:
         if self._grad_clock is not None:
             self._grad_clock.close()
             self._grad_clock = None
+        # DCP's state-dict functions (the memory and disk tiers) leave reference cycles holding the
+        # script's modules (a closure of torch.distributed.checkpoint.state_dict that refers to
+        # itself); until the collector finds them, a script that drops its DDP model before
+        # destroy_process_group does not free it there (test_api_run: a rank's exit hung in
+        # ~ProcessGroupGloo). Whether a collection had run by then was up to chance.
+        gc.collect()
 
     def __enter__(self) -> Run:
         return self
