@@ -261,8 +261,8 @@ def _stand_ins(states: Mapping[str, torch.Tensor | None]) -> dict[str, bytes | N
 
 def _fill_stand_ins(raw: bytes, states: Mapping[str, torch.Tensor | None]) -> bytearray:
     """``raw`` (a pickle whose first values are ``_stand_ins(states)``, in their order) with each
-    stand-in overwritten by its state's bytes. Random and thousands of bytes long, a stand-in is
-    not found before its own place, the first after the one before it."""
+    stand-in overwritten by its state's bytes. Random bytes (5,056 for the CPU generator, 16 for
+    CUDA's), a stand-in is not found before its own place, the first after the one before it."""
     out = bytearray(raw)
     at = 0
     for state in states.values():
