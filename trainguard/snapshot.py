@@ -86,11 +86,11 @@ def usable_cpus() -> float:
 def overlap_pays(local_ranks: int, *, cpus: float | None = None, threads: int | None = None) -> bool:
     """Whether a rank's snapshots should copy in a helper thread while the next step runs: only
     where the cores it may use (``usable_cpus``) leave one for each rank's helper besides its
-    ``threads`` compute threads.
-    Where the ranks fill the cores the helper takes its CPU from training all the same, and the
-    hand-off, the thread switches and the GIL between them cost more than the copy saves: on the
-    recovery bench's 4 ranks on 2 cores a snapshot cost 0.35 ms overlapped against 0.26 ms copied
-    in ``take``, and the job ran no faster for the overlap (BENCHMARKS.md)."""
+    ``threads`` compute threads. Where the ranks fill the cores the helper takes its CPU from
+    training all the same, and the hand-off, the thread switches and the GIL between them cost
+    more than the copy saves: on the recovery bench's 4 ranks on 2 cores a snapshot cost 0.35 ms
+    overlapped against 0.26 ms copied in ``take``, and the job ran no faster for the overlap
+    (BENCHMARKS.md)."""
     cpus = usable_cpus() if cpus is None else cpus
     threads = torch.get_num_threads() if threads is None else threads
     return cpus >= max(1, local_ranks) * (threads + 1)
