@@ -502,10 +502,11 @@ dist.destroy_process_group()
 
 def test_a_closed_run_lets_the_scripts_model_go(tmp_path: Path) -> None:
     """After ``run.close()`` nothing of trainguard's holds the script's DDP model (the memory tier's
-    learned state dicts did, and DCP's reference cycles until the collector ran): a script that drops it before ``destroy_process_group`` frees its
-    reducer there. Freed after the group instead, the reducer's destructor joins gloo's threads
-    holding the GIL, and one of them waiting for the GIL hung the rank's exit (seen under load in
-    the suite: a rank of a finished job asleep in ``~ProcessGroupGloo`` for good)."""
+    learned state dicts did, and DCP's reference cycles until the collector ran): a script that
+    drops it before ``destroy_process_group`` frees its reducer there. Freed after the group
+    instead, the reducer's destructor joins gloo's threads holding the GIL, and one of them waiting
+    for the GIL hung the rank's exit (seen under load in the suite: a rank of a finished job asleep
+    in ``~ProcessGroupGloo`` for good)."""
     script = tmp_path / "let_go.py"
     script.write_text(_LET_GO)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RANK": "0", "WORLD_SIZE": "1",

@@ -596,16 +596,17 @@ class Run:
     def _snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
         """Take the snapshot that is due after ``step``."""
         # Imported here: torch is needed only by a run that checkpoints.
-        from trainguard.snapshot import SnapshotError, SnapshotWriter, cost_scale, overlap_pays
+        from trainguard.snapshot import SnapshotError, SnapshotWriter, cost_scale, overlap_pays, usable_cpus
 
         try:
             if self._snapshots is None:
                 # Replicas share their common tensors out only where every slot is on this node.
                 one_node = not self.env.part and self.env.local_world_size == self.env.world_size
+                cpus = usable_cpus()  # the affinity mask and the cgroup files, read once for both
                 self._snapshots = SnapshotWriter(self.env.snapshot_dir, self.env.rank, self.env.world_size,
                                                  self.env.attempt, share=one_node,
-                                                 overlap=overlap_pays(self.env.local_world_size))
-                self._snapshot_cost_scale = cost_scale(self.env.local_world_size)
+                                                 overlap=overlap_pays(self.env.local_world_size, cpus=cpus))
+                self._snapshot_cost_scale = cost_scale(self.env.local_world_size, cpus=cpus)
             self._snapshots.take(step + 1, state, self.checkpoint_meta())
             taken = self._snapshots.stats.taken
             if taken == 1:

@@ -224,7 +224,7 @@ class _ReusedPickler:
 
 
 def rng_states() -> dict[str, Any]:
-    """This process's RNG states, as snapshots and checkpoints keep them."""
+    """This process's RNG states, as snapshots and checkpoints keep them (copies: the generators go on)."""
     return {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
 
@@ -233,15 +233,7 @@ def _rng_bytes() -> dict[str, bytes | None]:
     """``rng_states`` as bytes, which a snapshot pickles into its skeleton: as a tensor of the slot
     it went through the copy of the state's tensors and its layout's signature (~20 us more). Read
     straight from the state tensor's memory (through numpy: ~3 us more between two steps)."""
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-    return {"torch": _tensor_bytes(torch.default_generator.get_state()),
-            "cuda": _tensor_bytes(cuda) if cuda is not None else None}
-
-
-def _rng_states_now() -> dict[str, torch.Tensor | None]:
-    """``_rng_bytes`` still as tensors (copies: the generators go on)."""
-    return {"torch": torch.default_generator.get_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
+    return {name: _tensor_bytes(t) if t is not None else None for name, t in rng_states().items()}
 
 
 _STAND_INS: dict[int, bytes] = {}
@@ -787,9 +779,9 @@ class SnapshotWriter:
         # With a helper to finish the skeleton, the RNG states' bytes are read there (~30 us on a
         # cache a step has just gone through): the pickle gets stand-ins of their length, the first
         # thing in it, which the helper overwrites.
-        rng_states = _rng_states_now() if late else None
+        rng_now = rng_states() if late else None
         try:
-            dynamic = self._pickler.dumps({"rng": _stand_ins(rng_states) if rng_states is not None else _rng_bytes(),
+            dynamic = self._pickler.dumps({"rng": _stand_ins(rng_now) if rng_now is not None else _rng_bytes(),
                                            "dynamic": plan.dynamic(view), "meta": self._meta_bytes(meta)}, tensors)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             self._plan = None
@@ -822,7 +814,7 @@ class SnapshotWriter:
             self._guard(plan)
             if self._copier is None:
                 self._copier = _Copier()
-            job = _LateCopy(self, plan, slot, flats, tensors, dynamic, header, touched, rng_states)
+            job = _LateCopy(self, plan, slot, flats, tensors, dynamic, header, touched, rng_now)
             self._copier.submit(job.run)
             blocked = time.perf_counter() - t0
             self._pending = (step, blocked, job)
