@@ -415,6 +415,9 @@ class Agent:
             # The kernel saw the exit first: wake the supervisor now. It writes the rank_exit event
             # itself (with the waitpid status), so this one is only the latency evidence.
             self.supervisor.on_exit_event(pid, fields)
+            latency_ms = fields.get("latency_ms")
+            if job is not None and (fields.get("signal") or fields.get("exit_code")) and isinstance(latency_ms, (int, float)):
+                self.recovery.note_death(job, time.time() - latency_ms / 1000)
             kind = "process_exit_seen"
         if kind in ("gpu_lost", "gpu_xid", "gpu_ecc"):
             self.gpu_faults.on_event(kind, fields)

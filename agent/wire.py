@@ -83,6 +83,7 @@ _OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]]
     "ckpt_failed": ((int,), 0, 1 << 53),
     "snapshot_s": (_NUM, 0, None),
     "proc_start": (_NUM, 0, None),
+    "group_ready": (_NUM, 0, None),
     "restore_begin": (_NUM, 0, None),
     "restore_end": (_NUM, 0, None),
     "update_cos": (_NUM, -1.0, 1.0),
@@ -138,6 +139,8 @@ class Telemetry:
     """Training time the last per-step snapshot took."""
     proc_start: float | None = None
     """When this rank's process started (Unix time), sent with the first steps of an attempt ..."""
+    group_ready: float | None = None
+    """... with when its process group was up (as ``trainguard.init`` found it) ..."""
     restore_begin: float | None = None
     """... with when its restore began ..."""
     restore_end: float | None = None

@@ -115,6 +115,11 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         self.layout: Layout = init_distributed(cfg, self.env, self.device)
         lay = self.layout
+        if self.run_handle is None:
+            # Every step: its steps are long next to one store round trip, and migrations settle faster.
+            # Made as soon as the process group is up: a recovery's timeline tells the rendezvous
+            # from the model's build by it.
+            self.run_handle = init(job=self.env.job, dp_rank=lay.dp_rank, dp_size=lay.dp, plan_every=1)
         self.corpus = Corpus.load(cfg.data.cache_dir, cfg.data.max_bytes)
         span = cfg.model.context + 1
         self.sampler = Sampler(len(self.corpus.train) // span, cfg.seed)
@@ -142,9 +147,6 @@ class Trainer:
         self.compression = self._setup_compression()
         self.faults = self._setup_faults()
         self._peak = peak_flops(self.device)
-        if self.run_handle is None:
-            # Every step: its steps are long next to one store round trip, and migrations settle faster.
-            self.run_handle = init(job=self.env.job, dp_rank=lay.dp_rank, dp_size=lay.dp, plan_every=1)
         # Compute judged up to the last gradient on the device's clock: on CUDA the DDP/FSDP wait for
         # the gradient all-reduce at the end of backward would otherwise count as compute.
         self.run_handle.watch_gradients(self.params)

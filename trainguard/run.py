@@ -292,6 +292,10 @@ class Run:
         """What ``restore`` loaded: "snapshot", "checkpoint" or "" (nothing)."""
         self._restore_span: tuple[float, float] | None = None
         self._started_at: float | None = None
+        self._group_ready_at = time.time() if _process_group_up() else None
+        """When this run was made, if the process group was already up by then: the end of the
+        rendezvous in a recovery's timeline (a script that builds its model before ``init`` counts
+        that too)."""
         self._timeline_sends = 5  # the first datagrams carry the attempt's start-up times (one may drop)
         self._window = StepWindow()
         self._window_steps = 1
@@ -490,6 +494,8 @@ class Run:
         started = self._started_at or None
         if started is not None:
             out["proc_start"] = started
+        if self._group_ready_at is not None:
+            out["group_ready"] = self._group_ready_at
         if self._restore_span is not None:
             out["restore_begin"], out["restore_end"] = self._restore_span
         return out
@@ -807,6 +813,12 @@ def _process_start() -> float | None:
     except (OSError, ValueError, IndexError, AttributeError):
         return None
     return time.time() - age
+
+
+def _process_group_up() -> bool:
+    """Whether torch.distributed's default group is up (without importing torch into a run that has not)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def _rss_bytes() -> int:

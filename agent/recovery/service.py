@@ -91,22 +91,26 @@ def checkpoint_settings(cfg: AgentConfig) -> CheckpointSettings:
     )
 
 
-def recovery_timeline(failed_at: float, launched_at: float | None, window: list[Any], first_step_at: float) -> dict[str, float]:
+def recovery_timeline(failed_at: float, launched_at: float | None, window: list[Any], first_step_at: float,
+                      died_at: float | None = None) -> dict[str, float]:
     """Where the time from a failure to the first resumed step went, as the lead rank saw it:
-    teardown (the supervisor saw the exit -> the new ranks' launch: stopping the survivors, picking
-    the restore), fork (-> the rank's process exists), setup (-> its restore begins: interpreter or
-    fork, process-group rendezvous, model build), restore, first step. Phases a rank did not
-    report are left out."""
+    detect (the kernel saw the rank die, ``died_at`` -> the supervisor saw its exit, ``failed_at``),
+    teardown (-> the new ranks' launch: stopping the survivors, picking the restore), fork (-> the
+    rank's process exists), rendezvous (-> its process group is up, as ``trainguard.init`` found
+    it), setup (-> its restore begins: the model build, or all of it where ``init`` came before
+    the process group), restore, first step. Phases no one reported are left out."""
     marks: dict[str, float] = {}
     for msg in window:
-        for name in ("proc_start", "restore_begin", "restore_end"):
+        for name in ("proc_start", "group_ready", "restore_begin", "restore_end"):
             value = getattr(msg, name, None)
             if value is not None:
                 marks.setdefault(name, value)
-    points = [("teardown_s", launched_at), ("fork_s", marks.get("proc_start")), ("setup_s", marks.get("restore_begin")),
-              ("restore_s", marks.get("restore_end")), ("first_step_s", first_step_at)]
+    points = [("detect_s", failed_at if died_at is not None else None), ("teardown_s", launched_at),
+              ("fork_s", marks.get("proc_start")), ("rendezvous_s", marks.get("group_ready")),
+              ("setup_s", marks.get("restore_begin")), ("restore_s", marks.get("restore_end")),
+              ("first_step_s", first_step_at)]
     out: dict[str, float] = {}
-    previous = failed_at
+    previous = died_at if died_at is not None else failed_at
     for name, at in points:
         if at is None:
             continue
@@ -114,6 +118,11 @@ def recovery_timeline(failed_at: float, launched_at: float | None, window: list[
         previous = at
     return out
 
+
+DEATH_BEFORE_EXIT_S = 5.0
+"""How long before the supervisor's word of a failed rank the kernel's word of its death may come
+and still be that failure's (the supervisor reaps within milliseconds; a death this much older
+was not reported as a failure: a rank stopped on purpose)."""
 
 SECONDHAND_WAIT_S = 5.0
 """How long a save failure reported only as another rank's waits for that rank's own report."""
@@ -137,6 +146,9 @@ class RecoveryService:
         self.actions: dict[tuple[str, str, str], int] = {}
         self.detections: dict[tuple[str, str], int] = {}
         self._failure_at: dict[str, float] = {}
+        self._died_at: dict[str, float] = {}
+        """The kernel's time of the first rank death of a failure the supervisor has not seen yet,
+        or of the one its clock runs for (``note_death``)."""
         self._launch_at: dict[str, float] = {}
         self.last_recovery_s: dict[str, float] = {}
         self._settled_s: dict[str, float] = {}
@@ -348,10 +360,13 @@ class RecoveryService:
             lead = min(ranks, key=lambda v: v.rank)
             window = [t for t in self.agent.table.window(job, lead.rank, 256) if t.pid in pids and t.step > restored_step]
             first = min((t.wall_time for t in window), default=time.time())
-            took = first - started
+            died = self._died_at.pop(job, None)
+            if died is not None and not started - DEATH_BEFORE_EXIT_S <= died <= started:
+                died = None  # not this failure's: a death the supervisor never reported as one
+            took = first - (died if died is not None else started)
             self.last_recovery_s[job] = took
             del self._failure_at[job]
-            timeline = recovery_timeline(started, self._launch_at.get(job), window, first)
+            timeline = recovery_timeline(started, self._launch_at.get(job), window, first, died)
             self.agent.events.emit(
                 "job_resumed",
                 f"job {job} training again at step {max(v.step for v in ranks)}, {took:.2f}s after the failure"
@@ -381,8 +396,20 @@ class RecoveryService:
         key = (job, kind)
         self.detections[key] = self.detections.get(key, 0) + 1
 
+    def note_death(self, job: str, died_at: float) -> None:
+        """The kernel saw a rank of ``job`` die (the eBPF exit event, ahead of the supervisor's
+        reaping): the failure's clock, once the supervisor reports it, counts from the first such
+        death, and the resumed event's timeline gets its detection time. Deaths after the clock
+        started are its teardown's (the survivors stopped) or more word of the same failure."""
+        with self._recovering:
+            started = self._failure_at.get(job)
+            if started is not None and died_at > started:
+                return
+            self._died_at[job] = min(died_at, self._died_at.get(job, died_at))
+
     def _finish(self, job: str) -> None:
         self._failure_at.pop(job, None)  # a job submitted again under this name starts with no failure
+        self._died_at.pop(job, None)
         restored = self._restored.pop(job, None)
         if restored is not None:
             restored.release()
