@@ -127,6 +127,9 @@ def _status_text(status: int) -> str:
 
 PEER_EXIT_GRACE_S = 0.5
 """How long a rank's exit 1 waits for a still-running peer to end on its own (see _judge_exits)."""
+STATUS_POLL_MS = 5
+"""How often the monitor looks for the status of a rank whose process has ended (its pidfd said so)
+but whose warm launcher has not reported yet."""
 
 
 def _close_pidfd(rank: RankProcess) -> None:
@@ -164,6 +167,8 @@ class Supervisor:
         self.records = records
         """Where every job's record is kept for a restarted agent (None: not kept)."""
         self.jobs: dict[str, JobRecord] = {}
+        self._by_pid: dict[int, tuple[JobRecord, RankProcess]] = {}
+        """Every job's ranks by pid (``find_rank``)."""
         self.restart_total = 0
         self._lock = threading.RLock()
         self._wake_r, self._wake_w = os.pipe()
@@ -184,6 +189,7 @@ class Supervisor:
                 raise ValueError(f"job {spec.job} is already {old.state.value}")
             record = JobRecord(spec, block=block, on_failure=on_failure)
             self.jobs[spec.job] = record
+            self._index_ranks()
             self.plans.reset(spec.job)
             # Kept from now on, not from its launch: a job accepted while its warm launcher still
             # imports torch (seconds) must outlive an agent killed in that time.
@@ -221,6 +227,7 @@ class Supervisor:
                 return
             record.attempt = attempt
             record.ranks = ranks
+            self._index_ranks()
             if record.state == JobState.RESTARTING:
                 self._set_state(record, JobState.STARTING)
             self._set_state(record, JobState.RUNNING)  # writes the record, new ranks included
@@ -289,6 +296,7 @@ class Supervisor:
                 record.ranks = [RankProcess(r.rank, r.local_rank,
                                             AdoptedProcess(r, functools.partial(self._adopted_status, record)),
                                             self.launcher.clock(), r.log_path) for r in old.ranks]
+                self._index_ranks()
                 reattach = getattr(self.launcher, "reattach_cgroup", None)
                 if reattach is not None:
                     reattach(spec)  # its usage counts on, and it is cleaned up when the job ends
@@ -378,6 +386,7 @@ class Supervisor:
                 if self.records is not None:
                     self.records.forget(job)
                 gone.append(job)
+            self._index_ranks()
         return gone
 
     def note_progress(self, job: str, step: int) -> None:
@@ -395,12 +404,13 @@ class Supervisor:
             }
 
     def find_rank(self, pid: int) -> tuple[JobRecord, RankProcess] | None:
-        with self._lock:
-            for rec in self.jobs.values():
-                for r in rec.ranks:
-                    if r.pid == pid:
-                        return rec, r
-        return None
+        """The job and rank of process ``pid`` (ranks of ended attempts included), without the
+        lock: the eBPF exit events of a restart's survivors ask while the restart holds it."""
+        return self._by_pid.get(pid)
+
+    def _index_ranks(self) -> None:
+        """Called with the lock held wherever a job's ranks change: a new index, swapped in whole."""
+        self._by_pid = {r.pid: (rec, r) for rec in self.jobs.values() for r in rec.ranks}
 
     def _ranks_changed(self) -> None:
         if self.on_ranks_changed is not None:
@@ -416,7 +426,11 @@ class Supervisor:
             # whose warm launcher died.
             if isinstance(handle, (AdoptedProcess, ZygoteChild)) and handle.status_hint is None:
                 sig, code = fields.get("signal"), fields.get("exit_code")
-                handle.status_hint = -int(sig) if sig else (int(code) if isinstance(code, int) else None)
+                status = -int(sig) if sig else (int(code) if isinstance(code, int) else None)
+                if isinstance(handle, ZygoteChild):
+                    handle.exit_seen(status)
+                else:
+                    handle.status_hint = status
             os.write(self._wake_w, b"x")
 
     def relaunch(self, job: str, block: RankBlock, spec: JobSpec, cause: str) -> None:
@@ -527,7 +541,7 @@ class Supervisor:
             failed = r.exit_code != 0
             how = f"signal {r.exit_signal}" if r.exit_signal else f"code {r.exit_code}"
             source = getattr(r.popen, "status_source", "")
-            if isinstance(r.popen, ZygoteChild) and source:
+            if isinstance(r.popen, ZygoteChild) and r.popen.orphaned and source:
                 how += f" (its warm launcher had died: status from {source})"
             elif source and source != "ebpf":  # an adopted rank's status that no exit event brought
                 how += f" (adopted rank: status from {source})"
@@ -571,29 +585,42 @@ class Supervisor:
         while not self._stopping.is_set():
             with self._lock:
                 fds: dict[int, tuple[JobRecord, RankProcess]] = {}
+                waiting = False
                 for rec in self.jobs.values():
                     for r in rec.ranks:
-                        if r.alive:
-                            fd = getattr(r, "_pidfd", None)
-                            if fd is None:
-                                try:
-                                    fd = os.pidfd_open(r.pid)
-                                except OSError:
-                                    fd = -1
-                                r._pidfd = fd  # type: ignore[attr-defined]
-                            if fd >= 0:
-                                fds[fd] = (rec, r)
+                        if not r.alive:
+                            continue
+                        if getattr(r, "_pidfd_fired", False):
+                            # Its process ended and its status has not come (a warm launcher's rank
+                            # whose zygote has not reported yet): polled again, its pidfd would
+                            # answer at once, a busy loop that held the GIL from the very thread
+                            # that brings the report (~15 ms a kill, BENCHMARKS.md).
+                            waiting = True
+                            continue
+                        fd = getattr(r, "_pidfd", None)
+                        if fd is None:
+                            try:
+                                fd = os.pidfd_open(r.pid)
+                            except OSError:
+                                fd = -1
+                            r._pidfd = fd  # type: ignore[attr-defined]
+                        if fd >= 0:
+                            fds[fd] = (rec, r)
             poller = select.poll()
             poller.register(self._wake_r, select.POLLIN)
             for fd in fds:
                 poller.register(fd, select.POLLIN)
-            ready = poller.poll(500)
+            # Statuses still to come are looked for every few ms (the eBPF exit event wakes at once).
+            ready = poller.poll(STATUS_POLL_MS if waiting else 500)
             if any(fd == self._wake_r for fd, _ in ready):
                 try:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
             self.reap_all()
+            for fd, _ in ready:
+                if fd in fds:
+                    fds[fd][1]._pidfd_fired = True  # type: ignore[attr-defined]
 
     def reap_all(self) -> None:
         with self._lock:
