@@ -34,6 +34,11 @@ ENV_SOCKET = "TRAINGUARD_SOCKET"
 ENV_PLAN = "TRAINGUARD_PLAN"
 ENV_JOB = "TRAINGUARD_JOB"
 ENV_JOB_SPEC = "TRAINGUARD_JOB_SPEC"
+ENV_HOST_STORE = "TRAINGUARD_HOST_STORE"
+"""Set for a warm-launched job's rank 0: it hosts the job's rendezvous store (trainer/zygote.py)."""
+ENV_STARTED_AT = "TRAINGUARD_STARTED_AT"
+"""When a rank forked ahead of need (a warm launcher's spare) was given its work: its start, for a
+recovery's timeline, where its process's own start time tells when it was forked."""
 
 
 class WireError(ValueError):

@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from trainguard.agent.wire import process_start_ticks, write_exit_status
+from trainguard.agent.wire import ENV_HOST_STORE, ENV_STARTED_AT, process_start_ticks, write_exit_status
 
 PRELOAD = (
     "torch",
@@ -109,8 +109,33 @@ def _say(out: Any, **msg: Any) -> None:
         _agent_gone = True
 
 
-def _child(req: dict[str, Any]) -> None:
-    """Runs in the forked child: becomes one rank and never returns."""
+_STORE: Any = None
+"""Rank 0's rendezvous store (``_host_rendezvous_store``): it lives as long as the rank."""
+
+
+def _host_rendezvous_store() -> None:
+    """The job's rendezvous store (a TCPStore server on MASTER_PORT), up before rank 0's code runs;
+    every rank, rank 0 too, connects to it as a client (TORCHELASTIC_USE_AGENT_STORE, as under
+    torchrun, where the agent hosts it). A TCPStore client that comes before its server waits
+    ~0.4-0.5 s before it tries again (measured here): with the store made in rank 0's
+    init_process_group, a restart whose ranks start together lost that wait to the race."""
+    global _STORE
+    # torch is in the zygote's preload, not imported by this module: the protocol side stays light.
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        _STORE = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                               is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+    except (KeyError, ValueError, RuntimeError) as exc:
+        # Its clients fail to connect, and say so; the rank's own rendezvous would have failed alike.
+        print(f"trainguard: could not host the rendezvous store: {exc}", file=sys.stderr, flush=True)
+
+
+def _child(req: dict[str, Any], started_at: float | None = None) -> None:
+    """Runs in the forked child: becomes one rank and never returns. ``started_at``: when a spare
+    was given this work (its process started earlier)."""
     code = 0
     try:
         os.setsid()
@@ -128,6 +153,10 @@ def _child(req: dict[str, Any]) -> None:
         sys.stderr = text_stream(2, errors="backslashreplace")  # as the interpreter's own stderr
         os.environ.clear()
         os.environ.update(req["env"])
+        if started_at is not None:
+            os.environ[ENV_STARTED_AT] = repr(started_at)
+        if os.environ.get(ENV_HOST_STORE):
+            _host_rendezvous_store()
         if req.get("cwd"):
             os.chdir(req["cwd"])
         module = req.get("module", "trainguard.trainer.worker")
@@ -170,6 +199,104 @@ def _child(req: dict[str, Any]) -> None:
             os._exit(code)
 
 
+class Spares:
+    """Ranks forked ahead of need: a restart hands each new rank's work to a process that is
+    already there, instead of forking them one after another from the zygote (4-9 ms a fork of
+    the warm interpreter here, so the last of 4 ranks reached the rendezvous ~25 ms after the first,
+    and every rank waited for it there). As many as the zygote runs ranks, forked only once the
+    zygote has had nothing to do for ``delay_s`` (not while a start or restart wants the CPU).
+
+    A spare waits on a pipe of its own for one request line, then becomes that rank (``_child``);
+    the zygote's end closed with no request (the zygote gone, or leaving), it exits. Each spare is
+    reported (``{"ev": "spare", "pid": p}``) so that the agent spares it when it clears the job's
+    cgroup of a previous attempt's leftovers."""
+
+    def __init__(self, delay_s: float = 2.0) -> None:
+        self.delay_s = delay_s
+        self.waiting: dict[int, int] = {}
+        """pid -> the write end of its request pipe, oldest first."""
+        self.last_busy = time.monotonic()
+
+    def wanted(self, ranks: int, now: float) -> bool:
+        return len(self.waiting) < ranks and now - self.last_busy >= self.delay_s
+
+    def timeout(self, ranks: int, now: float) -> float:
+        """How long the zygote's loop may sleep: until a spare is due."""
+        if len(self.waiting) >= ranks:
+            return 1.0
+        return max(0.01, min(1.0, self.last_busy + self.delay_s - now))
+
+    def fork(self, close_in_child: tuple[int, ...]) -> int:
+        """A new spare; returns its pid."""
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(write_fd)
+            for fd in (*close_in_child, *self.waiting.values()):
+                os.close(fd)
+            _spare(read_fd)
+        os.close(read_fd)
+        self.waiting[pid] = write_fd
+        return pid
+
+    def hand_out(self, req: dict[str, Any]) -> int | None:
+        """The pid of the spare that took ``req``, or None when none is left to take it."""
+        self.last_busy = time.monotonic()
+        line = json.dumps(req).encode() + b"\n"
+        while self.waiting:
+            pid = next(iter(self.waiting))
+            fd = self.waiting.pop(pid)
+            try:
+                sent = os.write(fd, line) == len(line)
+            except OSError:  # it died meanwhile (its end is reaped with the rest)
+                sent = False
+            os.close(fd)
+            if sent:
+                return pid
+        return None
+
+    def gone(self, pid: int) -> bool:
+        """A spare ended before it was given work (reaped): True when ``pid`` was one."""
+        fd = self.waiting.pop(pid, None)
+        if fd is None:
+            return False
+        os.close(fd)
+        return True
+
+    def close(self) -> None:
+        """No more work: each spare reads the end of its pipe and exits."""
+        for fd in self.waiting.values():
+            os.close(fd)
+        self.waiting.clear()
+
+    def fds(self) -> tuple[int, ...]:
+        return tuple(self.waiting.values())
+
+
+def _spare(read_fd: int) -> None:
+    """Runs in a spare: waits for its request, then becomes that rank; never returns."""
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        # Not the zygote's pipes to the agent: the agent tells the zygote's death by their end.
+        null_fd = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null_fd, 0)
+        os.dup2(null_fd, 1)
+        os.close(null_fd)
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = os.read(read_fd, 65536)
+            if not chunk:
+                os._exit(0)
+            data += chunk
+        started_at = time.time()
+        os.close(read_fd)
+        req = json.loads(data)
+    except BaseException:  # noqa: BLE001 - a spare that cannot take work only goes away
+        os._exit(0)
+    _child(req, started_at)
+
+
 def serve(stdin_fd: int = 0, out: Any = None) -> int:
     out = out or sys.stdout
     t0 = time.perf_counter()
@@ -196,13 +323,18 @@ def serve(stdin_fd: int = 0, out: Any = None) -> int:
     buf = b""
     children: dict[int, tuple[str, int | None]] = {}
     """pid -> (its exit file or "", its start time: the file names the very process)."""
+    spares = Spares()
     running = True
     while running or children:
-        ready, _, _ = select.select([stdin_fd, wake_r] if running else [wake_r], [], [], 1.0)
+        ready, _, _ = select.select([stdin_fd, wake_r] if running else [wake_r], [], [],
+                                    spares.timeout(len(children), time.monotonic()) if running else 1.0)
+        if not ready and running and spares.wanted(len(children), time.monotonic()):
+            # One at a time, each when there was nothing else to do.
+            _say(out, ev="spare", pid=spares.fork((wake_r, wake_w)))
         if wake_r in ready:
             os.read(wake_r, 4096)
         # Reap every child that ended (SIGCHLD coalesces).
-        while children:
+        while children or spares.waiting:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
@@ -210,6 +342,8 @@ def serve(stdin_fd: int = 0, out: Any = None) -> int:
                 break
             if pid == 0:
                 break
+            if spares.gone(pid):
+                continue
             exit_file, ticks = children.pop(pid, ("", None))
             sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
             code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + (sig or 0)
@@ -220,6 +354,7 @@ def serve(stdin_fd: int = 0, out: Any = None) -> int:
             chunk = os.read(stdin_fd, 65536)
             if not chunk:
                 running = False  # the agent went away: let the ranks finish, then leave
+                spares.close()
                 continue
             buf += chunk
             while b"\n" in buf:
@@ -231,13 +366,18 @@ def serve(stdin_fd: int = 0, out: Any = None) -> int:
                     continue
                 if req.get("op") == "exit":
                     running = False
+                    spares.close()
                 elif req.get("op") == "spawn":
                     out.flush()
-                    pid = os.fork()
-                    if pid == 0:
-                        os.close(wake_r)
-                        os.close(wake_w)
-                        _child(req)
+                    taken = spares.hand_out(req)
+                    if taken is not None:
+                        pid = taken
+                    else:
+                        pid = os.fork()
+                        if pid == 0:
+                            for fd in (wake_r, wake_w, *spares.fds()):
+                                os.close(fd)
+                            _child(req)
                     children[pid] = (str(req.get("exit_file") or ""), process_start_ticks(pid))
                     _say(out, ev="spawned", rank=req.get("rank"), pid=pid)
     return 0

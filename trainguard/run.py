@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from trainguard.agent.wire import Plan, Telemetry
+from trainguard.agent.wire import ENV_STARTED_AT, Plan, Telemetry
 from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.link import PlanWatcher, TelemetrySender
 from trainguard.stepwindow import PART_S, WINDOW_S, StepWindow, window_length
@@ -804,7 +804,14 @@ def json_plan(plan: Plan) -> dict[str, Any]:
 
 
 def _process_start() -> float | None:
-    """When this process started (Unix time), from /proc (None where there is no /proc)."""
+    """When this process started (Unix time): when it was given its work, for a rank a warm
+    launcher forked ahead of need; else from /proc (None where there is no /proc)."""
+    given = os.environ.get(ENV_STARTED_AT)
+    if given:
+        try:
+            return float(given)
+        except ValueError:
+            pass
     try:
         with open("/proc/self/stat") as fh:
             ticks = int(fh.read().rsplit(")", 1)[1].split()[19])

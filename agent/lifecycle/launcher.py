@@ -28,7 +28,7 @@ from trainguard.agent.lifecycle.cgroups import JOIN_SCRIPT, CgroupError, JobCgro
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.units import UnitProcess, run_prefix, set_slice_limits, slice_usage, unit_name
 from trainguard.agent.lifecycle.zygote_client import Zygote, ZygoteError
-from trainguard.agent.wire import ENV_JOB, ENV_JOB_SPEC, ENV_PLAN, ENV_SOCKET
+from trainguard.agent.wire import ENV_HOST_STORE, ENV_JOB, ENV_JOB_SPEC, ENV_PLAN, ENV_SOCKET
 
 log = logging.getLogger("trainguard.agent.launcher")
 
@@ -214,7 +214,7 @@ class Launcher:
             cg = self.job_cgroups[spec.job] = self.cgroups.for_job(spec.job)
         cg.limit(spec.cpus or ctx.cpus, spec.memory_max or ctx.memory_max)
         zygote = self.zygotes.get(spec.job)
-        strays = cg.kill_all(spare={zygote.proc.pid} if zygote is not None and zygote.alive else ())
+        strays = cg.kill_all(spare=zygote.own_pids() if zygote is not None and zygote.alive else ())
         if strays:
             log.warning("job %s: killed %d process(es) the previous attempt left in its cgroup", spec.job, len(strays))
         return cg
@@ -386,6 +386,10 @@ class Launcher:
             env.update(block.env)
             log_path = os.path.join(ctx.log_dir, f"rank{rank}.log")
             if zygote is not None:
+                # The rendezvous store is up before any rank's code runs (trainer/zygote.py).
+                env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+                if rank == 0:
+                    env[ENV_HOST_STORE] = "1"
                 assert warm_target is not None
                 child = zygote.spawn(rank, env, log_path, cwd, warm_target[0], warm_target[1])
                 ranks.append(RankProcess(rank, local, child, self.clock(), log_path, gpu=_nth(gpus, local)))

@@ -108,6 +108,8 @@ class Zygote:
         self._children: dict[int, ZygoteChild] = {}
         self._early_exits: dict[int, tuple[int, int | None]] = {}
         self._replies: list[dict[str, Any]] = []
+        self._spares: set[int] = set()
+        """Processes the zygote forked ahead of need (``trainer.zygote.Spares``), not yet ranks."""
         self._cond = threading.Condition()
         self._lock = threading.Lock()
         self.import_s: float | None = None
@@ -137,7 +139,13 @@ class Zygote:
                 continue
             if msg.get("ev") == "warning":
                 continue
+            if msg.get("ev") == "spare":
+                with self._cond:
+                    self._spares.add(int(msg["pid"]))
+                continue
             with self._cond:
+                if msg.get("ev") == "spawned":
+                    self._spares.discard(int(msg.get("pid", -1)))
                 self._replies.append(msg)
                 self._cond.notify_all()
         with self._cond:
@@ -156,6 +164,11 @@ class Zygote:
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def own_pids(self) -> set[int]:
+        """The zygote and its spares: what clearing the job's cgroup must leave alone."""
+        with self._cond:
+            return {self.proc.pid, *self._spares}
 
     def spawn(self, rank: int, env: dict[str, str], log: str, cwd: str, module: str, args: list[str]) -> ZygoteChild:
         req = {"op": "spawn", "rank": rank, "env": env, "log": log, "cwd": cwd, "module": module, "args": args,
