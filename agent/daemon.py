@@ -414,10 +414,10 @@ class Agent:
                 return  # an untracked process: the kernel program filters, this is a late race
             # The kernel saw the exit first: wake the supervisor now. It writes the rank_exit event
             # itself (with the waitpid status), so this one is only the latency evidence.
+            exited_at = fields.get("exited_at")
+            if job is not None and (fields.get("signal") or fields.get("exit_code")) and isinstance(exited_at, float):
+                self.recovery.note_death(job, exited_at)  # before the supervisor, woken next, reports it
             self.supervisor.on_exit_event(pid, fields)
-            latency_ms = fields.get("latency_ms")
-            if job is not None and (fields.get("signal") or fields.get("exit_code")) and isinstance(latency_ms, (int, float)):
-                self.recovery.note_death(job, time.time() - latency_ms / 1000)
             kind = "process_exit_seen"
         if kind in ("gpu_lost", "gpu_xid", "gpu_ecc"):
             self.gpu_faults.on_event(kind, fields)

@@ -274,7 +274,7 @@ def test_sigkill_yields_an_exit_event_within_100ms(kernel: tuple[EbpfCollector, 
     try:
         assert child.stdout is not None and child.stdout.readline() == "ready\n"
         c.track({child.pid: TrackedProcess(child.pid, "ex", 3, 1)})
-        t0 = time.monotonic()
+        t0, killed_at = time.monotonic(), time.time()
         os.kill(child.pid, signal.SIGKILL)
         got = events.wait_for("rank_exit", child.pid, timeout=5)
     finally:
@@ -283,6 +283,8 @@ def test_sigkill_yields_an_exit_event_within_100ms(kernel: tuple[EbpfCollector, 
     t, fields = got
     assert t - t0 < 0.1, f"exit event after {1000 * (t - t0):.1f} ms"
     assert fields["signal"] == 9 and fields["exit_code"] == -9
+    # The kernel's time of the exit on the wall clock (a recovery's clock starts there): after the kill.
+    assert killed_at <= fields["exited_at"] <= killed_at + (t - t0) + 0.001, (killed_at, fields["exited_at"])
     assert (fields["job"], fields["rank"], fields["local_rank"]) == ("ex", 3, 1)
     time.sleep(0.05)
     assert len(events.matching("rank_exit", child.pid)) == 1  # four threads died, one group exit

@@ -57,7 +57,8 @@ class EbpfCollector:
                  print_bpf: bool = False, *, programs: Iterable[type[Program]] = ALL_PROGRAMS,
                  proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
                  tracefs_roots: tuple[Path, ...] = CANDIDATE_ROOTS, event_poll_ms: int = 200,
-                 out: TextIO = sys.stdout, monotonic_ns: Callable[[], int] = time.monotonic_ns) -> None:
+                 out: TextIO = sys.stdout, monotonic_ns: Callable[[], int] = time.monotonic_ns,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         if interval <= 0:
             raise ValueError(f"interval: must be > 0, got {interval}")
         if event_poll_ms <= 0:
@@ -71,6 +72,7 @@ class EbpfCollector:
         self.event_poll_ms = event_poll_ms
         self.out = out
         self.monotonic_ns = monotonic_ns
+        self.wall_clock = wall_clock
         self.down_reason: str | None = None
         self.skipped: dict[str, str] = {}  # program name -> why it is not running
         self.programs: list[Program] = []
@@ -213,7 +215,8 @@ class EbpfCollector:
             fields: dict[str, Any] = {"pid": e.tgid, "thread": e.pid, "comm": e.comm,
                                       "exit_code": e.exit_code, "signal": e.signal,
                                       "core_dumped": e.core_dumped, "wait_status": e.wait_status,
-                                      "latency_ms": round((now - e.ktime_ns) / 1e6, 3), "source": "ebpf"}
+                                      "latency_ms": round((now - e.ktime_ns) / 1e6, 3), "source": "ebpf",
+                                      "exited_at": round(self.wall_clock() - (now - e.ktime_ns) / 1e9, 6)}
             if proc is not None and proc.pid == e.tgid:
                 fields.update(job=proc.job, rank=proc.rank, local_rank=proc.local_rank)
             self.emit("rank_exit", fields)
