@@ -8,9 +8,10 @@ Protocol (JSON lines): the agent writes ``{"op": "spawn", "rank": r, "env": {...
 (a module name, or ``path:/abs/script.py`` for a script)
 "args": [...], "log": path, "cwd": dir}`` and ``{"op": "exit"}`` on stdin; the zygote answers
 ``{"ev": "ready", "pid": p, "import_s": t}`` once, then ``{"ev": "spawned", "rank": r, "pid": p}``
-and ``{"ev": "exit", "pid": p, "code": c, "signal": s}`` on stdout. A spawn may name an
-``"exit_file"``: the same end is written there too (``wire.write_exit_status``), which an agent
-started after the rank ended (the one that spawned it killed meanwhile) reads instead.
+and ``{"ev": "exit", "pid": p, "code": c, "signal": s}`` on stdout, and ``{"ev": "spare", "pid": p}``
+for each process it forks ahead of need (``Spares``: a later spawn's ``pid`` may be one). A spawn
+may name an ``"exit_file"``: the same end is written there too (``wire.write_exit_status``), which
+an agent started after the rank ended (the one that spawned it killed meanwhile) reads instead.
 """
 
 from __future__ import annotations

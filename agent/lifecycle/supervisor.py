@@ -593,8 +593,8 @@ class Supervisor:
                         if getattr(r, "_pidfd_fired", False):
                             # Its process ended and its status has not come (a warm launcher's rank
                             # whose zygote has not reported yet): polled again, its pidfd would
-                            # answer at once, a busy loop that held the GIL from the very thread
-                            # that brings the report (~15 ms a kill, BENCHMARKS.md).
+                            # answer at once, a busy loop (~800-1,300 rounds a kill on the recovery
+                            # bench) that held the GIL from the very thread that brings the report.
                             waiting = True
                             continue
                         fd = getattr(r, "_pidfd", None)

@@ -96,9 +96,10 @@ def recovery_timeline(failed_at: float, launched_at: float | None, window: list[
     """Where the time from a failure to the first resumed step went, as the lead rank saw it:
     detect (the kernel saw the rank die, ``died_at`` -> the supervisor saw its exit, ``failed_at``),
     teardown (-> the new ranks' launch: stopping the survivors, picking the restore), fork (-> the
-    rank's process exists, or the warm launcher's spare that became it was handed its work), rendezvous (-> its process group is up, as ``trainguard.init`` found
-    it), setup (-> its restore begins: the model build, or all of it where ``init`` came before
-    the process group), restore, first step. Phases no one reported are left out."""
+    rank's process exists, or the warm launcher's spare that becomes it is handed its work),
+    rendezvous (-> its process group is up, as ``trainguard.init`` found it), setup (-> its
+    restore begins: the model build, or all of it where ``init`` came before the process group),
+    restore, first step. Phases no one reported are left out."""
     marks: dict[str, float] = {}
     for msg in window:
         for name in ("proc_start", "group_ready", "restore_begin", "restore_end"):
