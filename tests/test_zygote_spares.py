@@ -53,8 +53,9 @@ def _zygote(tmp_path: Path) -> Zygote:
 
 
 def _spares(zygote: Zygote, n: int) -> set[int] | None:
+    """The zygote's spares once there are ``n`` (a spare killed by a test is told gone when reaped)."""
     found = zygote.own_pids() - {zygote.proc.pid}
-    return found if len(found) == n else None
+    return found if len(found) == n and all(map(_alive, found)) else None
 
 
 def _alive(pid: int) -> bool:

@@ -9,7 +9,8 @@ Protocol (JSON lines): the agent writes ``{"op": "spawn", "rank": r, "env": {...
 "args": [...], "log": path, "cwd": dir}`` and ``{"op": "exit"}`` on stdin; the zygote answers
 ``{"ev": "ready", "pid": p, "import_s": t}`` once, then ``{"ev": "spawned", "rank": r, "pid": p}``
 and ``{"ev": "exit", "pid": p, "code": c, "signal": s}`` on stdout, and ``{"ev": "spare", "pid": p}``
-for each process it forks ahead of need (``Spares``: a later spawn's ``pid`` may be one). A spawn
+for each process it forks ahead of need (``Spares``: a later spawn's ``pid`` may be one;
+``{"ev": "spare_gone", "pid": p}`` when one died before it was given work). A spawn
 may name an ``"exit_file"``: the same end is written there too (``wire.write_exit_status``), which
 an agent started after the rank ended (the one that spawned it killed meanwhile) reads instead.
 """
@@ -344,6 +345,7 @@ def serve(stdin_fd: int = 0, out: Any = None) -> int:
             if pid == 0:
                 break
             if spares.gone(pid):
+                _say(out, ev="spare_gone", pid=pid)
                 continue
             exit_file, ticks = children.pop(pid, ("", None))
             sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None

@@ -139,9 +139,12 @@ class Zygote:
                 continue
             if msg.get("ev") == "warning":
                 continue
-            if msg.get("ev") == "spare":
+            if msg.get("ev") in ("spare", "spare_gone"):
                 with self._cond:
-                    self._spares.add(int(msg["pid"]))
+                    if msg["ev"] == "spare":
+                        self._spares.add(int(msg["pid"]))
+                    else:
+                        self._spares.discard(int(msg["pid"]))
                 continue
             with self._cond:
                 if msg.get("ev") == "spawned":
