@@ -364,7 +364,10 @@ def stall_probe(model: dict[str, Any], cache: str, label: str) -> dict[str, floa
     optimizer-owned tensors copied while the next step runs: the stall is what ``take`` blocked
     plus what the next optimizer step waited for that copy (``take_ms``: ``take`` alone). The
     memcpy is timed twice: ten in a row (the goal's yardstick) and right after a step each, as a
-    snapshot's copy is made (``memcpy_after_step_ms``)."""
+    snapshot's copy is made (``memcpy_after_step_ms``). Then what each costs the training loop in
+    all, the helper's copy, the GIL it takes and the caches it leaves counted: how much longer a
+    step with a snapshot after it runs than one without (``snapshot_growth_ms``), and the same for
+    the memcpy in that place (``memcpy_growth_ms``)."""
     code = r'''
 import json, os, statistics, sys, tempfile, time
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -394,8 +397,6 @@ for i in range(2, 23):
     blocked.append(w.take(i, state, meta))
 w.wait()
 n = w.stats.state_bytes
-w.close()
-slots.cleanup()
 src = torch.ones(n, dtype=torch.uint8); dst = torch.empty_like(src); dst.copy_(src)
 copies = []
 for _ in range(10):
@@ -406,7 +407,33 @@ after_step = []
 for _ in range(10):
     t.train_step()
     t0 = time.perf_counter(); dst.copy_(src); after_step.append(time.perf_counter() - t0)
+# What each costs the loop in all: a step's time with a snapshot (or the memcpy) after it against
+# without, in blocks that take turns; the helper's copy and the caches it leaves count here.
+taken = [23]
+def snapshot():
+    w.take(taken[0], state, meta); taken[0] += 1
+def growth(extra, pairs, per):
+    diffs = []
+    for p in range(pairs):
+        medians = {}
+        for on in ((True, False) if p % 2 == 0 else (False, True)):
+            times = []
+            for _ in range(per):
+                t0 = time.perf_counter(); t.train_step()
+                if on:
+                    extra()
+                times.append(time.perf_counter() - t0)
+            w.wait()
+            medians[on] = statistics.median(times[1:])
+        diffs.append(medians[True] - medians[False])
+    return statistics.median(diffs)
+pairs, per = (10, 12) if n < 50e6 else (3, 4)
+snapshot_growth = growth(snapshot, pairs, per)
+memcpy_growth = growth(lambda: dst.copy_(src), pairs, per)
+w.close()
+slots.cleanup()
 print(json.dumps({"state_mb": n / 1e6, "stall_ms": statistics.median(takes) * 1e3,
+                  "snapshot_growth_ms": snapshot_growth * 1e3, "memcpy_growth_ms": memcpy_growth * 1e3,
                   "memcpy_ms": statistics.median(copies) * 1e3, "step_ms": statistics.median(steps[2:]) * 1e3,
                   "memcpy_after_step_ms": statistics.median(after_step) * 1e3,
                   "take_ms": statistics.median(blocked) * 1e3, "overlapped": w.stats.overlapped}))
@@ -525,7 +552,10 @@ def main() -> int:
               f"step {_fmt(p['step_ms'], '.1f')} ms (stall/step {_fmt(p['stall_ms'] / p['step_ms'] * 100)}%); "
               f"take() alone {_fmt(p.get('take_ms', NAN), '.3f')} ms, {p.get('overlapped', 0):.0f} copies overlapped; "
               f"the memcpy right after a step {_fmt(p.get('memcpy_after_step_ms', NAN), '.3f')} ms "
-              f"(stall/that {_fmt(p['stall_ms'] / p.get('memcpy_after_step_ms', NAN))}x)")
+              f"(stall/that {_fmt(p['stall_ms'] / p.get('memcpy_after_step_ms', NAN))}x); in all, a step with a snapshot "
+              f"{_fmt(p.get('snapshot_growth_ms', NAN), '.3f')} ms longer than without, with that memcpy "
+              f"{_fmt(p.get('memcpy_growth_ms', NAN), '.3f')} ms (snapshot/memcpy "
+              f"{_fmt(p.get('snapshot_growth_ms', NAN) / p.get('memcpy_growth_ms', NAN))}x)")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     else:
@@ -547,6 +577,8 @@ def main() -> int:
         f"torchrun_in_kept_steps={torchrun.in_kept_steps:.3f} overhead={ours.overhead:.4f} "
         f"snapshot_memcpy_ratio={small['stall_ms'] / small['memcpy_ms']:.2f} "
         f"snapshot_memcpy_after_step_ratio={small['stall_ms'] / small.get('memcpy_after_step_ms', NAN):.2f} "
+        f"snapshot_growth_ms={small.get('snapshot_growth_ms', NAN):.3f} "
+        f"snapshot_memcpy_growth_ratio={small.get('snapshot_growth_ms', NAN) / small.get('memcpy_growth_ms', NAN):.2f} "
         f"large_snapshot_memcpy_ratio={large['stall_ms'] / large['memcpy_ms']:.2f} "
         f"large_state_mb={large['state_mb']:.0f}{peers}"
     )

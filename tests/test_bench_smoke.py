@@ -78,7 +78,7 @@ def test_quick_recovery_bench_runs_every_arm_peers_included() -> None:
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])  # nonzero: an arm did not finish
     result = result_line(out.stdout)
     for key in ("lost_time_ratio", "iso_lost_time_ratio", "ft_launcher_lost_time_ratio", "torchft_lost_time_ratio",
-                "in_kept_steps"):
+                "in_kept_steps", "snapshot_growth_ms", "snapshot_memcpy_growth_ratio"):
         assert key in result and not math.isnan(float(result[key])), (key, result)
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line[:1].isalpha() and " yes " in line}
     for arm in ("trainguard", "ft_launcher", "torchft"):

@@ -223,10 +223,13 @@ class _ReusedPickler:
         return out.getvalue()
 
 
+_CUDA_BUILT = torch.backends.cuda.is_built()
+
+
 def rng_states() -> dict[str, Any]:
     """This process's RNG states, as snapshots and checkpoints keep them (copies: the generators go on)."""
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
+    return {"torch": torch.default_generator.get_state(),
+            "cuda": torch.cuda.get_rng_state() if _CUDA_BUILT and torch.cuda.is_initialized() else None}
 
 
 def _rng_bytes() -> dict[str, bytes | None]:
@@ -248,8 +251,16 @@ def _stand_in(length: int) -> bytes:
     return found
 
 
+_STAND_IN_SETS: dict[tuple[int, ...], dict[str, bytes | None]] = {}
+
+
 def _stand_ins(states: Mapping[str, torch.Tensor | None]) -> dict[str, bytes | None]:
-    return {name: _stand_in(t.numel()) if t is not None else None for name, t in states.items()}
+    lengths = tuple(t.numel() if t is not None else -1 for t in states.values())
+    found = _STAND_IN_SETS.get(lengths)
+    if found is None or found.keys() != states.keys():
+        found = _STAND_IN_SETS[lengths] = {name: _stand_in(t.numel()) if t is not None else None
+                                           for name, t in states.items()}
+    return found
 
 
 def _fill_stand_ins(raw: bytes, states: Mapping[str, torch.Tensor | None]) -> bytearray:
@@ -444,7 +455,9 @@ class _Plan:
     def dynamic(self, view: Mapping[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, optim in self.optimizers.items():
-            out[key] = [{k: v for k, v in group.items() if k != "params"} for group in optim.param_groups]
+            out[key] = groups = [dict(group) for group in optim.param_groups]
+            for group in groups:
+                group.pop("params", None)
         for key in self.dynamic_keys:
             value = view[key]
             to_dict = getattr(value, "state_dict", None)
@@ -485,6 +498,8 @@ class _Slot:
         self.stored: list[int] = []
         """Indices of the tensors this slot keeps the bytes of (``dsts`` is theirs), in order."""
         self.stored_stable = 0
+        self.all_late = False
+        """Every tensor this slot keeps is in a deferred run: ``take`` copies nothing into it."""
         self.skeleton_bytes = 0
         self._prefix: tuple[int, bytes, bytes, bytes, int] | None = None
         """(offset, part lengths, specs, static tree, their crc32) of the skeleton's head as last
@@ -546,6 +561,7 @@ class _Slot:
                       .view(tensors[start].dtype), _flag(deferred, start)) for start, end, at in runs]
         self.stable, self.stored = stable, stored
         self.stored_stable = sum(1 for i in stored if i < stable)
+        self.all_late = self.stored_stable == len(stored) and all(late for _, _, _, late in self.runs)
         self.specs, self.signature, self.payload_bytes = specs, (signature, holders, deferred), offset
         self.specs_bytes = pickle.dumps(specs, protocol=5)
 
@@ -597,6 +613,7 @@ class _Slot:
 
     def close_map(self) -> None:
         self.dsts, self.runs, self.buf, self.signature, self.stored = [], [], None, None, []
+        self.all_late = False
         if self.mm is not None:
             unmap(self.mm)
             self.mm = None
@@ -639,10 +656,12 @@ class _LateCopy:
     what it had, or stays incomplete) and makes the next one work its plan out again."""
 
     def __init__(self, writer: SnapshotWriter, plan: _Plan, slot: _Slot, flats: list[torch.Tensor],
-                 tensors: list[torch.Tensor], dynamic: bytes, header: SlotHeader, touched: bool,
+                 tensors: list[torch.Tensor], dynamic: bytes, step: int, header: SlotHeader | None,
                  rng_states: dict[str, torch.Tensor | None] | None = None) -> None:
+        """``header``: what ``take`` wrote into the slot before copying into it there; None: it
+        copied nothing into it, the slot still says what it held, and the header is written here."""
         self.writer, self.plan, self.slot, self.flats = writer, plan, slot, flats
-        self.tensors, self.dynamic, self.header, self.touched = tensors, dynamic, header, touched
+        self.tensors, self.dynamic, self.step, self.header = tensors, dynamic, step, header
         self.rng_states = rng_states
         self.done = False
         self.cpu_s = 0.0
@@ -659,11 +678,13 @@ class _LateCopy:
         if not self.plan.holds_memory(writer._flat_ptrs):
             writer._stale = True
             return
-        if not self.touched:
-            slot.write_header(self.header)
+        header = self.header
+        if header is None:
+            header = writer._header(self.step)
+            slot.write_header(header)
         slot.copy_in(self.tensors, self.flats, True)
         dynamic = _fill_stand_ins(self.dynamic, self.rng_states) if self.rng_states is not None else self.dynamic
-        slot.finish(self.plan.static_bytes, dynamic, self.header)
+        slot.finish(self.plan.static_bytes, dynamic, header)
         writer._last_skeleton = slot.skeleton_bytes
         self.done = True
 
@@ -743,8 +764,8 @@ class SnapshotWriter:
 
     def _target(self) -> _Slot:
         """The slot not holding the newest complete snapshot."""
-        newest = max(self._slots, key=lambda s: s.step)
-        return self._slots[1] if newest is self._slots[0] else self._slots[0]
+        first, second = self._slots
+        return second if first.step >= second.step else first
 
     def take(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> float:
         """Snapshot ``state`` as of ``step`` steps done; returns the seconds this call blocked
@@ -787,7 +808,8 @@ class SnapshotWriter:
             self._plan = None
             raise SnapshotError(f"the state holds something snapshots cannot carry: {exc}") from exc
         slot = self._target()
-        signature = plan.signature + _signature(tensors[len(plan.tensors):])
+        signature = plan.signature if len(tensors) == len(plan.tensors) else \
+            plan.signature + _signature(tensors[len(plan.tensors):])
         deferred = plan.deferred if late else ()
         # The specs' pickle is ~40 bytes a tensor: a first layout with room for it maps the slot once.
         skeleton_bytes = _PARTS.size + len(plan.static_bytes) + len(dynamic) + 64 * len(tensors) + 4096
@@ -804,9 +826,9 @@ class SnapshotWriter:
         st = self.stats
         st.taken += 1
         st.state_bytes = slot.payload_bytes
-        header = SlotHeader(WRITING, step, self.attempt, self.world_size, self.rank, 0, 0, 0)
-        touched = not late or slot.stored_stable < len(slot.stored) or any(not f for _, _, _, f in slot.runs)
-        if touched:  # bytes copied here: the slot is no longer the complete one it was
+        touched = not late or not slot.all_late
+        header = self._header(step) if touched else None  # else the helper makes it
+        if header is not None:  # bytes copied here: the slot is no longer the complete one it was
             slot.write_header(header)
             slot.copy_in(tensors, flats, False if late else None)
         if late:
@@ -814,13 +836,14 @@ class SnapshotWriter:
             self._guard(plan)
             if self._copier is None:
                 self._copier = _Copier()
-            job = _LateCopy(self, plan, slot, flats, tensors, dynamic, header, touched, rng_now)
+            job = _LateCopy(self, plan, slot, flats, tensors, dynamic, step, header, rng_now)
             self._copier.submit(job.run)
             blocked = time.perf_counter() - t0
             self._pending = (step, blocked, job)
             st.overlapped += 1
             st.total_stall_s += blocked
             return blocked
+        assert header is not None
         slot.finish(plan.static_bytes, dynamic, header)
         self._last_skeleton = slot.skeleton_bytes
         stall = time.perf_counter() - t0
@@ -828,6 +851,10 @@ class SnapshotWriter:
         st.last_cost_s = stall
         st.total_stall_s += stall
         return stall
+
+    def _header(self, step: int) -> SlotHeader:
+        """The header of a slot being written with ``step``."""
+        return SlotHeader(WRITING, step, self.attempt, self.world_size, self.rank, 0, 0, 0)
 
     def _meta_bytes(self, meta: Mapping[str, Any]) -> bytes:
         """``meta`` pickled, once while it stays equal (a run's checkpoint meta changes with its plan)."""
