@@ -427,7 +427,7 @@ def growth(extra, pairs, per):
             medians[on] = statistics.median(times[1:])
         diffs.append(medians[True] - medians[False])
     return statistics.median(diffs)
-pairs, per = (10, 12) if n < 50e6 else (3, 4)
+pairs, per = (30, 12) if n < 50e6 else (3, 4)
 snapshot_growth = growth(snapshot, pairs, per)
 memcpy_growth = growth(lambda: dst.copy_(src), pairs, per)
 w.close()

@@ -10,6 +10,7 @@ import copy
 import os
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from trainguard.agent.checkpoint.snapshots import (
 )
 from trainguard.snapshot import SnapshotError, SnapshotWriter, _LateCopy, cost_scale, overlap_pays
 from trainguard.snapshot_load import load_snapshot
+from trainguard.trainer.checkpoint import TrainerState
 
 
 def _trained(seed: int = 0, steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -597,3 +599,19 @@ def test_meta_with_values_of_their_own_equality_comes_back_from_each_snapshot(tm
     for step in (1, 2):  # comparing two of these metas raises in torch: pickled anew, not a failure
         odd.take(step, state, {"weights": torch.ones(3)})
     odd.close()
+
+
+def test_the_trainers_snapshot_view_is_kept_while_its_stages_and_optimizers_stay_the_same() -> None:
+    """``TrainerState.snapshot_state`` gives the same mapping from step to step, and a new one as
+    soon as a stage or an optimizer is another object (a re-planned trainer builds new ones)."""
+    model, opt = _trained(steps=0)
+    trainer = types.SimpleNamespace(chunks=[model], optimizers=[opt], sampler=None)
+    state = TrainerState(trainer)  # type: ignore[arg-type]
+    first = state.snapshot_state()
+    assert first["stage0"] is model and first["optim0"] is opt and state.snapshot_state() is first
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer.optimizers = [other]
+    second = state.snapshot_state()
+    assert second is not first and second["optim0"] is other and second["stage0"] is model
+    trainer.chunks = [model, nn.Linear(2, 2)]
+    assert state.snapshot_state().keys() == {"stage0", "stage1", "optim0", "sampler"}

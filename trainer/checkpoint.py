@@ -17,6 +17,7 @@ is always complete. Assumes all ranks see one filesystem.
 
 from __future__ import annotations
 
+import operator
 import os
 import weakref
 from pathlib import Path
@@ -124,12 +125,20 @@ class TrainerState(dict[str, Any]):
         stages = _Stages(trainer)
         super().__init__(model=_Half(stages, "model"), optim=_Half(stages, "optim"), sampler=_SamplerState(trainer))
         self.trainer = trainer
+        self._snapshot_view: tuple[list[Any], dict[str, Any]] | None = None
 
     def snapshot_state(self) -> dict[str, Any]:
+        """The same mapping while the trainer keeps its stages and optimizers (a snapshot reads
+        it between two steps; made anew it cost ~8 us there)."""
         t = self.trainer
+        objects = [*t.chunks, *t.optimizers]
+        kept = self._snapshot_view
+        if kept is not None and len(kept[0]) == len(objects) and all(map(operator.is_, kept[0], objects)):
+            return kept[1]
         out: dict[str, Any] = {f"stage{i}": chunk for i, chunk in enumerate(t.chunks)}
         out.update({f"optim{i}": opt for i, opt in enumerate(t.optimizers)})
         out["sampler"] = self["sampler"]
+        self._snapshot_view = (objects, out)
         return out
 
 

@@ -578,12 +578,12 @@ class _Slot:
                 or prefix[3] is not static:
             head = lengths + self.specs_bytes + static
             self.mm[start:start + len(head)] = head
-            prefix = self._prefix = (start, lengths, self.specs_bytes, static, zlib.crc32(head))
+            prefix = self._prefix = (start, lengths, self.specs_bytes, static, _crc32(head))
         at = start + _PARTS.size + len(self.specs_bytes) + len(static)
         self.mm[at:at + len(dynamic)] = dynamic
         size = at + len(dynamic) - start
         self.write_header(SlotHeader(DONE, header.step, header.attempt, header.world_size, header.rank,
-                                     self.payload_bytes, size, zlib.crc32(dynamic, prefix[4])))
+                                     self.payload_bytes, size, _crc32(dynamic, prefix[4])))
         self.step = header.step
         self.skeleton_bytes = size
 
@@ -621,6 +621,20 @@ class _Slot:
     def close(self) -> None:
         self.close_map()
         os.close(self.fd)
+
+
+_CRC_PIECE = 4096
+
+
+def _crc32(data: bytes | bytearray, value: int = 0) -> int:
+    """``zlib.crc32`` in pieces short enough that zlib keeps the GIL (it lets go above 5 KiB): the
+    helper thread sums a skeleton (~5.5 KB with the RNG state) while the training thread runs, and
+    each time it lets go of the GIL it waits for it again, a wake-up the training thread pays for
+    at its next release (~20-50 us each on this machine kind's VMs)."""
+    view = memoryview(data)
+    for at in range(0, len(view), _CRC_PIECE):
+        value = zlib.crc32(view[at:at + _CRC_PIECE], value)
+    return value
 
 
 def _data_ptrs(tensors: list[torch.Tensor]) -> list[int]:
