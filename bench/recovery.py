@@ -451,6 +451,11 @@ print(json.dumps({"state_mb": n / 1e6, "stall_ms": statistics.median(takes) * 1e
     return row
 
 
+def _ratio(a: float, b: float) -> float:
+    """a / b, NaN where b is 0 (a growth measured as nothing: noise)."""
+    return a / b if b else NAN
+
+
 def _fmt(x: float, spec: str = ".2f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -557,7 +562,7 @@ def main() -> int:
               f"(stall/that {_fmt(p['stall_ms'] / p.get('memcpy_after_step_ms', NAN))}x); in all, a step with a snapshot "
               f"{_fmt(p.get('snapshot_growth_ms', NAN), '.3f')} ms longer than without, with that memcpy "
               f"{_fmt(p.get('memcpy_growth_ms', NAN), '.3f')} ms (snapshot/memcpy "
-              f"{_fmt(p.get('snapshot_growth_ms', NAN) / p.get('memcpy_growth_ms', NAN))}x)")
+              f"{_fmt(_ratio(p.get('snapshot_growth_ms', NAN), p.get('memcpy_growth_ms', NAN)))}x)")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     else:
@@ -580,7 +585,7 @@ def main() -> int:
         f"snapshot_memcpy_ratio={small['stall_ms'] / small['memcpy_ms']:.2f} "
         f"snapshot_memcpy_after_step_ratio={small['stall_ms'] / small.get('memcpy_after_step_ms', NAN):.2f} "
         f"snapshot_growth_ms={small.get('snapshot_growth_ms', NAN):.3f} "
-        f"snapshot_memcpy_growth_ratio={small.get('snapshot_growth_ms', NAN) / small.get('memcpy_growth_ms', NAN):.2f} "
+        f"snapshot_memcpy_growth_ratio={_ratio(small.get('snapshot_growth_ms', NAN), small.get('memcpy_growth_ms', NAN)):.2f} "
         f"large_snapshot_memcpy_ratio={large['stall_ms'] / large['memcpy_ms']:.2f} "
         f"large_state_mb={large['state_mb']:.0f}{peers}"
     )
