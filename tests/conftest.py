@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -144,3 +145,20 @@ def in_process_agent_config(state_dir: Path) -> AgentConfig:
     cfg.collectors.ebpf = False
     cfg.collectors.gpu = False
     return cfg
+
+
+def join_ranks(ctx: Any, what: str, timeout: float = 240.0) -> None:
+    """Join ranks forked with ``torch.multiprocessing.start_processes(join=False)``: a rank's
+    exception is raised here with its traceback, and ranks still running at the end (a hang past
+    ``timeout``, pytest's own timeout, a rank that failed) are killed, not left to the rest of the
+    suite."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1.0):  # raises ProcessRaisedException with the child's traceback
+            if time.monotonic() > deadline:
+                pytest.fail(f"{what} ranks did not finish in {timeout} s")
+    finally:
+        for process in ctx.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(10)

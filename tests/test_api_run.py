@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard
+from tests.conftest import join_ranks
 from trainguard.agent.checkpoint.memory import MemoryTier
 from trainguard.agent.checkpoint.snapshots import SnapshotSet, snapshot_dir
 from trainguard.agent.lifecycle.launcher import free_port
@@ -99,21 +100,10 @@ def test_loss_weight_and_batch_size_follow_the_plan(tmp_path: Path) -> None:
 # --- real gloo jobs, forked ------------------------------------------------------------------
 
 
-def _spawn(fn: Any, nproc: int, *args: Any, timeout: float = 240.0) -> None:
-    """Run ``fn`` in ``nproc`` forked ranks; a rank still running at the end (a hang past
-    ``timeout``, or pytest's own timeout) is killed rather than left to the rest of the suite."""
+def _spawn(fn: Any, nproc: int, *args: Any) -> None:
     port = free_port()
-    ctx = mp.start_processes(fn, args=(nproc, port, *args), nprocs=nproc, start_method="fork", join=False)
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=1.0):  # raises ProcessRaisedException with the child's traceback
-            if time.monotonic() > deadline:
-                pytest.fail(f"{fn.__name__} ranks did not finish in {timeout} s")
-    finally:
-        for process in ctx.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(10)
+    join_ranks(mp.start_processes(fn, args=(nproc, port, *args), nprocs=nproc, start_method="fork", join=False),
+               fn.__name__)
 
 
 def _init(rank: int, nproc: int, port: int, extra: dict[str, str]) -> None:

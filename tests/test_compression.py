@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests.conftest import join_ranks
 from trainguard.trainer.compression import (
     CompressionStats,
     dequantize,
@@ -44,12 +44,7 @@ def run_ranks(tmp_path: Path, fn: Callable[..., Any], *args: Any, timeout: float
     ctx = mp.start_processes(
         _entry, args=(fn, str(tmp_path / "store"), args), nprocs=WORLD, start_method="fork", join=False
     )
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):  # raises ProcessRaisedException with the child's traceback
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{fn.__name__} ranks did not finish in {timeout} s")
+    join_ranks(ctx, fn.__name__, timeout)
 
 
 class GradEcho(nn.Module):

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainguard
 import trainguard.computetime as computetime
 import trainguard.run as run_module
+from tests.conftest import join_ranks
 from trainguard.agent.lifecycle.launcher import free_port
 from trainguard.computetime import ClockStamps, GradientClock
 from trainguard.trainer.testing import TelemetryCapture
@@ -186,7 +187,8 @@ def _ranks(rank: int, nproc: int, port: int, out_dir: str, clocked: bool) -> Non
 def _median_compute(tmp_path: Path, clocked: bool) -> tuple[float, float]:
     out = tmp_path / ("clocked" if clocked else "wall")
     out.mkdir()
-    mp.start_processes(_ranks, args=(2, free_port(), str(out), clocked), nprocs=2, start_method="fork", join=True)
+    join_ranks(mp.start_processes(_ranks, args=(2, free_port(), str(out), clocked), nprocs=2, start_method="fork",
+                                  join=False), "compute time")
     fast, slow = (statistics.median(json.loads((out / f"rank{r}.json").read_text())) for r in (0, 1))
     return fast, slow
 

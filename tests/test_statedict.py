@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests.conftest import join_ranks
 from trainguard.statedict import VERIFY_EVERY, LearnedStateDict, LearnedStateDicts
 
 OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -136,7 +137,7 @@ def test_ddp_names_without_its_module_prefix(tmp_path: Any) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "out"
-    mp.start_processes(_ddp_rank, args=(port, str(out)), nprocs=1, start_method="fork", join=True)
+    join_ranks(mp.start_processes(_ddp_rank, args=(port, str(out)), nprocs=1, start_method="fork", join=False), "ddp")
     built, names = out.read_text().split(" ")
     assert int(built) >= 2 * VERIFY_EVERY - 2
     assert names.split(",") == ["0.weight", "0.bias", "2.weight", "2.bias"]
