@@ -251,16 +251,8 @@ def _stand_in(length: int) -> bytes:
     return found
 
 
-_STAND_IN_SETS: dict[tuple[int, ...], dict[str, bytes | None]] = {}
-
-
 def _stand_ins(states: Mapping[str, torch.Tensor | None]) -> dict[str, bytes | None]:
-    lengths = tuple(t.numel() if t is not None else -1 for t in states.values())
-    found = _STAND_IN_SETS.get(lengths)
-    if found is None or found.keys() != states.keys():
-        found = _STAND_IN_SETS[lengths] = {name: _stand_in(t.numel()) if t is not None else None
-                                           for name, t in states.items()}
-    return found
+    return {name: _stand_in(t.numel()) if t is not None else None for name, t in states.items()}
 
 
 def _fill_stand_ins(raw: bytes, states: Mapping[str, torch.Tensor | None]) -> bytearray:
@@ -840,9 +832,9 @@ class SnapshotWriter:
         st = self.stats
         st.taken += 1
         st.state_bytes = slot.payload_bytes
-        touched = not late or not slot.all_late
-        header = self._header(step) if touched else None  # else the helper makes it
-        if header is not None:  # bytes copied here: the slot is no longer the complete one it was
+        header = None  # the helper writes it where this copies nothing
+        if not late or not slot.all_late:  # bytes copied here: the slot is no longer the complete one it was
+            header = self._header(step)
             slot.write_header(header)
             slot.copy_in(tensors, flats, False if late else None)
         if late:
