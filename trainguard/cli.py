@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any
 
+from trainguard import jobcmds
 from trainguard.agent.api.client import ApiClientError
 from trainguard.agent.config import ConfigError
 
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--detach", action="store_true", help="submit to the agent and return at once")
     t.add_argument("--nodes", type=int, default=1,
                    help="spread the ranks over this many nodes of the cluster (the leader places them; implies --detach)")
+    t.add_argument("--agent", metavar="HOST:PORT", help="submit to a remote agent over TCP")
+    t.add_argument("--token-file", metavar="FILE", help="bearer token file for --agent")
+    _add_tls(t)
 
     r = sub.add_parser("run", help="run any training command as a job (torchrun's environment, restarts)",
                        description="Run CMD on N local ranks with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, "
@@ -86,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--follow", "-f", action="store_true")
         if name == "checkpoints":
             p.add_argument("--job")
+
+    jobcmds.add_parsers(sub, _add_target)
 
     top = sub.add_parser("top", help="live terminal dashboard")
     _add_target(top)
@@ -352,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
         "events": cmd_events,
         "checkpoints": cmd_checkpoints,
         "top": cmd_top,
+        "stop": lambda a: jobcmds.cmd_stop(make_client(a), a),
+        "logs": lambda a: jobcmds.cmd_logs(make_client(a), a),
+        "checkpoint": lambda a: jobcmds.cmd_checkpoint(make_client(a), a),
+        "drain": lambda a: jobcmds.cmd_drain(make_client(a), a),
         "demo": cmd_demo,
     }
     try:
