@@ -21,7 +21,7 @@ from trainguard.agent.cluster.jobs import JobRecordDoc
 from trainguard.agent.cluster.lineage import CommitRecord, newer_elsewhere
 from trainguard.agent.cluster.membership import NodeInfo
 from trainguard.agent.cluster.peertier import PeerRef
-from trainguard.agent.cluster.survey import run_bounded
+from trainguard.agent.cluster.survey import Survey, run_bounded
 from trainguard.agent.wire import part_key
 
 TIMEOUT = 0.3  # the decision deadline in these tests
@@ -303,6 +303,20 @@ def test_a_node_that_comes_back_in_time_gives_its_newer_step(tmp_path: Any, peer
     assert "lineage_steps_given_up" not in [k for k, _, _ in events]
 
 
+def test_a_returning_node_never_brings_back_the_branch_given_up() -> None:
+    # c comes back holding step 30 of the old branch (parts a and c, committed at t=50); the leader
+    # gave that branch up at t=100 restoring step 10, and the new lineage committed its own step 20.
+    survey = Survey(have={"a": {10: ["a"], 20: ["a"], 30: ["c"]}, "c": {10: ["b"], 20: ["c"], 30: ["c"]}},
+                    manifests={("a", 10, "a"): (["a", "c"], 5.0), ("c", 10, "b"): (["a", "c"], 5.0),
+                               ("a", 20, "a"): (["a", "c"], 140.0), ("c", 20, "c"): (["a", "c"], 40.0),
+                               ("a", 30, "c"): (["a", "c"], 50.0), ("c", 30, "c"): (["a", "c"], 50.0)})
+    assert survey.find_restore()[0] == 30  # nothing given up: the newest whole step
+    step, sources = survey.find_restore(abandoned=[[10, 100.0]])
+    assert step == 10 and sources == {"a": ["a"], "c": ["b"]}  # c's step 20 is the old branch's too
+    survey.manifests[("c", 20, "c")] = (["a", "c"], 150.0)  # the new lineage's own step 20 on c
+    assert survey.find_restore(abandoned=[[10, 100.0]])[0] == 20
+
+
 def test_steps_nobody_holds_any_more_are_given_up_at_once_and_said() -> None:
     rec = _running(nodes=("a", "b"), requests={"a": {"attempt": 1, "cause": "x", "bad_step": None}})
     inputs = DecisionInputs(commits=_commits(a=(20, 1, ["a", "b"]), b=(20, 1, ["a", "b"])), lineage_wait_s=30.0)
@@ -363,3 +377,58 @@ def test_config_keys_are_validated_with_the_key_named() -> None:
         ClusterConfig(fence_grace_s=-1.0)
     with pytest.raises(ValueError, match="cluster.lineage_wait_s"):
         ClusterConfig(lineage_wait_s="soon")  # type: ignore[arg-type]
+
+
+# -- real sockets and a real etcd ----------------------------------------------------------------------
+
+
+def test_a_member_that_accepts_but_never_answers_costs_one_deadline(tmp_path: Any) -> None:
+    """A real API client against a loopback socket that takes the connection and never replies
+    (a stopped agent's kernel still completes the handshake): the survey returns at its deadline."""
+    import socket
+    import time
+
+    from trainguard.agent.cluster.peertier import token_client_factory
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # never accepted: the handshake completes, no byte ever comes back
+    port = silent.getsockname()[1]
+    try:
+        members = {"a": NodeInfo("a", "127.0.0.1:1", 1, 0.0), "s": NodeInfo("s", f"127.0.0.1:{port}", 1, 0.0)}
+        rec = JobRecordDoc("j", _spec(), "", state="pending", cause="submitted", gang=Gang().to_dict())
+        table = Table(rec)
+        store = BlobStore(tmp_path / "held", own_node="a", own_root=tmp_path / "shm")
+        slow = token_client_factory("t", 30.0)  # the transfer client: 30 s per call
+        gang = GangCoordinator("a", table, store, slow, scratch=str(tmp_path / "asm"),  # type: ignore[arg-type]
+                               emit=lambda k, m, f: None, is_leader=lambda: True, members=lambda: members,
+                               wake=lambda: None, quick_client_for=token_client_factory("t", TIMEOUT),
+                               decision_timeout_s=TIMEOUT)
+        t0 = time.monotonic()
+        gang.sync(table.read())
+        took = time.monotonic() - t0
+        assert table.rec.state == "running" and Gang.from_dict(table.rec.gang).nodes == ["a"]  # s left out
+        assert "s" in gang._unreachable_said["j"]
+        print(f"\nFIGURE decision with a member that never answers (real socket): {took:.3f} s, "
+              f"survey {gang.last_survey_s:.3f} s, deadline {TIMEOUT} s")
+    finally:
+        silent.close()
+
+
+def test_commit_records_in_etcd_round_trip_and_a_bad_one_is_a_counted_drop(tmp_path: Any) -> None:
+    from trainguard.agent.cluster.etcd import EtcdClient
+    from trainguard.agent.cluster.etcdserver import LocalEtcd
+    from trainguard.agent.cluster.lineage import CommitTable
+
+    with LocalEtcd(tmp_path / "etcd", size=1) as etcd:
+        client = EtcdClient(etcd.endpoints, timeout_s=2.0)
+        table = CommitTable(client, "/trainguard/t/")
+        table.write("j", CommitRecord("a", 20, 2, ("a", "b"), 5.0))
+        table.write("j", CommitRecord("b", 18, 2, ("a", "b"), 6.0))
+        table.write("other", CommitRecord("a", 99, 1, (), 1.0))
+        client.put("/trainguard/t/commits/j/c", b'{"step": "lots"}')
+        got = table.read("j")
+        assert sorted(got) == ["a", "b"] and got["a"].step == 20 and got["b"].parts == ("a", "b")
+        assert table.dropped == 1
+        table.clear("j")
+        assert table.read("j") == {} and table.read("other")["a"].step == 99

@@ -113,6 +113,10 @@ class Gang:
     "committed" (node -> step), "unreachable", "waited_s"}."""
     lineage_floor: int = 0
     """Commit records of attempts below this one belong to a lineage given up; they are ignored."""
+    abandoned: list[list[float]] = field(default_factory=list)
+    """[restore step, leader's wall time] of each give-up: copies of later steps committed before
+    that moment are the branch given up and never restored (a node that returns with them would
+    otherwise fork the lineage)."""
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> Gang:
@@ -311,7 +315,8 @@ def decide(rec: JobRecordDoc, members: dict[str, NodeInfo], find_restore: Restor
                     dp=placement.dp, tp=placement.tp, pp=placement.pp, master_addr=host, master_port=0,
                     restore_step=step, sources=sources, nodes_seen=seen, stalls=stalls,
                     failed_at=failed_at, want_dp=want_dp, given_up=given_up,
-                    lineage_floor=attempt if given_up else g.lineage_floor)
+                    lineage_floor=attempt if given_up else g.lineage_floor,
+                    abandoned=([*g.abandoned, [step, now]] if given_up else g.abandoned)[-8:])
     what = f"attempt {new_gang.attempt}: {placement.describe()}" + (f"; {note}" if note else "") \
         + (f"; restore step {step}" if step >= 0 else "; no checkpoint, from step 0")
     history = [*rec.history, f"attempt {new_gang.attempt}: {cause}"]
@@ -676,7 +681,7 @@ class GangCoordinator:
         if self._recorded.get(job) == (newest.step, attempt):
             return
         try:
-            parts = self._parts_of(self.node, "", self.node, key, newest.step)
+            parts, _created = self._parts_of(self.node, "", self.node, key, newest.step)
         except (CheckpointError, OSError, ValueError) as exc:
             log.info("gang %s: manifest of own step %d unreadable: %s", job, newest.step, exc)
             return
@@ -790,7 +795,8 @@ class GangCoordinator:
         raw = self.quick_client_for(PeerRef(holder, api)).get_blob(CKPT_NS, f"{origin}/{key}/{INDEX}")
         return [int(r["step"]) for r in json.loads(raw)]
 
-    def _parts_of(self, holder: str, api: str, origin: str, key: str, step: int) -> list[str]:
+    def _parts_of(self, holder: str, api: str, origin: str, key: str, step: int) -> tuple[list[str], float]:
+        """(parts, commit time) from the manifest of ``origin``'s part of ``step`` at ``holder``."""
         shared = self._shared(holder) if holder.startswith(TIER_HOLDER) else None
         if isinstance(shared, ObjectTier):
             manifest = shared._read_manifest(key, step)  # the manifest alone, not the whole step
@@ -808,7 +814,7 @@ class GangCoordinator:
                 CKPT_NS, f"{origin}/{key}/{step_dirname(step)}/{MANIFEST_NAME}")
             manifest = Manifest.from_json(raw)
         parts = manifest.extra.get("parts")
-        return [str(p) for p in parts] if isinstance(parts, list) else [origin]
+        return ([str(p) for p in parts] if isinstance(parts, list) else [origin]), manifest.created
 
     def survey(self, rec: JobRecordDoc, g: Gang, apis: dict[str, str], probe: Iterable[str] = ()) -> Survey:
         """Probe ``probe`` nodes' APIs and list every part of the job at every holder (members in
@@ -828,7 +834,7 @@ class GangCoordinator:
     def find_restore(self, rec: JobRecordDoc, g: Gang, apis: dict[str, str],
                      max_step: int | None) -> tuple[int, dict[str, list[str]]]:
         """Newest step (<= ``max_step``) of which every part is held by a node that answers."""
-        return self.survey(rec, g, apis).find_restore(max_step)
+        return self.survey(rec, g, apis).find_restore(max_step, g.abandoned)
 
     def assemble(self, job: str, step: int, sources: dict[str, list[str]]) -> tuple[Path, dict[str, str]]:
         """Every part of ``step`` into one local directory (verified); returns (path, part -> holder)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -32,8 +32,9 @@ Probe = Callable[[str], object]
 """Raises unless the node's API answers (a cheap authenticated GET)."""
 Lister = Callable[[str, str], list[int]]
 """(holder, part origin) -> steps the holder keeps of that part; raises when it holds none."""
-PartsReader = Callable[[str, str, int], list[str]]
-"""(holder, part origin, step) -> the parts (nodes) the checkpoint of that step consists of."""
+PartsReader = Callable[[str, str, int], tuple[list[str], float]]
+"""(holder, part origin, step) -> (the parts (nodes) the checkpoint of that step consists of, when
+its writer committed it)."""
 
 
 def sorted_holders(part: str, holders: Iterable[str]) -> list[str]:
@@ -93,24 +94,38 @@ class Survey:
     """Nodes (and shared tiers) that did not answer in time or refused the probe -> why."""
     have: dict[str, dict[int, list[str]]] = field(default_factory=dict)
     """Part origin -> step -> holders that answered with it."""
-    parts: dict[int, list[str]] = field(default_factory=dict)
-    """Step -> the parts its manifest names (steps whose manifest no holder gave are absent)."""
+    manifests: dict[tuple[str, int, str], tuple[list[str], float]] = field(default_factory=dict)
+    """(origin, step, holder) -> (parts, commit time) of that copy (absent: its manifest was unreadable)."""
     elapsed_s: float = 0.0
 
-    def find_restore(self, max_step: int | None = None) -> tuple[int, dict[str, list[str]]]:
-        """Newest step (<= ``max_step``) of which every part is held by a holder that answered."""
-        steps = sorted({s for by in self.have.values() for s in by if max_step is None or s <= max_step},
-                       reverse=True)
-        for step in steps:
-            parts = self.parts.get(step)
-            if parts and all(step in self.have.get(p, {}) for p in parts):
-                return step, {p: sorted_holders(p, self.have[p][step]) for p in parts}
+    def find_restore(self, max_step: int | None = None,
+                     abandoned: Iterable[Sequence[float]] = ()) -> tuple[int, dict[str, list[str]]]:
+        """Newest step (<= ``max_step``) of which every part is held by a holder that answered.
+        ``abandoned``: [restore step, when] of each lineage the leader gave up: a copy of a later
+        step committed before that moment belongs to the branch given up and is never used."""
+        cuts = [(int(c[0]), float(c[1])) for c in abandoned]
+
+        def usable(origin: str, step: int, holder: str) -> bool:
+            meta = self.manifests.get((origin, step, holder))
+            return not any(step > s0 and (meta is None or meta[1] < at) for s0, at in cuts)
+
+        have: dict[str, dict[int, list[str]]] = {}
+        for origin, by_step in self.have.items():
+            for step, holders in by_step.items():
+                kept = [h for h in holders if usable(origin, step, h)]
+                if kept and (max_step is None or step <= max_step):
+                    have.setdefault(origin, {})[step] = kept
+        for step in sorted({s for by in have.values() for s in by}, reverse=True):
+            parts = next((self.manifests[(o, step, h)][0] for o in sorted(have) for h in have[o].get(step, [])
+                          if (o, step, h) in self.manifests), None)
+            if parts and all(step in have.get(p, {}) for p in parts):
+                return step, {p: sorted_holders(p, have[p][step]) for p in parts}
         return -1, {}
 
     def finder(self) -> Callable[..., tuple[int, dict[str, list[str]]]]:
-        """A ``gang.RestoreFinder`` over this survey (no I/O)."""
-        def find(_rec: Any, _g: Any, _apis: dict[str, str], max_step: int | None) -> tuple[int, dict[str, list[str]]]:
-            return self.find_restore(max_step)
+        """A ``gang.RestoreFinder`` over this survey (no I/O); the gang's given-up lineages apply."""
+        def find(_rec: Any, g: Any, _apis: dict[str, str], max_step: int | None) -> tuple[int, dict[str, list[str]]]:
+            return self.find_restore(max_step, getattr(g, "abandoned", ()))
 
         return find
 
@@ -124,17 +139,17 @@ def take_survey(*, probe_nodes: Iterable[str], holders: Iterable[str], origins: 
     probed = set(probe_nodes)
     listed = set(holders)
 
-    def ask(node: str) -> dict[str, dict[int, list[str] | None]]:
+    def ask(node: str) -> dict[str, dict[int, tuple[list[str], float] | None]]:
         if node in probed:
             probe(node)
-        out: dict[str, dict[int, list[str] | None]] = {}
+        out: dict[str, dict[int, tuple[list[str], float] | None]] = {}
         for origin in origins if node in listed else []:
             try:
                 steps = listing(node, origin)
             except Exception as exc:  # noqa: BLE001 - a holder without this part holds nothing of it
                 log.debug("%s holds no listing of %s: %s", node, origin, exc)
                 continue
-            by_step: dict[int, list[str] | None] = {}
+            by_step: dict[int, tuple[list[str], float] | None] = {}
             for step in steps:
                 try:
                     by_step[int(step)] = parts_of(node, origin, int(step))
@@ -149,9 +164,9 @@ def take_survey(*, probe_nodes: Iterable[str], holders: Iterable[str], origins: 
     survey = Survey(unreachable=dict(sorted(failures.items())))
     for holder in sorted(answers, key=lambda h: (h.startswith(TIER_HOLDER), h)):
         for origin, by_step in sorted(answers[holder].items()):
-            for step, parts in by_step.items():
+            for step, meta in by_step.items():
                 survey.have.setdefault(origin, {}).setdefault(step, []).append(holder)
-                if parts and step not in survey.parts:
-                    survey.parts[step] = list(parts)
+                if meta is not None:
+                    survey.manifests[(origin, step, holder)] = (list(meta[0]), float(meta[1]))
     survey.elapsed_s = time.monotonic() - t0
     return survey
