@@ -432,3 +432,25 @@ def test_commit_records_in_etcd_round_trip_and_a_bad_one_is_a_counted_drop(tmp_p
         assert table.dropped == 1
         table.clear("j")
         assert table.read("j") == {} and table.read("other")["a"].step == 99
+
+
+def test_single_owner_job_of_a_lost_node_moves_only_after_the_grace(tmp_path: Any) -> None:
+    from types import SimpleNamespace
+
+    from trainguard.agent.cluster.service import ClusterService
+
+    clock = [10.0]
+    events: list[str] = []
+    svc = ClusterService(ClusterConfig(fence_grace_s=2.0), node="b", memory_root=str(tmp_path / "shm"),
+                         emit=lambda k, m, f: events.append(k), clock=lambda: clock[0])
+    rec = JobRecordDoc("solo", {"job": "solo", "nproc": 1}, "a", peer="b", state="running")
+    table = Table(rec)
+    svc.jobs = table  # type: ignore[assignment]
+    svc.membership = SimpleNamespace(members=lambda: _members("b"))  # type: ignore[assignment]
+    svc._heal(table.read())
+    clock[0] = 11.9
+    svc._heal(table.read())
+    assert table.writes == [] and events == []
+    clock[0] = 12.0
+    svc._heal(table.read())
+    assert table.rec.node == "b" and table.rec.epoch == 1 and events == ["job_moved"]
