@@ -168,6 +168,7 @@ def test_pending_job_is_placed_without_the_member_that_hangs(tmp_path: Any, peer
     kinds = [k for k, _, _ in events]
     assert kinds == ["gang_members_unreachable", "gang_placed"]
     assert events[0][2]["nodes"] == ["b"] and "b not placed (API did not answer)" in events[1][1]
+    assert gang.unreachable_total == 1
     print(f"\nFIGURE decision with one hanging member: survey {gang.last_survey_s:.3f} s "
           f"(deadline {TIMEOUT} s)")
 
@@ -274,6 +275,7 @@ def test_leader_waits_for_the_node_with_newer_steps_then_gives_them_up_with_an_e
     kinds = [k for k, _, _ in events]
     assert kinds == ["lineage_waiting", "gang_placed", "lineage_steps_given_up"]
     assert "steps 11-20" in events[-1][1] and "c (step 20)" in events[-1][1]
+    assert gang.lineage_waits == 1 and gang.lineage_given_up == 1
     assert any("gave up steps 11-20" in h for h in table.rec.history)
     # a later failure of the new lineage does not wait again for the old records
     table.rec = replace(table.rec, gang={**table.rec.gang, "requests": {

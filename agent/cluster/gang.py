@@ -364,6 +364,10 @@ class GangCoordinator:
         self.lineage_wait_s = lineage_wait_s
         self.last_survey_s = 0.0
         """How long the last decision's survey of the members took (seconds)."""
+        self.unreachable_total = 0
+        """Members that did not answer within a decision's deadline, counted per decision."""
+        self.lineage_waits = 0
+        self.lineage_given_up = 0
         self._unreachable_said: dict[str, frozenset[str]] = {}
         self._recorded: dict[str, tuple[int, int]] = {}
         self._launched_at: dict[str, float] = {}
@@ -533,6 +537,7 @@ class GangCoordinator:
     def _say_unreachable(self, job: str, survey: Survey, unreachable: frozenset[str]) -> None:
         """Once per decision in the log; as an event when the set of silent members changes."""
         if unreachable:
+            self.unreachable_total += len(unreachable)
             why = "; ".join(f"{n}: {survey.unreachable[n]}" for n in sorted(unreachable))
             log.warning("gang %s: %d member(s) unreachable for this decision (%.2f s): %s", job,
                         len(unreachable), survey.elapsed_s, why)
@@ -551,6 +556,7 @@ class GangCoordinator:
         was = Gang.from_dict(old.gang)
         if new.state == "pending" and placed.lineage_wait and not was.lineage_wait:
             lw = placed.lineage_wait
+            self.lineage_waits += 1
             self.emit("lineage_waiting", f"job {job}: {new.cause}",
                       {"job": job, "step": lw.get("step"), "nodes": lw.get("nodes"), "restorable": lw.get("restorable"),
                        "wait_s": self.lineage_wait_s, "severity": "warning"})
@@ -562,6 +568,7 @@ class GangCoordinator:
                    "severity": "warning" if new.state in ("failed",) or "lost" in new.cause else "info"})
         if new.state == "running" and placed.given_up:
             gu = placed.given_up
+            self.lineage_given_up += 1
             nodes = ", ".join(f"{n} (step {s})" for n, s in sorted(gu.get("committed", {}).items()))
             self.emit("lineage_steps_given_up",
                       f"job {job} attempt {placed.attempt}: restarting from "

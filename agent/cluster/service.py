@@ -61,8 +61,17 @@ FORWARDED = MetricSpec("trainguard_cluster_telemetry_forwarded_total", "counter"
                        "Rank telemetry messages sent on to the node holding rank 0 of their job (one batch per job per 0.25 s).")
 FORWARD_DROPPED = MetricSpec("trainguard_cluster_telemetry_forward_dropped_total", "counter", "", (),
                              "Rank telemetry messages that could not be sent on (rank-0 node unreachable, queue full).")
+UNREACHABLE = MetricSpec("trainguard_cluster_members_unreachable_total", "counter", "", (),
+                         "Members that did not answer within a decision's deadline (cluster.decision_timeout_s), "
+                         "counted per decision: not placed, their copies not used.")
+LINEAGE_WAITS = MetricSpec("trainguard_cluster_lineage_waits_total", "counter", "", (),
+                           "Restarts of spanning jobs held to wait for an unreachable node that holds part of a newer "
+                           "committed step.")
+LINEAGE_GIVEN_UP = MetricSpec("trainguard_cluster_lineage_given_up_total", "counter", "", (),
+                              "Restarts of spanning jobs that went on from an older step than one committed "
+                              "(event lineage_steps_given_up).")
 METRICS = (MEMBERS, IS_LEADER, ETCD_UP, REFRESH_FAILURES, MOVES, ADOPTIONS, HELD_BYTES, GANG_DECISIONS, FORWARDED,
-           FORWARD_DROPPED)
+           FORWARD_DROPPED, UNREACHABLE, LINEAGE_WAITS, LINEAGE_GIVEN_UP)
 
 
 def _noop(kind: str, message: str, fields: dict[str, Any]) -> None:
@@ -218,7 +227,10 @@ class ClusterService:
                             (MOVES, self.moves), (ADOPTIONS, self.adoptions),
                             (GANG_DECISIONS, gangs.decisions if gangs else 0),
                             (FORWARDED, gangs.forwarded if gangs else 0),
-                            (FORWARD_DROPPED, gangs.forward_dropped if gangs else 0)):
+                            (FORWARD_DROPPED, gangs.forward_dropped if gangs else 0),
+                            (UNREACHABLE, gangs.unreachable_total if gangs else 0),
+                            (LINEAGE_WAITS, gangs.lineage_waits if gangs else 0),
+                            (LINEAGE_GIVEN_UP, gangs.lineage_given_up if gangs else 0)):
             c = spec.counter()
             c.add_metric([], value)
             yield c
