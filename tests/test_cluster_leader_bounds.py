@@ -327,6 +327,21 @@ def test_steps_nobody_holds_any_more_are_given_up_at_once_and_said() -> None:
     assert Gang.from_dict(new.gang).given_up["unreachable"] == [] and Gang.from_dict(new.gang).restore_step == 10
 
 
+def test_a_drained_node_still_gives_its_parts_and_is_not_waited_for() -> None:
+    seen: list[dict[str, str]] = []
+
+    def find(rec: JobRecordDoc, g: Gang, apis: dict[str, str], max_step: int | None) -> tuple[int, dict[str, list[str]]]:
+        seen.append(apis)
+        return 20, {"a": ["a"], "b": ["b"]}
+
+    rec = replace(_running(nodes=("a", "b")), drained=["b"])
+    inputs = DecisionInputs(commits=_commits(a=(20, 1, ["a", "b"]), b=(20, 1, ["a", "b"])), lineage_wait_s=30.0)
+    new, _ = decide(rec, _members("a", "b", "c"), find, 5.0, inputs=inputs) or (None, "")
+    assert new is not None and new.state == "running" and "b" in seen[0]  # its RAM is read, not its slots
+    g = Gang.from_dict(new.gang)
+    assert g.nodes == ["a", "c"] and g.restore_step == 20 and not g.given_up
+
+
 def test_commit_records_reject_bad_input() -> None:
     good = CommitRecord("a", 20, 2, ("a", "b"), 5.0)
     assert CommitRecord.from_json("a", good.to_json()) == good

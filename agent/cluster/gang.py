@@ -249,7 +249,9 @@ def decide(rec: JobRecordDoc, members: dict[str, NodeInfo], find_restore: Restor
     if kind == "finished":
         return replace(rec, state="finished", cause=cause), "finished"
     g = Gang.from_dict(rec.gang)
-    # A node an operator drained this job off is no member for it (it is never placed there again).
+    # Every member that answers may hold checkpoint parts; a node an operator drained this job off
+    # is no member for placing it (it is never placed there again).
+    holders = {n: i.api for n, i in members.items() if n not in inputs.unreachable}
     members = {n: i for n, i in members.items() if n not in rec.drained}
     requests = {n: r for n, r in g.requests.items() if r.get("attempt") == g.attempt}
     failed_at = now
@@ -259,10 +261,9 @@ def decide(rec: JobRecordDoc, members: dict[str, NodeInfo], find_restore: Restor
            if r.get("attempt") == g.attempt and isinstance(r.get("bad_step"), int)]
     max_step = min(bad) - 1 if bad else None
     placeable = {n: i for n, i in members.items() if n not in inputs.unreachable}
-    apis = {n: i.api for n, i in placeable.items()}
-    step, sources = find_restore(rec, g, apis, max_step) if g.nodes_seen else (-1, {})
+    step, sources = find_restore(rec, g, holders, max_step) if g.nodes_seen else (-1, {})
     given_up: dict[str, Any] = {}
-    newer = newer_elsewhere(step, inputs.commits, set(placeable), max_step=max_step,
+    newer = newer_elsewhere(step, inputs.commits, set(holders), max_step=max_step,
                             floor=g.lineage_floor) if g.nodes_seen else None
     if newer is not None:
         since = float(g.lineage_wait.get("since", now))
@@ -308,7 +309,7 @@ def decide(rec: JobRecordDoc, members: dict[str, NodeInfo], find_restore: Restor
     if left_out:
         note = "; ".join(x for x in (note, f"{', '.join(left_out)} not placed (API did not answer)") if x)
     master = placement.master_node
-    host = apis.get(master, "").rsplit(":", 1)[0] or "127.0.0.1"
+    host = holders.get(master, "").rsplit(":", 1)[0] or "127.0.0.1"
     seen = list(dict.fromkeys([*g.nodes_seen, *(b.node for b in placement.blocks)]))
     attempt = g.attempt + 1
     new_gang = Gang(attempt=attempt, blocks=[[b.node, b.rank_offset, b.nproc] for b in placement.blocks],
@@ -520,8 +521,7 @@ class GangCoordinator:
         if why is None or why[0] != "place":
             return decide(rec, members, _no_survey, now, leader=self.node, rejoin=self.rejoin, inputs=inputs)
         g = Gang.from_dict(rec.gang)
-        candidates = {n: i for n, i in members.items() if n not in rec.drained}
-        survey = self.survey(rec, g, {n: i.api for n, i in candidates.items()}, probe=candidates)
+        survey = self.survey(rec, g, {n: i.api for n, i in members.items()}, probe=members)
         self.last_survey_s = survey.elapsed_s
         unreachable = frozenset(n for n in survey.unreachable if n != self.node)
         self._say_unreachable(rec.job, survey, unreachable)
