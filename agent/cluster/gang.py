@@ -578,7 +578,7 @@ class GangCoordinator:
                          if gu.get("unreachable") else " (no node holds them any more)"),
                       {"job": job, "attempt": placed.attempt, "restore_step": placed.restore_step,
                        "newest": gu.get("newest"), "committed": gu.get("committed"),
-                       "unreachable": gu.get("unreachable"), "severity": "error"})
+                       "unreachable": gu.get("unreachable"), "waited_s": gu.get("waited_s"), "severity": "error"})
 
     def wake_in(self, delay: float) -> None:
         """Run the job loop again after ``delay`` seconds (a grace or a wait ends then)."""
