@@ -272,6 +272,7 @@ def test_leader_waits_for_the_node_with_newer_steps_then_gives_them_up_with_an_e
     assert table.rec.state == "running" and g.attempt == 2 and g.restore_step == 10
     assert g.given_up["newest"] == 20 and g.given_up["committed"] == {"a": 20, "c": 20}
     assert g.given_up["waited_s"] == 30.0 and g.lineage_floor == 2 and not g.lineage_wait
+    assert g.failed_at == 100.0  # the recovery clock runs from the failure, not from the end of the wait
     kinds = [k for k, _, _ in events]
     assert kinds == ["lineage_waiting", "gang_placed", "lineage_steps_given_up"]
     assert "steps 11-20" in events[-1][1] and "c (step 20)" in events[-1][1]

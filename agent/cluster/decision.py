@@ -191,7 +191,7 @@ def decide(rec: JobRecordDoc, members: dict[str, NodeInfo], find_restore: Restor
     holders = {n: i.api for n, i in members.items() if n not in inputs.unreachable}
     members = {n: i for n, i in members.items() if n not in rec.drained}
     requests = {n: r for n, r in g.requests.items() if r.get("attempt") == g.attempt}
-    failed_at = now
+    failed_at = float(g.lineage_wait.get("failed_at", now))  # a wait does not restart the recovery clock
     if rec.state == "running":
         failed_at = min([float(r.get("at", now)) for r in requests.values()] + [now])
     bad = [int(r["bad_step"]) for r in g.requests.values()
@@ -210,7 +210,7 @@ def decide(rec: JobRecordDoc, members: dict[str, NodeInfo], find_restore: Restor
             nodes = ", ".join(newer.unreachable)
             have = f"step {step}" if step >= 0 else "no checkpoint"
             wait = {"since": since, "until": since + inputs.lineage_wait_s, "step": newer.step,
-                    "nodes": list(newer.unreachable), "restorable": step, "cause": cause}
+                    "nodes": list(newer.unreachable), "restorable": step, "cause": cause, "failed_at": failed_at}
             text = (f"waiting: step {newer.step} was committed and part of it is only on {nodes} (unreachable); "
                     f"restorable now: {have}; waiting up to {inputs.lineage_wait_s:g} s for {nodes} ({cause})")
             return replace(rec, state="pending", cause=text, gang=replace(g, lineage_wait=wait).to_dict()), text
