@@ -250,6 +250,9 @@ class Agent:
         severity = "error" if ("failed" in kind or "corrupt" in kind) else "info"
         job = fields.pop("job", None)
         self.events.emit(kind, f"{kind.replace('_', ' ')}: {fields}", severity=severity, job=job if isinstance(job, str) else None, **_safe_fields(fields))
+        gangs = getattr(getattr(self, "cluster", None), "gangs", None)
+        if kind == "checkpoint_committed" and gangs is not None and isinstance(job, str):
+            gangs.note_commit(job)  # a spanning job's part: its commit record is written at once
 
     def _start_api(self) -> None:
         from pathlib import Path

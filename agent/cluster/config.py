@@ -59,6 +59,17 @@ class ClusterConfig:
     rejoin: bool = True
     """A job spanning nodes that lost dp with a node grows back to its submitted dp at its next
     restart point once nodes have room again (false: it stays at the reduced size)."""
+    decision_timeout_s: float | None = None
+    """The leader's deadline for one decision's calls to members (API probes, checkpoint listings and
+    manifests, all at once): a member that has not answered by then is unreachable for that decision.
+    Must be below ``lease_ttl_s``; unset: 2 s, or half the TTL when that is less."""
+    fence_grace_s: float = 2.0
+    """After a node's key disappears the leader waits this long before placing its jobs elsewhere,
+    so the cut-off node (which fences its ranks before its TTL ends) has stopped them first."""
+    lineage_wait_s: float | None = None
+    """How long the leader waits for an unreachable node that committed a newer step than any it
+    can restore before it restarts from older state (event ``lineage_steps_given_up``); unset:
+    3 x ``lease_ttl_s``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -79,6 +90,17 @@ class ClusterConfig:
         if self.etcd_timeout_s >= self.lease_ttl_s / 3:
             raise ValueError(f"cluster.etcd_timeout_s: must be below lease_ttl_s / 3 so a refresh can be "
                              f"retried within the TTL, got {self.etcd_timeout_s}")
+        if self.decision_timeout_s is not None and (
+                isinstance(self.decision_timeout_s, bool) or not isinstance(self.decision_timeout_s, int | float)
+                or not 0 < self.decision_timeout_s < self.lease_ttl_s):
+            raise ValueError(f"cluster.decision_timeout_s: must be > 0 and below lease_ttl_s ({self.lease_ttl_s}), "
+                             f"got {self.decision_timeout_s!r}")
+        for key in ("fence_grace_s", "lineage_wait_s"):
+            value = getattr(self, key)
+            if value is None and key == "lineage_wait_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"cluster.{key}: must be >= 0, got {value!r}")
         if self.advertise:
             try:
                 parse_endpoint(self.advertise)
@@ -100,6 +122,18 @@ class ClusterConfig:
             value = getattr(self, key)
             if value and not os.path.isabs(value):
                 raise ValueError(f"cluster.{key}: must be an absolute path, got {value!r}")
+
+    @property
+    def decision_timeout(self) -> float:
+        """``decision_timeout_s``, or min(2 s, TTL / 2) when unset."""
+        if self.decision_timeout_s is not None:
+            return float(self.decision_timeout_s)
+        return min(2.0, self.lease_ttl_s / 2)
+
+    @property
+    def lineage_wait(self) -> float:
+        """``lineage_wait_s``, or 3 x the lease TTL when unset."""
+        return float(self.lineage_wait_s) if self.lineage_wait_s is not None else 3.0 * self.lease_ttl_s
 
     @property
     def solo(self) -> bool:

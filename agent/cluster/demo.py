@@ -44,18 +44,21 @@ class ClusterNode:
 
     def __init__(self, root: Path, name: str, endpoints: list[str], token: str, *, cluster: str, slots: int,
                  memory_every: int = 4, ttl: int = 3, peer_interval: int | None = None, object_url: str = "",
-                 object_every: int = 2000, tls: TlsFiles | None = None, etcd_tls: bool = False) -> None:
+                 object_every: int = 2000, tls: TlsFiles | None = None, etcd_tls: bool = False,
+                 shm: Path | None = None, cluster_extra: str = "") -> None:
         """``peer_interval``: steps between peer-tier copies (default: every memory checkpoint);
         ``object_url``: an object tier (``file://...``) every ``object_every`` steps; ``tls``: this
         node's certificate and the cluster's CA (mutual TLS), else plain HTTP on loopback;
-        ``etcd_tls``: etcd speaks HTTPS too (same CA, this node's certificate)."""
+        ``etcd_tls``: etcd speaks HTTPS too (same CA, this node's certificate); ``shm``: the memory
+        root of a node that comes back (its RAM kept what it had); ``cluster_extra``: more
+        ``[cluster]`` lines."""
         self.name = name
         self.root = root
         root.mkdir(parents=True)
         self.token_file = root / "tokens"
         self.token_file.write_text(token + "\n")
         os.chmod(self.token_file, 0o600)
-        self.shm = Path("/dev/shm") / f"tg-cluster-{os.getpid()}-{secrets.token_hex(4)}-{name}"
+        self.shm = shm or Path("/dev/shm") / f"tg-cluster-{os.getpid()}-{secrets.token_hex(4)}-{name}"
         (root / "agent.toml").write_text(
             f'[agent]\nnode = "{name}"\ninterval_s = 0.25\n'
             f'[api]\ntcp = "127.0.0.1:0"\ntoken_file = "{self.token_file}"\n' + _tls_lines(tls)
@@ -65,7 +68,7 @@ class ClusterNode:
             + (f'[checkpoint.object]\nurl = "{object_url}"\n' if object_url else '')
             + f'[cluster]\nname = "{cluster}"\netcd_endpoints = {json.dumps(endpoints)}\n'
             f'lease_ttl_s = {ttl}\npoll_s = 0.2\netcd_timeout_s = 0.5\nslots = {slots}\n'
-            f'peer_interval = {peer_interval or memory_every}\npeer_keep = 2\n'
+            f'peer_interval = {peer_interval or memory_every}\npeer_keep = 2\n' + cluster_extra
             + (f'etcd_ca = "{tls.ca}"\netcd_cert = "{tls.cert}"\netcd_key = "{tls.key}"\n' if tls and etcd_tls else '')
         )
         self.log_path = root / "agent.log"

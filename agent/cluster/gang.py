@@ -10,11 +10,16 @@ The job's etcd record (``jobs/<job>``, a ``JobRecordDoc``) carries a ``gang`` ob
     master_port  chosen by that node when it sees the attempt (0 until then: others wait)
     restore_step checkpoint step every node restores (-1: from scratch), chosen by the leader
     sources      {part node: [nodes holding that part at restore_step]}, best first
-    requests     {node: {"attempt", "cause", "bad_step"}}: a node's ranks failed, restart please
+    requests     {node: {"attempt", "cause", "bad_step", "start_failed"}}: a node's ranks failed
+                 (or could not start there), restart please
     done         {node: "succeeded"} for the current attempt
     nodes_seen   every node that ever held ranks (whose checkpoint parts may be needed)
+    lineage_wait while the leader waits for an unreachable node holding a newer committed step
+    given_up     on the attempt that went on without such a step: which steps and nodes
+    lineage_floor  attempt from which commit records count (older ones were given up)
+    abandoned    [restore step, time] of each give-up: later copies from before it are never used
 
-Level-triggered like the rest of the job records: the leader (``decide``) turns a pending record,
+Level-triggered like the rest of the job records: the leader (``decision.decide``) turns a pending record,
 a restart request of the current attempt, or a lost node into the next attempt; every agent
 (``GangCoordinator.sync``) starts its block of the newest attempt, writes its requests and
 completion, and stops ranks that the newest attempt no longer gives it. Writes use compare-and-
@@ -24,7 +29,8 @@ Checkpoints: each node's local rank 0 commits that node's DCP files to its own m
 ``part_key(job, node)`` with the attempt's node list in the manifest (``trainguard/checkpointing.py``); the
 replicator copies the part to the ring peer's RAM like any memory checkpoint. To restore step S
 the leader looks up, for every part of S, which live nodes hold it (the writer's own memory tier
-over the blob API, or a peer's held copy); each node then downloads the missing parts, checks
+over the blob API, or a peer's held copy), asking every holder at once under one deadline
+(``survey.py``); each node then downloads the missing parts, checks
 every file against its part's manifest and merges them into one directory: the full DCP
 checkpoint, resharded by DCP on load when dp changed.
 """
@@ -38,18 +44,22 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainguard.agent.checkpoint.errors import CheckpointError
 from trainguard.agent.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
+from trainguard.agent.checkpoint.objectstore import ObjectTier
 from trainguard.agent.checkpoint.tier import Tier, step_dirname
 from trainguard.agent.cluster.blobstore import CKPT_NS, INDEX, BlobStore
+from trainguard.agent.cluster.decision import DecisionInputs, Gang, RestoreFinder, decide, place_gang, trigger
+from trainguard.agent.cluster.grace import MissingClock
 from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable
+from trainguard.agent.cluster.lineage import CommitRecord, CommitTable
 from trainguard.agent.cluster.peertier import ClientFactory, PeerRef, fetch_remote_copy
-from trainguard.agent.cluster.placement import Placement, PlacementError, place
+from trainguard.agent.cluster.survey import TIER_HOLDER, Survey, take_survey
 from trainguard.agent.controller.batch_rule import follow_batch
 from trainguard.agent.wire import Telemetry, WireError, decode_telemetry, part_key
 
@@ -59,8 +69,9 @@ if TYPE_CHECKING:
     from trainguard.agent.lifecycle.supervisor import Supervisor
 
 log = logging.getLogger("trainguard.cluster.gang")
-TIER_HOLDER = "tier:"
-"""Prefix of a holder that is a tier every node reaches (the object store), not a node."""
+# The record and the leader's pure decision live in ``decision``; re-exported for existing callers.
+__all__ = ["TIER_HOLDER", "DecisionInputs", "Gang", "GangCoordinator", "RestoreFinder", "decide",
+           "decode_forwarded", "place_gang", "trigger"]
 
 
 def decode_forwarded(job: str, messages: list[Any]) -> tuple[list[Telemetry], int]:
@@ -79,160 +90,8 @@ def decode_forwarded(job: str, messages: list[Any]) -> tuple[list[Telemetry], in
     return good, dropped
 
 
-@dataclass
-class Gang:
-    attempt: int = 0
-    blocks: list[list[Any]] = field(default_factory=list)
-    dp: int = 0
-    tp: int = 1
-    pp: int = 1
-    master_addr: str = ""
-    master_port: int = 0
-    restore_step: int = -1
-    sources: dict[str, list[str]] = field(default_factory=dict)
-    requests: dict[str, dict[str, Any]] = field(default_factory=dict)
-    done: dict[str, str] = field(default_factory=dict)
-    nodes_seen: list[str] = field(default_factory=list)
-    stalls: int = 0
-    """Consecutive restarts that restored the same step (no progress): the crash-loop guard."""
-    failed_at: float = 0.0
-    """Wall time of the failure that led to this attempt (for the recovery clock)."""
-    want_dp: int = 0
-    """The data-parallel degree as submitted: a job shrunk by a node loss grows back towards it
-    at its next restart point when nodes have returned (``cluster.rejoin``)."""
-
-    @classmethod
-    def from_dict(cls, doc: dict[str, Any]) -> Gang:
-        names = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in doc.items() if k in names})
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def master_node(self) -> str:
-        return str(self.blocks[0][0]) if self.blocks else ""
-
-    @property
-    def nodes(self) -> list[str]:
-        return [str(b[0]) for b in self.blocks]
-
-    def block_of(self, node: str) -> tuple[int, int, int] | None:
-        """(group rank, first global rank, ranks) of ``node`` in this attempt."""
-        for i, (n, offset, nproc) in enumerate(self.blocks):
-            if n == node:
-                return i, int(offset), int(nproc)
-        return None
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-
-def _layout(spec: dict[str, Any]) -> tuple[int, int, int]:
-    par = (spec.get("trainer") or {}).get("parallel") or {}
-    tp, pp = int(par.get("tp", 1)), int(par.get("pp", 1))
-    dp = int(par.get("dp", int(spec.get("nproc", 1)) // max(1, tp * pp)))
-    return dp, tp, pp
-
-
-def place_gang(spec: dict[str, Any], slots: dict[str, int], *, want_dp: int = 0,
-               first: str | None = None) -> tuple[dict[str, Any], Placement, str]:
-    """Place a spanning job on the live nodes: spread over ``spec['nodes']`` nodes when they have
-    room, else pack; lower dp (never tp or pp) until it fits, starting from ``want_dp`` when given
-    (a shrunk job grows back). ``first``: the node for global rank 0 (the leader: job-wide
-    decisions and the plan live with rank 0). Returns (spec for this attempt, placement, note on
-    what changed). Raises PlacementError when not one model replica fits."""
-    dp0, tp, pp = _layout(spec)
-    want_nodes = max(1, int(spec.get("nodes", 1)))
-    for dp in range(max(want_dp, dp0), 0, -1):
-        world = dp * tp * pp
-        share = -(-world // want_nodes)  # even spread, in whole tp groups
-        share = -(-share // tp) * tp
-        spread = {n: min(s, share) if s else share for n, s in slots.items()}
-        packed = {n: s if s else share for n, s in slots.items()}
-        for room in (spread, packed):
-            try:
-                placement = place(dp, tp, pp, room, first=first)
-            except PlacementError:
-                continue
-            new = spec
-            note = ""
-            if dp != dp0:
-                trainer = dict(spec.get("trainer") or {})
-                trainer["parallel"] = {**(trainer.get("parallel") or {}), "dp": dp, "tp": tp, "pp": pp}
-                new = {**spec, "nproc": world, "trainer": trainer}
-                note = f"dp {dp0} -> {dp} " + ("to fit the live nodes" if dp < dp0 else "as nodes rejoined")
-            return new, placement, note
-    raise PlacementError(f"no live node set holds one replica of tp={tp} x pp={pp} (slots {slots})")
-
-
-RestoreFinder = Callable[[JobRecordDoc, Gang, dict[str, str], int | None], tuple[int, dict[str, list[str]]]]
-
-
-def decide(rec: JobRecordDoc, members: dict[str, NodeInfo], find_restore: RestoreFinder,
-           now: float, *, leader: str | None = None, rejoin: bool = True) -> tuple[JobRecordDoc, str] | None:
-    """The leader's decision for one spanning job: (new record, what happened) or None.
-    ``leader`` gets global rank 0 when it has room; ``rejoin``: grow back to the submitted dp."""
-    g = Gang.from_dict(rec.gang)
-    failed_at = now
-    # A node an operator drained this job off is no member for it (it is never placed there again).
-    drained = [n for n in g.nodes if n in members and n in rec.drained]
-    members = {n: i for n, i in members.items() if n not in rec.drained}
-    if rec.state == "pending":
-        cause = rec.cause or "submitted"
-    elif rec.state == "running":
-        lost = [n for n in g.nodes if n not in members and n not in drained]
-        requests = {n: r for n, r in g.requests.items() if r.get("attempt") == g.attempt}
-        failed_at = min([float(r.get("at", now)) for r in requests.values()] + [now])
-        if lost:
-            cause = f"node {', '.join(lost)} lost"
-        elif drained:
-            cause = f"node {', '.join(drained)} drained"
-        elif requests:
-            node, first = sorted(requests.items())[0]
-            cause = f"{node}: {first.get('cause', 'ranks failed')}"
-        elif g.blocks and all(g.done.get(n) == "succeeded" for n in g.nodes):
-            return replace(rec, state="finished", cause="every node's ranks finished"), "finished"
-        else:
-            return None
-    else:
-        return None
-    bad = [int(r["bad_step"]) for r in g.requests.values()
-           if r.get("attempt") == g.attempt and isinstance(r.get("bad_step"), int)]
-    max_step = min(bad) - 1 if bad else None
-    apis = {n: i.api for n, i in members.items()}
-    step, sources = find_restore(rec, g, apis, max_step) if g.nodes_seen else (-1, {})
-    stalls = g.stalls + 1 if rec.state == "running" and step == g.restore_step else 0
-    max_restarts = int(rec.spec.get("max_restarts", 3))
-    if stalls > max_restarts:
-        return (replace(rec, state="failed", cause=f"crash loop: {stalls - 1} restarts from step {step} "
-                        f"without progress ({cause})"), "failed")
-    want_dp = g.want_dp or _layout(rec.spec)[0]
-    try:
-        spec, placement, note = place_gang(rec.spec, {n: i.slots for n, i in members.items()},
-                                           want_dp=want_dp if rejoin else 0, first=leader)
-    except PlacementError as exc:
-        if rec.state == "pending" and rec.cause == f"waiting: {exc}":
-            return None
-        return replace(rec, state="pending", cause=f"waiting: {exc}"), f"cannot place: {exc}"
-    master = placement.master_node
-    host = apis.get(master, "").rsplit(":", 1)[0] or "127.0.0.1"
-    seen = list(dict.fromkeys([*g.nodes_seen, *(b.node for b in placement.blocks)]))
-    new_gang = Gang(attempt=g.attempt + 1, blocks=[[b.node, b.rank_offset, b.nproc] for b in placement.blocks],
-                    dp=placement.dp, tp=placement.tp, pp=placement.pp, master_addr=host, master_port=0,
-                    restore_step=step, sources=sources, nodes_seen=seen, stalls=stalls,
-                    failed_at=failed_at, want_dp=want_dp)
-    what = f"attempt {new_gang.attempt}: {placement.describe()}" + (f"; {note}" if note else "") \
-        + (f"; restore step {step}" if step >= 0 else "; no checkpoint, from step 0")
-    history = [*rec.history, f"attempt {new_gang.attempt}: {cause}"][-20:]
-    return replace(rec, spec=spec, node=master, state="running", cause=cause, history=history,
-                   gang=new_gang.to_dict()), what
-
-
-def _sorted_holders(part: str, holders: list[str]) -> list[str]:
-    """The writer itself first (its RAM, no copy), then nodes holding copies, shared tiers last."""
-    return sorted(set(holders), key=lambda n: (n != part, n.startswith(TIER_HOLDER), n))
+def _no_survey(rec: JobRecordDoc, g: Gang, apis: dict[str, str], max_step: int | None) -> tuple[int, dict[str, list[str]]]:
+    raise RuntimeError("no placement is due: no checkpoint survey was taken")
 
 
 class GangCoordinator:
@@ -242,7 +101,13 @@ class GangCoordinator:
                  scratch: str, emit: EmitFn, is_leader: Callable[[], bool],
                  members: Callable[[], dict[str, NodeInfo]], wake: Callable[[], None],
                  on_restart: Callable[[str, float], None] | None = None,
-                 clock: Callable[[], float] = time.time, rejoin: bool = True) -> None:
+                 clock: Callable[[], float] = time.time, rejoin: bool = True,
+                 quick_client_for: ClientFactory | None = None, commits: CommitTable | None = None,
+                 decision_timeout_s: float = 2.0, fence_grace_s: float = 0.0,
+                 lineage_wait_s: float = 0.0) -> None:
+        """``quick_client_for``: clients whose socket timeout is the decision deadline (probes,
+        listings, manifests; ``client_for`` keeps the long one for transfers); ``commits``: where
+        nodes record what they committed (None: no lineage records, no waiting)."""
         self.node = node
         self.table = table
         self.store = store
@@ -255,6 +120,22 @@ class GangCoordinator:
         self.on_restart = on_restart
         self.clock = clock
         self.rejoin = rejoin
+        self.quick_client_for = quick_client_for or client_for
+        self.commits = commits
+        self.decision_timeout_s = decision_timeout_s
+        self.missing = MissingClock(fence_grace_s)
+        self.lineage_wait_s = lineage_wait_s
+        self.last_survey_s = 0.0
+        """How long the last decision's survey of the members took (seconds)."""
+        self.unreachable_total = 0
+        """Members that did not answer within a decision's deadline, counted per decision."""
+        self.lineage_waits = 0
+        self.lineage_given_up = 0
+        self._unreachable_said: dict[str, frozenset[str]] = {}
+        self._recorded: dict[str, tuple[int, int]] = {}
+        self._launched_at: dict[str, float] = {}
+        self._timer: threading.Timer | None = None
+        self._timer_at = 0.0
         self.supervisor: Supervisor | None = None
         self.plans: PlanStore | None = None
         """This agent's plan store: the rank-0 node publishes the job's plan settings to the record
@@ -316,6 +197,8 @@ class GangCoordinator:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._timer is not None:
+            self._timer.cancel()
         if self._forwarder is not None:
             self._forwarder.join(2.0)
 
@@ -328,6 +211,8 @@ class GangCoordinator:
             raise ValueError(f"job {job} is already {cur[0].state} in the cluster")
         rec = JobRecordDoc(job, spec, "", "", "pending", 0, "submitted", [f"submitted at {self.node}"],
                            gang=Gang().to_dict())
+        if self.commits is not None:
+            self.commits.clear(job)  # an earlier job of this name left its own lineage
         if not self.table.write(rec, cur[1] if cur is not None else 0):
             raise ValueError(f"job {job} was submitted concurrently")
         self.wake()
@@ -356,25 +241,7 @@ class GangCoordinator:
         self.last = {j: {"state": r.state, "cause": r.cause, "plan": r.plan, **Gang.from_dict(r.gang).to_dict()}
                      for j, (r, _) in gangs.items()}
         if self.is_leader():
-            members = self.members()
-            for job, (rec, rev) in sorted(gangs.items()):
-                try:
-                    out = decide(rec, members, self.find_restore, self.clock(), leader=self.node, rejoin=self.rejoin)
-                except Exception as exc:  # noqa: BLE001 - one bad record must not stop the others
-                    log.exception("gang %s: decision failed: %s", job, exc)
-                    continue
-                if out is None:
-                    continue
-                new, what = out
-                if self.table.write(new, rev):
-                    self.decisions += 1
-                    gangs[job] = (new, -1)  # written: act on it at the next change (fresh revision)
-                    placed = Gang.from_dict(new.gang)
-                    self.emit("gang_placed" if new.state == "running" else f"gang_{new.state}",
-                              f"job {job}: {what}" + (f" (cause: {new.cause})" if new.state == "running" else ""),
-                              {"job": job, "attempt": placed.attempt, "cause_": new.cause,
-                               "restore_step": placed.restore_step,
-                               "severity": "warning" if new.state in ("failed",) or "lost" in new.cause else "info"})
+            self._lead(gangs)
         for job, (rec, rev) in sorted(gangs.items()):
             if rev < 0:
                 continue
@@ -382,6 +249,110 @@ class GangCoordinator:
                 self._member(rec, rev)
             except Exception as exc:  # noqa: BLE001
                 log.exception("gang %s: local step failed: %s", job, exc)
+
+    def _lead(self, gangs: dict[str, tuple[JobRecordDoc, int]]) -> None:
+        """The leader's decisions; a written record is marked (revision -1) so the member step
+        waits for its fresh revision."""
+        members = self.members()
+        now = self.clock()
+        running = [n for rec, _ in gangs.values() if rec.state == "running" for n in Gang.from_dict(rec.gang).nodes]
+        self.missing.observe(running, members, now)
+        for job, (rec, rev) in sorted(gangs.items()):
+            try:
+                out = self._decide(rec, members, now)
+            except Exception as exc:  # noqa: BLE001 - one bad record must not stop the others
+                log.exception("gang %s: decision failed: %s", job, exc)
+                continue
+            if out is None:
+                continue
+            new, what = out
+            if not self.table.write(new, rev):
+                continue
+            self.decisions += 1
+            gangs[job] = (new, -1)
+            self._announce(rec, new, what)
+        due = self.missing.next_due(now)
+        if due is not None:
+            self.wake_in(due)
+
+    def _decide(self, rec: JobRecordDoc, members: dict[str, NodeInfo], now: float) -> tuple[JobRecordDoc, str] | None:
+        """Survey the members (only when a placement is due), then the pure decision."""
+        inputs = DecisionInputs(missing_since=self.missing.since(), fence_grace_s=self.missing.grace_s,
+                                lineage_wait_s=self.lineage_wait_s)
+        why = trigger(rec, members, now, inputs)
+        if why is None or why[0] != "place":
+            return decide(rec, members, _no_survey, now, leader=self.node, rejoin=self.rejoin, inputs=inputs)
+        g = Gang.from_dict(rec.gang)
+        survey = self.survey(rec, g, {n: i.api for n, i in members.items()}, probe=members)
+        self.last_survey_s = survey.elapsed_s
+        unreachable = frozenset(n for n in survey.unreachable if n != self.node)
+        self._say_unreachable(rec.job, survey, unreachable)
+        commits = self.commits.read(rec.job) if self.commits is not None and g.nodes_seen else {}
+        inputs = replace(inputs, unreachable=frozenset(n for n in unreachable if n in members), commits=commits)
+        out = decide(rec, members, survey.finder(), now, leader=self.node, rejoin=self.rejoin, inputs=inputs)
+        if out is not None and out[0].state == "pending":
+            until = Gang.from_dict(out[0].gang).lineage_wait.get("until")
+            if isinstance(until, int | float):
+                self.wake_in(max(0.0, float(until) - now))
+        return out
+
+    def _say_unreachable(self, job: str, survey: Survey, unreachable: frozenset[str]) -> None:
+        """Once per decision in the log; as an event when the set of silent members changes."""
+        if unreachable:
+            self.unreachable_total += len(unreachable)
+            why = "; ".join(f"{n}: {survey.unreachable[n]}" for n in sorted(unreachable))
+            log.warning("gang %s: %d member(s) unreachable for this decision (%.2f s): %s", job,
+                        len(unreachable), survey.elapsed_s, why)
+        if self._unreachable_said.get(job, frozenset()) != unreachable:
+            self._unreachable_said[job] = unreachable
+            if unreachable:
+                self.emit("gang_members_unreachable",
+                          f"job {job}: {', '.join(sorted(unreachable))} did not answer within "
+                          f"{self.decision_timeout_s:g} s: not placed, their copies not used in this decision",
+                          {"job": job, "nodes": sorted(unreachable), "elapsed_s": round(survey.elapsed_s, 3),
+                           "severity": "warning"})
+
+    def _announce(self, old: JobRecordDoc, new: JobRecordDoc, what: str) -> None:
+        job = new.job
+        placed = Gang.from_dict(new.gang)
+        was = Gang.from_dict(old.gang)
+        if new.state == "pending" and placed.lineage_wait and not was.lineage_wait:
+            lw = placed.lineage_wait
+            self.lineage_waits += 1
+            self.emit("lineage_waiting", f"job {job}: {new.cause}",
+                      {"job": job, "step": lw.get("step"), "nodes": lw.get("nodes"), "restorable": lw.get("restorable"),
+                       "wait_s": self.lineage_wait_s, "severity": "warning"})
+            return
+        self.emit("gang_placed" if new.state == "running" else f"gang_{new.state}",
+                  f"job {job}: {what}" + (f" (cause: {new.cause})" if new.state == "running" else ""),
+                  {"job": job, "attempt": placed.attempt, "cause_": new.cause,
+                   "restore_step": placed.restore_step,
+                   "severity": "warning" if new.state in ("failed",) or "lost" in new.cause else "info"})
+        if new.state == "running" and placed.given_up:
+            gu = placed.given_up
+            self.lineage_given_up += 1
+            nodes = ", ".join(f"{n} (step {s})" for n, s in sorted(gu.get("committed", {}).items()))
+            self.emit("lineage_steps_given_up",
+                      f"job {job} attempt {placed.attempt}: restarting from "
+                      + (f"step {placed.restore_step}" if placed.restore_step >= 0 else "step 0")
+                      + f"; steps {placed.restore_step + 1}-{gu.get('newest')} committed on {nodes} are given up"
+                      + (f" after waiting {gu.get('waited_s')} s for {', '.join(gu.get('unreachable', []))}"
+                         if gu.get("unreachable") else " (no node holds them any more)"),
+                      {"job": job, "attempt": placed.attempt, "restore_step": placed.restore_step,
+                       "newest": gu.get("newest"), "committed": gu.get("committed"),
+                       "unreachable": gu.get("unreachable"), "waited_s": gu.get("waited_s"), "severity": "error"})
+
+    def wake_in(self, delay: float) -> None:
+        """Run the job loop again after ``delay`` seconds (a grace or a wait ends then)."""
+        at = time.monotonic() + delay
+        if self._timer is not None and self._timer.is_alive() and self._timer_at <= at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = threading.Timer(delay + 0.05, self.wake)
+        self._timer.daemon = True
+        self._timer.start()
 
     def on_local_failure(self, job: str, cause: str) -> None:
         """Supervisor hook (any thread): this node's ranks failed; ask the leader for a restart."""
@@ -430,6 +401,7 @@ class GangCoordinator:
             return
         launched = self._launched.get(job, 0)
         if launched == g.attempt:
+            self._record_commit(job, g.attempt)
             if local is not None and local.state == JobState.SUCCEEDED and g.done.get(self.node) != "succeeded":
                 g.done[self.node] = "succeeded"
                 self._write_gang(rec, rev, g)
@@ -449,7 +421,45 @@ class GangCoordinator:
                 self._write_gang(rec, rev, g)
             return
         self._launched[job] = g.attempt
+        self._launched_at[job] = time.time()
         self._start_block(rec, g, mine)
+
+    def note_commit(self, tier_job: str) -> None:
+        """Checkpoint-manager hook: a memory checkpoint of ``tier_job`` was committed here. A part of
+        a spanning job wakes the job loop so its commit record follows at once."""
+        if ".part-" in tier_job:
+            self.wake()
+
+    def _record_commit(self, job: str, attempt: int) -> None:
+        """Write this node's commit record when its newest committed part of ``job`` changed. Only
+        steps committed since this node started the attempt count (older ones in the memory tier
+        may belong to a lineage the leader gave up)."""
+        if self.commits is None:
+            return
+        key = part_key(job, self.node)
+        try:
+            infos = self.store.held(self.node).list(key)
+        except (CheckpointError, OSError) as exc:
+            log.debug("gang %s: own part not listable: %s", job, exc)
+            return
+        started = self._launched_at.get(job, 0.0)
+        fresh = [i for i in infos if i.created >= started]
+        if not fresh:
+            return
+        newest = fresh[-1]
+        if self._recorded.get(job) == (newest.step, attempt):
+            return
+        try:
+            parts, _created = self._parts_of(self.node, "", self.node, key, newest.step)
+        except (CheckpointError, OSError, ValueError) as exc:
+            log.info("gang %s: manifest of own step %d unreadable: %s", job, newest.step, exc)
+            return
+        try:
+            self.commits.write(job, CommitRecord(self.node, newest.step, attempt, tuple(parts), self.clock()))
+        except Exception as exc:  # noqa: BLE001 - etcd down: written at the next sync
+            log.info("gang %s: commit record not written: %s", job, exc)
+            return
+        self._recorded[job] = (newest.step, attempt)
 
     def _start_block(self, rec: JobRecordDoc, g: Gang, mine: tuple[int, int, int]) -> None:
         assert self.supervisor is not None
@@ -502,7 +512,7 @@ class GangCoordinator:
             self.emit("gang_start_failed", f"job {job} attempt {g.attempt}: cannot start ranks here: {exc}",
                       {"job": job, "attempt": g.attempt, "severity": "error"})
             self._requests[job] = {"attempt": g.attempt, "cause": f"{self.node} could not start its ranks: {exc}",
-                                   "bad_step": None, "at": self.clock()}
+                                   "bad_step": None, "at": self.clock(), "start_failed": True}
             self.wake()
             return
         self.emit("gang_ranks_started", f"job {job} attempt {g.attempt}: ranks {offset}-{offset + nproc - 1} of "
@@ -551,53 +561,49 @@ class GangCoordinator:
             return [i.step for i in self._shared(holder).list(key)]
         if holder == self.node:
             return [i.step for i in self.store.held(origin).list(key)]
-        raw = self.client_for(PeerRef(holder, api)).get_blob(CKPT_NS, f"{origin}/{key}/{INDEX}")
+        raw = self.quick_client_for(PeerRef(holder, api)).get_blob(CKPT_NS, f"{origin}/{key}/{INDEX}")
         return [int(r["step"]) for r in json.loads(raw)]
 
-    def _parts_of(self, holder: str, api: str, origin: str, key: str, step: int) -> list[str]:
-        if holder.startswith(TIER_HOLDER):
+    def _parts_of(self, holder: str, api: str, origin: str, key: str, step: int) -> tuple[list[str], float]:
+        """(parts, commit time) from the manifest of ``origin``'s part of ``step`` at ``holder``."""
+        shared = self._shared(holder) if holder.startswith(TIER_HOLDER) else None
+        if isinstance(shared, ObjectTier):
+            manifest = shared._read_manifest(key, step)  # the manifest alone, not the whole step
+        elif shared is not None:
             probe = self.scratch / ".probe" / f"{key}-{step}"
             shutil.rmtree(probe, ignore_errors=True)
             try:
-                manifest = read_manifest(self._shared(holder).fetch(key, step, probe))
+                manifest = read_manifest(shared.fetch(key, step, probe))
             finally:
                 shutil.rmtree(probe, ignore_errors=True)
         elif holder == self.node:
             manifest = read_manifest(self.store.held(origin).step_path(key, step))
         else:
-            raw = self.client_for(PeerRef(holder, api)).get_blob(
+            raw = self.quick_client_for(PeerRef(holder, api)).get_blob(
                 CKPT_NS, f"{origin}/{key}/{step_dirname(step)}/{MANIFEST_NAME}")
             manifest = Manifest.from_json(raw)
         parts = manifest.extra.get("parts")
-        return [str(p) for p in parts] if isinstance(parts, list) else [origin]
+        return ([str(p) for p in parts] if isinstance(parts, list) else [origin]), manifest.created
+
+    def survey(self, rec: JobRecordDoc, g: Gang, apis: dict[str, str], probe: Iterable[str] = ()) -> Survey:
+        """Probe ``probe`` nodes' APIs and list every part of the job at every holder (members in
+        ``apis`` and the shared tiers), all at once under ``decision_timeout_s``."""
+        holders = {**apis, **{TIER_HOLDER + t.name: "" for t in self.shared_tiers}}
+
+        def ping(node: str) -> None:
+            self.quick_client_for(PeerRef(node, apis[node])).status()
+
+        return take_survey(
+            probe_nodes=[n for n in probe if n != self.node and n in apis], holders=list(holders),
+            origins=list(g.nodes_seen), probe=ping,
+            listing=lambda h, o: self._index(h, holders[h], o, part_key(rec.job, o)),
+            parts_of=lambda h, o, step: self._parts_of(h, holders[h], o, part_key(rec.job, o), step),
+            timeout_s=self.decision_timeout_s)
 
     def find_restore(self, rec: JobRecordDoc, g: Gang, apis: dict[str, str],
                      max_step: int | None) -> tuple[int, dict[str, list[str]]]:
-        """Newest step (<= ``max_step``) of which every part is held by a live node, and where."""
-        have: dict[str, dict[int, list[str]]] = {}
-        apis = {**apis, **{TIER_HOLDER + t.name: "" for t in self.shared_tiers}}
-        for origin in g.nodes_seen:
-            key = part_key(rec.job, origin)
-            for holder, api in apis.items():
-                try:
-                    steps = self._index(holder, api, origin, key)
-                except Exception as exc:  # noqa: BLE001 - an unreachable holder just holds nothing
-                    log.info("gang %s: %s's listing of %s failed: %s", rec.job, holder, key, exc)
-                    continue
-                for s in steps:
-                    have.setdefault(origin, {}).setdefault(s, []).append(holder)
-        steps = sorted({s for by in have.values() for s in by if max_step is None or s <= max_step}, reverse=True)
-        for step in steps:
-            origin = next(o for o in have if step in have[o])
-            holder = _sorted_holders("", have[origin][step])[0]
-            try:
-                parts = self._parts_of(holder, apis[holder], origin, part_key(rec.job, origin), step)
-            except Exception as exc:  # noqa: BLE001
-                log.info("gang %s: manifest of step %d unreadable on %s: %s", rec.job, step, holder, exc)
-                continue
-            if all(step in have.get(p, {}) for p in parts):
-                return step, {p: _sorted_holders(p, have[p][step]) for p in parts}
-        return -1, {}
+        """Newest step (<= ``max_step``) of which every part is held by a node that answers."""
+        return self.survey(rec, g, apis).find_restore(max_step, g.abandoned)
 
     def assemble(self, job: str, step: int, sources: dict[str, list[str]]) -> tuple[Path, dict[str, str]]:
         """Every part of ``step`` into one local directory (verified); returns (path, part -> holder)."""

@@ -32,7 +32,9 @@ from trainguard.agent.cluster.blobstore import BlobStore
 from trainguard.agent.cluster.config import ClusterConfig
 from trainguard.agent.cluster.etcd import EtcdClient, EtcdUnavailable, LeaseExpired
 from trainguard.agent.cluster.gang import Gang, GangCoordinator
+from trainguard.agent.cluster.grace import MissingClock
 from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable, plan_moves
+from trainguard.agent.cluster.lineage import CommitTable
 from trainguard.agent.cluster.membership import EmitFn, Membership, NodeInfo
 from trainguard.agent.cluster.peertier import PeerRef, PeerTier, ring_peer, token_client_factory
 from trainguard.agent.metricspec import MetricSpec
@@ -59,8 +61,17 @@ FORWARDED = MetricSpec("trainguard_cluster_telemetry_forwarded_total", "counter"
                        "Rank telemetry messages sent on to the node holding rank 0 of their job (one batch per job per 0.25 s).")
 FORWARD_DROPPED = MetricSpec("trainguard_cluster_telemetry_forward_dropped_total", "counter", "", (),
                              "Rank telemetry messages that could not be sent on (rank-0 node unreachable, queue full).")
+UNREACHABLE = MetricSpec("trainguard_cluster_members_unreachable_total", "counter", "", (),
+                         "Members that did not answer within a decision's deadline (cluster.decision_timeout_s), "
+                         "counted per decision: not placed, their copies not used.")
+LINEAGE_WAITS = MetricSpec("trainguard_cluster_lineage_waits_total", "counter", "", (),
+                           "Restarts of spanning jobs held to wait for an unreachable node that holds part of a newer "
+                           "committed step.")
+LINEAGE_GIVEN_UP = MetricSpec("trainguard_cluster_lineage_given_up_total", "counter", "", (),
+                              "Restarts of spanning jobs that went on from an older step than one committed "
+                              "(event lineage_steps_given_up).")
 METRICS = (MEMBERS, IS_LEADER, ETCD_UP, REFRESH_FAILURES, MOVES, ADOPTIONS, HELD_BYTES, GANG_DECISIONS, FORWARDED,
-           FORWARD_DROPPED)
+           FORWARD_DROPPED, UNREACHABLE, LINEAGE_WAITS, LINEAGE_GIVEN_UP)
 
 
 def _noop(kind: str, message: str, fields: dict[str, Any]) -> None:
@@ -96,7 +107,12 @@ class ClusterService:
                 node, self.jobs, self.store, peers,
                 scratch=scratch or os.path.join(memory_root, ".assembled"), emit=emit,
                 is_leader=lambda: self.is_leader, members=self.members, wake=self._wake, on_restart=on_adopt,
-                clock=clock, rejoin=cfg.rejoin)
+                clock=clock, rejoin=cfg.rejoin,
+                quick_client_for=token_client_factory(token, min(cfg.peer_timeout_s, cfg.decision_timeout), tls),
+                commits=CommitTable(self.client, f"/trainguard/{cfg.name}/") if self.client is not None else None,
+                decision_timeout_s=cfg.decision_timeout, fence_grace_s=cfg.fence_grace_s,
+                lineage_wait_s=cfg.lineage_wait)
+        self._missing = MissingClock(cfg.fence_grace_s)
         self.supervisor: Supervisor | None = None
         self.plans: PlanStore | None = None
         self._epochs: dict[str, int] = {}
@@ -211,7 +227,10 @@ class ClusterService:
                             (MOVES, self.moves), (ADOPTIONS, self.adoptions),
                             (GANG_DECISIONS, gangs.decisions if gangs else 0),
                             (FORWARDED, gangs.forwarded if gangs else 0),
-                            (FORWARD_DROPPED, gangs.forward_dropped if gangs else 0)):
+                            (FORWARD_DROPPED, gangs.forward_dropped if gangs else 0),
+                            (UNREACHABLE, gangs.unreachable_total if gangs else 0),
+                            (LINEAGE_WAITS, gangs.lineage_waits if gangs else 0),
+                            (LINEAGE_GIVEN_UP, gangs.lineage_given_up if gangs else 0)):
             c = spec.counter()
             c.add_metric([], value)
             yield c
@@ -381,6 +400,15 @@ class ClusterService:
     def _heal(self, records: dict[str, tuple[JobRecordDoc, int]]) -> None:
         assert self.jobs is not None and self.membership is not None
         members = {n: i.slots for n, i in self.membership.members().items()}
+        # A lost owner's job moves only a grace after its key was first seen gone (its ranks are
+        # fenced by then); a drained owner is still a member and moves at once.
+        now = self._clock()
+        running = [r.node for r, _ in records.values() if r.state == "running" and not r.gang]
+        self._missing.observe(running, members, now)
+        records = {j: r for j, r in records.items() if r[0].node in members or self._missing.ready(r[0].node, now)}
+        due = self._missing.next_due(now)
+        if due is not None and self.gangs is not None:
+            self.gangs.wake_in(due)
         for new, rev, move in plan_moves(records, members):
             if self.jobs.write(new, rev):
                 self.moves += 1
