@@ -87,8 +87,8 @@ def test_mutual_tls_handshake_and_a_blob_over_it(tls_server: dict[str, Any], pki
     client = _client(tls_server, pki.node("peer"))
     assert client.health()["node"] == "n1"
     data = os.urandom(3 << 20)  # several TLS records, no 100-continue over TLS
-    assert client.put_blob("ckpt", "node/step_1/shard", data)["size"] == len(data)
-    assert client.get_blob("ckpt", "node/step_1/shard") == data
+    assert client.put_blob("ckpt", "peer/step_1/shard", data)["size"] == len(data)
+    assert client.get_blob("ckpt", "peer/step_1/shard") == data
     assert tls_server["server"].stats.snapshot()["tls_refused_total"] == 0
 
 

@@ -33,7 +33,7 @@ class Node:
         token_file.write_text(token + "\n")
         os.chmod(token_file, 0o600)
         self.store = BlobStore(root / "shm" / ".peer-held")
-        self.server = ApiServer(ApiConfig(unix_socket=None, tcp="127.0.0.1:0", token_file=token_file),
+        self.server = ApiServer(ApiConfig(unix_socket=None, tcp="127.0.0.1:0", allow_plaintext=True, token_file=token_file),
                                 AgentControl(SimpleNamespace(blob_store=self.store)))  # type: ignore[arg-type]
         self.server.start()
         port = self.server.tcp_port
