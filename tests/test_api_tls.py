@@ -157,7 +157,7 @@ def test_two_agents_and_etcd_all_over_mutual_tls(tmp_path: Path, pki: Pki) -> No
         with pytest.raises(Exception):  # noqa: B017,PT011 - etcd3gw/requests raise their own kinds
             EtcdClient(etcd.endpoints, timeout_s=1.0, ca=pki.ca_file).put("/x", "1")
         with pytest.raises(Exception):  # noqa: B017,PT011
-            EtcdClient(etcd.endpoints, timeout_s=1.0).put("/x", "1")
+            EtcdClient(etcd.endpoints, timeout_s=1.0, plaintext=True).put("/x", "1")
         for name in ("a", "b"):
             nodes.append(ClusterNode(tmp_path / name, name, etcd.endpoints, token, cluster=f"tls{os.getpid()}",
                                      slots=2, tls=pki.node(name), etcd_tls=True))

@@ -248,6 +248,7 @@ class GangCoordinator:
         self.store = store
         self.client_for = client_for
         self.scratch = Path(scratch)
+        self.cluster_key = b""  # set by the cluster service: parts fetched from other nodes are checked by it
         self.emit = emit
         self.is_leader = is_leader
         self.members = members
@@ -623,7 +624,7 @@ class GangCoordinator:
                         shutil.copytree(src, target)
                     elif holder in apis:
                         fetch_remote_copy(self.client_for(PeerRef(holder, apis[holder])), holder, part, key, step,
-                                          target, label=f"part {part}")
+                                          target, key=self.cluster_key, label=f"part {part}")
                     else:
                         raise CheckpointError(f"{holder} is not a member any more")
                 except (CheckpointError, OSError) as exc:
