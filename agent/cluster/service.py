@@ -60,8 +60,12 @@ FORWARDED = MetricSpec("trainguard_cluster_telemetry_forwarded_total", "counter"
                        "Rank telemetry messages sent on to the node holding rank 0 of their job (one batch per job per 0.25 s).")
 FORWARD_DROPPED = MetricSpec("trainguard_cluster_telemetry_forward_dropped_total", "counter", "", (),
                              "Rank telemetry messages that could not be sent on (rank-0 node unreachable, queue full).")
+RECORDS_REFUSED = MetricSpec("trainguard_cluster_job_records_refused_total", "counter", "", (),
+                             "Job records in etcd not acted on (unsigned, bad signature, invalid), once per revision.")
+UPLOADS_REFUSED = MetricSpec("trainguard_cluster_peer_uploads_refused_total", "counter", "", (),
+                             "Peer-copy uploads refused here (byte quota, free space, missing origin signature).")
 METRICS = (MEMBERS, IS_LEADER, ETCD_UP, REFRESH_FAILURES, MOVES, ADOPTIONS, HELD_BYTES, GANG_DECISIONS, FORWARDED,
-           FORWARD_DROPPED)
+           FORWARD_DROPPED, RECORDS_REFUSED, UPLOADS_REFUSED)
 
 
 def _noop(kind: str, message: str, fields: dict[str, Any]) -> None:
@@ -233,7 +237,9 @@ class ClusterService:
                             (MOVES, self.moves), (ADOPTIONS, self.adoptions),
                             (GANG_DECISIONS, gangs.decisions if gangs else 0),
                             (FORWARDED, gangs.forwarded if gangs else 0),
-                            (FORWARD_DROPPED, gangs.forward_dropped if gangs else 0)):
+                            (FORWARD_DROPPED, gangs.forward_dropped if gangs else 0),
+                            (RECORDS_REFUSED, self.jobs.dropped if self.jobs is not None else 0),
+                            (UPLOADS_REFUSED, self.store.refused)):
             c = spec.counter()
             c.add_metric([], value)
             yield c

@@ -318,3 +318,18 @@ def test_the_cluster_key_file_must_be_private(tmp_path: Path) -> None:
         os.chown(key, 1234, -1)
         with pytest.raises(KeyFileError, match="owned by uid 1234"):
             load_key(str(key))
+
+
+def test_plaintext_etcd_warns_at_start_and_refusals_are_metrics(tmp_path: Path) -> None:
+    from trainguard.agent.cluster.service import ClusterService
+
+    events: list[tuple[str, str, dict[str, Any]]] = []
+    cfg = ClusterConfig(etcd_endpoints=["127.0.0.1:9"], etcd_plaintext=True, key_file=write_key(str(tmp_path / "k")),
+                        blob_root=str(tmp_path / "held"))
+    svc = ClusterService(cfg, node="n1", memory_root=str(tmp_path / "shm"), emit=lambda k, m, f: events.append((k, m, f)))
+    assert [k for k, _, _ in events] == ["etcd_plaintext"]
+    assert svc.store.key == svc.key == load_key(cfg.key_file) and svc.jobs is not None and svc.jobs.key == svc.key
+    assert svc.store.max_bytes > 0 and 0 < svc.store.max_origin_bytes <= svc.store.max_bytes
+    samples = {m.name: m.samples[0].value for m in svc.metrics()}
+    assert samples["trainguard_cluster_job_records_refused"] == 0
+    assert samples["trainguard_cluster_peer_uploads_refused"] == 0
