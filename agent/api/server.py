@@ -354,9 +354,13 @@ class ApiServer:
         try:
             # Read the request head first: closing on unread data resets the connection, and the
             # client would see a broken pipe instead of the 503.
-            request.settimeout(1.0)
+            deadline = time.monotonic() + 1.0  # for the whole head: a trickling client gets no longer
             head = b""
             while b"\r\n\r\n" not in head and len(head) < 65536:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                request.settimeout(left)
                 chunk = request.recv(65536)
                 if not chunk:
                     break

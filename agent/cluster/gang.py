@@ -47,7 +47,7 @@ from trainguard.agent.checkpoint.errors import CheckpointError
 from trainguard.agent.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
 from trainguard.agent.checkpoint.tier import Tier, step_dirname
 from trainguard.agent.cluster.blobstore import CKPT_NS, INDEX, BlobStore
-from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable
+from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable, valid_node_name
 from trainguard.agent.cluster.peertier import ClientFactory, PeerRef, fetch_remote_copy
 from trainguard.agent.cluster.placement import Placement, PlacementError, place
 from trainguard.agent.controller.batch_rule import follow_batch
@@ -570,7 +570,11 @@ class GangCoordinator:
                 CKPT_NS, f"{origin}/{key}/{step_dirname(step)}/{MANIFEST_NAME}")
             manifest = Manifest.from_json(raw)
         parts = manifest.extra.get("parts")
-        return [str(p) for p in parts] if isinstance(parts, list) else [origin]
+        if not isinstance(parts, list):
+            return [origin]
+        if not all(valid_node_name(p) for p in parts):  # part names become paths in assemble
+            raise CheckpointError(f"manifest of {key} step {step} on {holder} lists parts that are not node names")
+        return [str(p) for p in parts]
 
     def find_restore(self, rec: JobRecordDoc, g: Gang, apis: dict[str, str],
                      max_step: int | None) -> tuple[int, dict[str, list[str]]]:

@@ -48,6 +48,11 @@ class JobRecordError(ValueError):
     """A job record from etcd that is not used: malformed, out of bounds, or not signed by an agent."""
 
 
+def valid_node_name(value: object) -> bool:
+    """A node name, safe as one path segment (letters, digits, '.', '_', '-'; not '.' first)."""
+    return isinstance(value, str) and _NODE.match(value) is not None
+
+
 def _canonical(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
