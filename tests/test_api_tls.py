@@ -168,6 +168,17 @@ def test_two_agents_and_etcd_all_over_mutual_tls(tmp_path: Path, pki: Pki) -> No
         # The peer copy is a blob PUT from a to b's TLS API, with a's client certificate.
         wait_for(lambda: max(b.held_steps("a", "tls") or [0]) >= 8, 120, f"a peer copy on b\n{a.log()[-3000:]}")
         assert not [e for e in a.events("checkpoint_write_failed") if e["fields"].get("tier") == "peer"]
+        # Node c of the same CA, with the admin token, cannot plant or delete a's copies on b.
+        host_b, port_b = b.api.rsplit(":", 1)
+        intruder = ApiClient.remote(host_b, int(port_b), token=token, timeout=5, tls=client_context(pki.node("c")))
+        held = max(b.held_steps("a", "tls"))
+        for attempt in (lambda: intruder.put_blob("ckpt", "a/tls/step_999999/__0_0.distcp", b"poison"),
+                        lambda: intruder.delete_blob("ckpt", f"a/tls/step_{held}")):
+            with pytest.raises(ApiClientError) as refused:
+                attempt()
+            assert refused.value.status == 403
+        assert 999999 not in b.held_steps("a", "tls")  # (a itself prunes its older copies meanwhile)
+        assert len(wait_for(lambda: b.events("api_node_refused"), 10, "refusal events")) == 2
         # Plain HTTP to the agent's TLS port is refused; so is a client with no certificate.
         host, port = a.api.rsplit(":", 1)
         with pytest.raises(ApiClientError):
