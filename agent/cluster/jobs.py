@@ -228,10 +228,14 @@ class JobTable:
         self.on_drop = on_drop
         self.dropped = 0
         self._seen_drops: set[tuple[str, int]] = set()
+        # job -> revision of a refused record under its key: a writer that finds no usable record
+        # may replace it (a forged record must not block the real one forever).
+        self._refused_rev: dict[str, int] = {}
 
     def read(self) -> dict[str, tuple[JobRecordDoc, int]]:
         kvs, _ = self.client.get_prefix(self.prefix)
         out = {}
+        refused: dict[str, int] = {}
         for kv in kvs:
             try:
                 rec = JobRecordDoc.parse(kv.value, self.key)
@@ -239,8 +243,12 @@ class JobTable:
                     raise JobRecordError(f"record of job {rec.job} stored under another key")
             except JobRecordError as exc:
                 self._drop(kv.key, kv.mod_revision, str(exc))
+                name = kv.key[len(self.prefix):]
+                if valid_job_id(name):
+                    refused[name] = kv.mod_revision
                 continue
             out[rec.job] = (rec, kv.mod_revision)
+        self._refused_rev = refused
         return out
 
     def _drop(self, key: str, revision: int, reason: str) -> None:
@@ -260,6 +268,8 @@ class JobTable:
         if expect_revision is None:
             self.client.put(key, rec.to_json(self.key))
             return True
+        if expect_revision == 0:
+            expect_revision = self._refused_rev.get(rec.job, 0)
         return self.client.replace(key, rec.to_json(self.key), expect_revision)
 
 

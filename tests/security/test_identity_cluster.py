@@ -218,6 +218,9 @@ class FakeEtcd:
         return self.rev
 
     def replace(self, key: str, value: bytes, mod_revision: int) -> bool:
+        current = self.kvs.get(key)
+        if (current[1] if current else 0) != mod_revision:
+            return False
         self.put(key, value)
         return True
 
@@ -258,6 +261,16 @@ def test_only_signed_valid_job_records_are_used(tmp_path: Path) -> None:
     etcd.put(prefix + "evil", JobRecordDoc("evil", _spec("evil"), "n2").to_json())
     table.read()
     assert table.dropped == 8
+
+
+def test_a_forged_record_does_not_block_the_real_owner_from_writing(tmp_path: Path) -> None:
+    etcd = FakeEtcd()
+    table = JobTable(etcd, "/trainguard/c/", key=KEY)  # type: ignore[arg-type]
+    etcd.put("/trainguard/c/jobs/real", JobRecordDoc("real", _spec("real"), "evil-node").to_json())
+    assert table.read() == {} and table.dropped == 1
+    assert table.write(JobRecordDoc("real", {"job": "real", "nproc": 1}, "n1"), 0)  # "absent" as far as it knows
+    assert table.read()["real"][0].node == "n1"
+    assert not table.write(JobRecordDoc("real", {"job": "real", "nproc": 1}, "n2"), 0)  # a real record: CAS holds
 
 
 def test_a_path_job_id_never_reaches_the_filesystem_through_a_gang(tmp_path: Path) -> None:
