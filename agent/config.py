@@ -91,8 +91,13 @@ class ApiSection:
     """Refuse TCP clients without a client certificate from ``tls_ca`` (mutual TLS between agents;
     remote dashboards then need a certificate too)."""
     allow_plaintext: bool = False
-    """Serve the TCP API without TLS: bearer tokens and checkpoint bytes cross the network in clear.
-    Only for loopback or a network nobody else reaches; the agent warns at every start."""
+    """Serve the TCP API without TLS: bearer tokens and checkpoint bytes cross the network in clear,
+    and callers carry no node identity. Only for loopback or a network nobody else reaches; the
+    agent warns at every start."""
+    header_timeout_s: float = 10.0
+    """A request's whole head must arrive within this (slowloris clients are cut there)."""
+    max_connections_per_peer: int = 16
+    """TCP connections served at once per client address (of 64 in all)."""
 
     def validate(self, key: str) -> None:
         _host_port(f"{key}.tcp", self.tcp, allow_empty=True)
@@ -105,6 +110,13 @@ class ApiSection:
             raise ConfigError(f"{key}.tls_ca", "required when api.tls_client_auth is true")
         if (self.tls_key or self.tls_client_auth) and not self.tls_cert:
             raise ConfigError(f"{key}.tls_cert", "required with api.tls_key / api.tls_client_auth")
+        if self.tcp and self.tls_cert and not self.tls_client_auth:
+            raise ConfigError(f"{key}.tls_client_auth", "must be true when api.tcp serves TLS: every node's certificate "
+                                                        "names it, and node-scoped requests are checked against it")
+        _positive(f"{key}.header_timeout_s", self.header_timeout_s)
+        if isinstance(self.max_connections_per_peer, bool) or not isinstance(self.max_connections_per_peer, int) \
+                or self.max_connections_per_peer < 1:
+            raise ConfigError(f"{key}.max_connections_per_peer", "must be an integer >= 1")
 
 
 @dataclass

@@ -269,13 +269,17 @@ class Agent:
             token_file=Path(cfg.token_file) if cfg.token_file else None,
             unix_requires_token=cfg.unix_requires_token,
             tls=self._tls_contexts()[0],
+            allow_plaintext=cfg.allow_plaintext,
+            header_timeout_s=cfg.header_timeout_s,
+            max_connections_per_peer=cfg.max_connections_per_peer,
         )
         if cfg.tcp and not cfg.tls_cert:
             log.warning("api: the TCP API on %s serves plain HTTP (api.allow_plaintext = true): bearer tokens "
                         "and checkpoint bytes cross the network in clear", cfg.tcp)
             self.events.emit("api_plaintext", f"the TCP API on {cfg.tcp} serves plain HTTP (api.allow_plaintext)",
                              severity="warning")
-        self.api = ApiServer(api_cfg, self.control, on_auth_failure=self._on_auth_failure)
+        self.api = ApiServer(api_cfg, self.control, on_auth_failure=self._on_auth_failure,
+                             on_node_refused=self._on_node_refused)
         self.api.start()
         tcp = self.api.tcp_address
         self.api_tcp_port = tcp[1] if tcp else None
@@ -351,6 +355,10 @@ class Agent:
 
     def _on_auth_failure(self, remote: str, path: str) -> None:
         self.events.emit("api_auth_failed", f"API request without a valid token from {remote}", severity="warning", remote=remote, path=path)
+
+    def _on_node_refused(self, remote: str, caller: str, node: str, path: str) -> None:
+        self.events.emit("api_node_refused", f"{remote} (certificate {caller}) may not act for node {node}",
+                         severity="warning", remote=remote, caller=caller, node=node, path=path)
 
     def _adopt_jobs(self) -> None:
         """Jobs a previous agent on this state directory left: adopted or restarted (the records

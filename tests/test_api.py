@@ -152,7 +152,7 @@ def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
     failures: list[tuple[str, str]] = []
     daemon = FakeDaemon(tmp_path / "blobs")
     tokens = _token_file(tmp_path / "tokens", f"# test tokens\n{ADMIN}\n{READER} read\n")
-    cfg = ApiConfig(unix_socket=tmp_path / "run" / "agent.sock", tcp="127.0.0.1:0", token_file=tokens,
+    cfg = ApiConfig(unix_socket=tmp_path / "run" / "agent.sock", tcp="127.0.0.1:0", allow_plaintext=True, token_file=tokens,
                     max_body_bytes=64 * 1024)
     server = ApiServer(cfg, daemon, on_auth_failure=lambda remote, path: failures.append((remote, path)))
     server.start()
@@ -252,7 +252,7 @@ def test_auth_failure_reports_are_rate_limited(tmp_path: Path) -> None:
     now = [1000.0]
     reported: list[str] = []
     tokens = _token_file(tmp_path / "tokens", ADMIN + "\n")
-    cfg = ApiConfig(unix_socket=None, tcp="127.0.0.1:0", token_file=tokens)
+    cfg = ApiConfig(unix_socket=None, tcp="127.0.0.1:0", allow_plaintext=True, token_file=tokens)
     with ApiServer(cfg, FakeDaemon(tmp_path), on_auth_failure=lambda r, p: reported.append(p),
                    clock=lambda: now[0]) as server:
         port = server.tcp_port
@@ -436,7 +436,7 @@ def test_connection_cap_answers_503(tmp_path: Path) -> None:
 
 def test_tcp_flood_does_not_lock_out_the_local_socket(tmp_path: Path) -> None:
     tokens = _token_file(tmp_path / "tokens", ADMIN + "\n")
-    cfg = ApiConfig(unix_socket=tmp_path / "a.sock", tcp="127.0.0.1:0", token_file=tokens, max_connections=2)
+    cfg = ApiConfig(unix_socket=tmp_path / "a.sock", tcp="127.0.0.1:0", allow_plaintext=True, token_file=tokens, max_connections=2)
     with ApiServer(cfg, FakeDaemon(tmp_path)) as server:
         port = server.tcp_port
         assert port is not None
@@ -475,7 +475,7 @@ def test_blob_round_trip_byte_exact(env: dict[str, Any], tmp_path: Path) -> None
 def test_blob_upload_refused_before_the_body_is_sent(tmp_path: Path) -> None:
     tokens = _token_file(tmp_path / "tokens", f"{ADMIN}\n{READER} read\n")
     daemon = FakeDaemon(tmp_path / "blobs")
-    cfg = ApiConfig(unix_socket=None, tcp="127.0.0.1:0", token_file=tokens, max_blob_bytes=1 << 20)
+    cfg = ApiConfig(unix_socket=None, tcp="127.0.0.1:0", allow_plaintext=True, token_file=tokens, max_blob_bytes=1 << 20)
     with ApiServer(cfg, daemon) as server:
         port = server.tcp_port
         assert port is not None
@@ -544,7 +544,7 @@ def test_token_file_reload(env: dict[str, Any]) -> None:
 
 def test_world_readable_token_file_is_refused(tmp_path: Path) -> None:
     tokens = _token_file(tmp_path / "tokens", ADMIN + "\n", mode=0o644)
-    cfg = ApiConfig(unix_socket=tmp_path / "a.sock", tcp="127.0.0.1:0", token_file=tokens)
+    cfg = ApiConfig(unix_socket=tmp_path / "a.sock", tcp="127.0.0.1:0", allow_plaintext=True, token_file=tokens)
     with pytest.raises(TokenFileError, match=r"mode 0644 .*chmod 600"):
         ApiServer(cfg, FakeDaemon(tmp_path))
     assert not (tmp_path / "a.sock").exists()
@@ -578,6 +578,9 @@ def test_stale_socket_replaced_live_one_refused(tmp_path: Path) -> None:
     ({"unix_mode": 0o666}, "api.unix_mode"),
     ({"unix_requires_token": True}, "api.token_file"),
     ({"max_body_bytes": 10}, "api.max_body_bytes"),
+    ({"tcp": "127.0.0.1:0", "token_file": "t"}, "api.tls_cert"),
+    ({"header_timeout_s": 0}, "api.header_timeout_s"),
+    ({"max_connections_per_peer": 0}, "api.max_connections_per_peer"),
     ({"unix_socket": "/tmp/" + "x" * 120}, "api.unix_socket"),
 ])
 def test_config_errors_name_the_key(kwargs: dict[str, Any], key: str) -> None:

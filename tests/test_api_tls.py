@@ -87,8 +87,8 @@ def test_mutual_tls_handshake_and_a_blob_over_it(tls_server: dict[str, Any], pki
     client = _client(tls_server, pki.node("peer"))
     assert client.health()["node"] == "n1"
     data = os.urandom(3 << 20)  # several TLS records, no 100-continue over TLS
-    assert client.put_blob("ckpt", "node/step_1/shard", data)["size"] == len(data)
-    assert client.get_blob("ckpt", "node/step_1/shard") == data
+    assert client.put_blob("ckpt", "peer/step_1/shard", data)["size"] == len(data)
+    assert client.get_blob("ckpt", "peer/step_1/shard") == data
     assert tls_server["server"].stats.snapshot()["tls_refused_total"] == 0
 
 
@@ -157,7 +157,7 @@ def test_two_agents_and_etcd_all_over_mutual_tls(tmp_path: Path, pki: Pki) -> No
         with pytest.raises(Exception):  # noqa: B017,PT011 - etcd3gw/requests raise their own kinds
             EtcdClient(etcd.endpoints, timeout_s=1.0, ca=pki.ca_file).put("/x", "1")
         with pytest.raises(Exception):  # noqa: B017,PT011
-            EtcdClient(etcd.endpoints, timeout_s=1.0).put("/x", "1")
+            EtcdClient(etcd.endpoints, timeout_s=1.0, plaintext=True).put("/x", "1")
         for name in ("a", "b"):
             nodes.append(ClusterNode(tmp_path / name, name, etcd.endpoints, token, cluster=f"tls{os.getpid()}",
                                      slots=2, tls=pki.node(name), etcd_tls=True))
@@ -168,6 +168,17 @@ def test_two_agents_and_etcd_all_over_mutual_tls(tmp_path: Path, pki: Pki) -> No
         # The peer copy is a blob PUT from a to b's TLS API, with a's client certificate.
         wait_for(lambda: max(b.held_steps("a", "tls") or [0]) >= 8, 120, f"a peer copy on b\n{a.log()[-3000:]}")
         assert not [e for e in a.events("checkpoint_write_failed") if e["fields"].get("tier") == "peer"]
+        # Node c of the same CA, with the admin token, cannot plant or delete a's copies on b.
+        host_b, port_b = b.api.rsplit(":", 1)
+        intruder = ApiClient.remote(host_b, int(port_b), token=token, timeout=5, tls=client_context(pki.node("c")))
+        held = max(b.held_steps("a", "tls"))
+        for attempt in (lambda: intruder.put_blob("ckpt", "a/tls/step_999999/__0_0.distcp", b"poison"),
+                        lambda: intruder.delete_blob("ckpt", f"a/tls/step_{held}")):
+            with pytest.raises(ApiClientError) as refused:
+                attempt()
+            assert refused.value.status == 403
+        assert 999999 not in b.held_steps("a", "tls")  # (a itself prunes its older copies meanwhile)
+        assert len(wait_for(lambda: b.events("api_node_refused"), 10, "refusal events")) == 2
         # Plain HTTP to the agent's TLS port is refused; so is a client with no certificate.
         host, port = a.api.rsplit(":", 1)
         with pytest.raises(ApiClientError):

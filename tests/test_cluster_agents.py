@@ -45,7 +45,7 @@ def cluster(tmp_path: Path) -> Iterator[Callable[..., ClusterNode]]:
 
 def test_agents_register_elect_one_leader_and_refuse_wrong_tokens(cluster: Callable[..., ClusterNode]) -> None:
     a, b = cluster("a", ttl=4), cluster("b", ttl=4)
-    etcd = EtcdClient(cluster.etcd.endpoints)  # type: ignore[attr-defined]
+    etcd = EtcdClient(cluster.etcd.endpoints, plaintext=True)  # type: ignore[attr-defined]
     prefix = f"/trainguard/t{os.getpid()}/"
     kvs = wait_for(lambda: (k := etcd.get_prefix(prefix + "nodes/")[0]) and len(k) == 2 and k, 20, "two nodes")
     apis = {kv.key.rsplit("/", 1)[1]: kv for kv in kvs}

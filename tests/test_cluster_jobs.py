@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from trainguard.agent.cluster.config import ClusterConfig
+from trainguard.agent.cluster.demo import shared_key
 from trainguard.agent.cluster.etcdserver import LocalEtcd
 from trainguard.agent.cluster.jobs import JobRecordDoc
 from trainguard.agent.cluster.service import ClusterService
@@ -56,7 +57,7 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcd]:
 def make(etcd: LocalEtcd, tmp: Path, cluster: str, name: str, events: list[tuple[str, str, dict[str, Any]]],
          slots: int = 2) -> tuple[ClusterService, FakeSupervisor]:
     cfg = ClusterConfig(name=cluster, etcd_endpoints=etcd.endpoints, lease_ttl_s=2, poll_s=0.1, etcd_timeout_s=0.5,
-                        slots=slots)
+                        slots=slots, etcd_plaintext=True, key_file=str(shared_key(tmp)))
     svc = ClusterService(cfg, node=name, memory_root=str(tmp / name),
                          emit=lambda k, m, f: events.append((name, k, f)))
     sup = FakeSupervisor()

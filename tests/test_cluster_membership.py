@@ -59,7 +59,7 @@ def crash(m: Membership) -> None:
 
 def make(endpoints: list[str], cluster: str, name: str, rec: Recorder, ttl: int = TTL, watch: bool = False) -> Membership:
     # Watching: polling slowed to 5 s, so only the watch stream can make the timings below.
-    return Membership(EtcdClient(endpoints, timeout_s=0.5), cluster, NodeInfo(name, f"127.0.0.1:{hash(name) % 1000 + 1000}", 2),
+    return Membership(EtcdClient(endpoints, timeout_s=0.5, plaintext=True), cluster, NodeInfo(name, f"127.0.0.1:{hash(name) % 1000 + 1000}", 2),
                       ttl=ttl, poll_s=5.0 if watch else 0.1, emit=rec, watch=watch, resync_s=30.0)
 
 
@@ -192,7 +192,7 @@ def test_expired_own_lease_reregisters(etcd1: LocalEtcd) -> None:
         wait_for(lambda: m.is_leader, 3, "leader")
         assert m._keeper is not None
         old = m._keeper.lease
-        EtcdClient(etcd1.endpoints).revoke(old)  # the server drops it, as after a long partition
+        EtcdClient(etcd1.endpoints, plaintext=True).revoke(old)  # the server drops it, as after a long partition
         wait_for(lambda: m._keeper is not None and m._keeper.lease != old and m.is_leader, 5, "re-registered")
         assert rec.kinds("cluster_lease_renewed")
     finally:
@@ -202,7 +202,7 @@ def test_expired_own_lease_reregisters(etcd1: LocalEtcd) -> None:
 def test_unreachable_etcd_raises_typed_error() -> None:
     from trainguard.agent.cluster.etcdserver import free_port
 
-    client = EtcdClient([f"127.0.0.1:{free_port()}"], timeout_s=0.2)
+    client = EtcdClient([f"127.0.0.1:{free_port()}"], timeout_s=0.2, plaintext=True)
     with pytest.raises(EtcdUnavailable):
         client.grant(3)
 

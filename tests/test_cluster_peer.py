@@ -19,7 +19,10 @@ from trainguard.agent.checkpoint.errors import CheckpointCorrupt, CheckpointWrit
 from trainguard.agent.checkpoint.manifest import MANIFEST_NAME, Manifest
 from trainguard.agent.cluster.blobstore import CKPT_NS, BlobStore
 from trainguard.agent.cluster.peertier import PeerRef, PeerTier, ring_peer, token_client_factory
+from trainguard.agent.cluster.signing import sign_manifest
 from trainguard.agent.control import AgentControl
+
+KEY = secrets.token_hex(32).encode()  # the cluster key every simulated node holds
 
 
 class Node:
@@ -32,8 +35,8 @@ class Node:
         token_file = root / "tokens"
         token_file.write_text(token + "\n")
         os.chmod(token_file, 0o600)
-        self.store = BlobStore(root / "shm" / ".peer-held")
-        self.server = ApiServer(ApiConfig(unix_socket=None, tcp="127.0.0.1:0", token_file=token_file),
+        self.store = BlobStore(root / "shm" / ".peer-held", key=KEY)
+        self.server = ApiServer(ApiConfig(unix_socket=None, tcp="127.0.0.1:0", allow_plaintext=True, token_file=token_file),
                                 AgentControl(SimpleNamespace(blob_store=self.store)))  # type: ignore[arg-type]
         self.server.start()
         port = self.server.tcp_port
@@ -42,7 +45,7 @@ class Node:
 
     def manager(self, peer: Node | None, token: str, disk: bool = True) -> CheckpointManager:
         ref = PeerRef(peer.name, peer.api) if peer else None
-        self.peer_tier = PeerTier(self.name, self.store, lambda: ref, token_client_factory(token, 10.0))
+        self.peer_tier = PeerTier(self.name, self.store, lambda: ref, token_client_factory(token, 10.0), key=KEY)
         settings = CheckpointSettings(memory_root=str(self.root / "shm"), memory_keep=2,
                                       disk_dir=str(self.root / "disk") if disk else "", disk_interval=1)
         return CheckpointManager(settings, extra_tiers=[self.peer_tier], extra_intervals={"peer": 1},
@@ -157,7 +160,7 @@ def test_receiver_rejects_upload_that_does_not_match_manifest(nodes: dict[str, N
     tmp = b.root / "f.bin"
     tmp.write_bytes(b"hello WORLD")  # what the sender thinks it sent
     size, digest = file_checksum(tmp)
-    bad = Manifest("j", 1, 1.0, "crc32", (FileEntry("f.bin", size, digest),), {})
+    bad = sign_manifest(KEY, "x", Manifest("j", 1, 1.0, "crc32", (FileEntry("f.bin", size, digest),), {}))
     with pytest.raises(ApiClientError) as err:
         client.put_blob(CKPT_NS, f"x/j/step_1/{MANIFEST_NAME}", bad.to_json())
     assert err.value.status == 422 and "checksum" in str(err.value)

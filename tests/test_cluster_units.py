@@ -90,10 +90,13 @@ def test_placement_keeps_tp_groups_inside_nodes() -> None:
 
 def test_cluster_config_section(tmp_path: Path) -> None:
     """The daemon's own config file carries [cluster]; errors name the key."""
+    from trainguard.agent.cluster.signing import write_key
     from trainguard.agent.config import ConfigError, load_config
 
     path = tmp_path / "agent.toml"
-    path.write_text('[cluster]\nname = "prod"\netcd_endpoints = ["127.0.0.1:2379"]\nlease_ttl_s = 6\nrejoin = false\n')
+    key = write_key(str(tmp_path / "cluster.key"))
+    path.write_text('[cluster]\nname = "prod"\netcd_endpoints = ["127.0.0.1:2379"]\nlease_ttl_s = 6\nrejoin = false\n'
+                    f'etcd_plaintext = true\nkey_file = "{key}"\n')
     cfg = load_config(str(path), must_exist=True).cluster
     assert cfg.name == "prod" and cfg.lease_ttl_s == 6 and not cfg.solo and cfg.rejoin is False
     for body, error in (('leese_ttl_s = 6', r"^cluster\.leese_ttl_s: unknown key"),

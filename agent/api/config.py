@@ -66,6 +66,18 @@ class ApiConfig:
     handshake_timeout_s: float = 10.0
     """A TLS client must finish its handshake within this (in the connection's own thread)."""
 
+    allow_plaintext: bool = False
+    """Serve ``tcp`` without TLS (loopback or a closed network only): callers then carry no node
+    identity, so node-scoped routes cannot tell one node from another."""
+
+    header_timeout_s: float = 10.0
+    """A request's whole head (request line and headers) must arrive within this, however slowly
+    it trickles in: a slowloris client is cut at the deadline instead of holding a thread."""
+
+    max_connections_per_peer: int = 16
+    """TCP connections served at once per client address: a few slow clients of one host cannot
+    take every slot of ``max_connections`` from the other nodes."""
+
     def __post_init__(self) -> None:
         if self.unix_socket is not None:
             self.unix_socket = Path(self.unix_socket)
@@ -99,3 +111,14 @@ class ApiConfig:
             raise ValueError(f"api.request_timeout_s: must be > 0, got {self.request_timeout_s}")
         if self.max_connections < 1:
             raise ValueError(f"api.max_connections: must be at least 1, got {self.max_connections}")
+        if not self.header_timeout_s > 0:
+            raise ValueError(f"api.header_timeout_s: must be > 0, got {self.header_timeout_s}")
+        if self.max_connections_per_peer < 1:
+            raise ValueError(f"api.max_connections_per_peer: must be at least 1, got {self.max_connections_per_peer}")
+        if self.tcp is not None:
+            if self.tls is None and not self.allow_plaintext:
+                raise ValueError("api.tls_cert: required when api.tcp is set (mutual TLS), "
+                                 "or set api.allow_plaintext = true")
+            if self.tls is not None and self.tls.verify_mode != ssl.CERT_REQUIRED:
+                raise ValueError("api.tls_client_auth: the TCP API requires client certificates "
+                                 "(each node's certificate names it)")

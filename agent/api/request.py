@@ -8,6 +8,7 @@ that the client reads the answer rather than a reset.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ from urllib.parse import parse_qsl, urlsplit
 from trainguard.agent.api import routes
 from trainguard.agent.api.auth import Role, bearer_token
 from trainguard.agent.api.handler import ApiError, Blob
+from trainguard.agent.api.identity import UNRESTRICTED, Caller, names_from_peercert
 
 if TYPE_CHECKING:
     from trainguard.agent.api.server import _Listener
@@ -39,6 +41,37 @@ class _Reply(Exception):
         self.status = status
         self.message = message
         self.headers = headers or {}
+
+
+class _DeadlineIO(io.RawIOBase):
+    """The connection's reads with a whole-head deadline on top of the idle timeout: while a
+    request head is being read, no read waits past ``deadline`` however the bytes trickle in."""
+
+    def __init__(self, sock: socket.socket, idle_s: float, on_timeout: Any) -> None:
+        self._sock = sock
+        self._idle_s = idle_s
+        self._on_timeout = on_timeout
+        self.deadline: float | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        deadline = self.deadline
+        if deadline is None:
+            self._sock.settimeout(self._idle_s)
+            return self._sock.recv_into(buf)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self._on_timeout()
+            raise TimeoutError("request head not complete before the deadline")
+        self._sock.settimeout(min(self._idle_s, left))
+        try:
+            return self._sock.recv_into(buf)
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                self._on_timeout()
+            raise
 
 
 class _BodyReader:
@@ -95,6 +128,7 @@ class _Checked:
     route: routes.Route
     params: dict[str, str]
     query: dict[str, str]
+    role: Role | None
 
 
 def _linger_close(sock: socket.socket, max_s: float = 2.0, max_bytes: int = 64 << 20) -> None:
@@ -133,7 +167,16 @@ class RequestHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self.connection.settimeout(self.server.api.config.request_timeout_s)
+        config = self.server.api.config
+        self.connection.settimeout(config.request_timeout_s)
+        self._deadline_io = _DeadlineIO(self.connection, config.request_timeout_s,
+                                        lambda: self.server.api.stats.incr("header_timeouts_total"))
+        self.rfile = io.BufferedReader(self._deadline_io)
+        # Mutual TLS is required on TCP (plain TCP only by explicit opt-in): a TLS peer is the nodes
+        # its verified certificate names; the unix socket and plain TCP carry no node identity.
+        self.caller: Caller = UNRESTRICTED
+        if isinstance(self.connection, ssl.SSLSocket):
+            self.caller = Caller(names_from_peercert(self.connection.getpeercert()))
         if not self.server.is_unix:
             # Head and body go out in two writes; with Nagle and delayed ACKs every keep-alive
             # answer would wait ~40 ms for the second one.
@@ -173,6 +216,15 @@ class RequestHandler(BaseHTTPRequestHandler):
 
     _linger = False
 
+    def handle_one_request(self) -> None:
+        # The head of each request (also the next one on a keep-alive connection) must arrive
+        # within header_timeout_s; parse_request lifts the deadline once the head is in.
+        self._deadline_io.deadline = time.monotonic() + self.server.api.config.header_timeout_s
+        try:
+            super().handle_one_request()
+        finally:
+            self._deadline_io.deadline = None
+
     def parse_request(self) -> bool:
         # One handler object serves every request of a keep-alive connection: reset per request.
         self._checked: _Checked | None = None
@@ -180,7 +232,9 @@ class RequestHandler(BaseHTTPRequestHandler):
         self._body_unknown = False
         self._headers_sent = False
         self._linger = False
-        return super().parse_request()
+        ok = super().parse_request()
+        self._deadline_io.deadline = None
+        return ok
 
     def handle_expect_100(self) -> bool:
         # "Expect: 100-continue" (our client sends it with blobs): refuse before the client sends
@@ -217,7 +271,7 @@ class RequestHandler(BaseHTTPRequestHandler):
             self.close_connection = True
         except Exception:
             api.stats.incr("handler_errors_total")
-            log.exception("api: %s %s failed", self.command, urlsplit(self.path).path)
+            log.exception("api: %s %s failed", self.command, urlsplit(self.path).path[:200])
             self.close_connection = True
             self._linger = self._unread() > 0
             if not self._headers_sent:
@@ -268,7 +322,28 @@ class RequestHandler(BaseHTTPRequestHandler):
         elif length > api.config.max_body_bytes:
             raise _Reply(413, f"request body of {length} bytes exceeds the limit of "
                               f"{api.config.max_body_bytes} bytes")
-        return _Checked(route, params, dict(parse_qsl(split.query, keep_blank_values=True)))
+        checked = _Checked(route, params, dict(parse_qsl(split.query, keep_blank_values=True)), role)
+        if route.kind != routes.Kind.JSON:
+            # Blob routes name their node in the path: refused before a multi-GB body is sent.
+            self._check_node(checked, {})
+        return checked
+
+    def _call(self, c: _Checked, body: dict[str, Any], reader: _BodyReader | None = None) -> routes.Call:
+        return routes.Call(c.params, c.query, body, reader, role=c.role, caller=self.caller)
+
+    def _check_node(self, c: _Checked, body: dict[str, Any]) -> None:
+        """A node-scoped request from a verified node must name that node (403 otherwise, counted)."""
+        if c.route.node_of is None or not self.caller.restricted:
+            return
+        try:
+            node = c.route.node_of(self._call(c, body))
+        except ApiError as e:
+            raise _Reply(e.status, e.message) from None
+        if node is None or self.caller.may_act_as(node):
+            return
+        self.server.api.node_refused(self.address_string(), self.caller.describe(), node, urlsplit(self.path).path)
+        raise _Reply(403, f"this client's certificate names {self.caller.describe()}, not node {node[:80]!r}: "
+                          "a node may write only its own copies and telemetry")
 
     def _serve(self, c: _Checked) -> None:
         api = self.server.api
@@ -276,16 +351,19 @@ class RequestHandler(BaseHTTPRequestHandler):
         try:
             if route.kind == routes.Kind.BLOB_IN:
                 assert self._reader is not None
-                result = route.call(api.handler, routes.Call(c.params, c.query, {}, self._reader))
+                result = route.call(api.handler, self._call(c, {}, self._reader))
                 self._drain_or_close()  # the handler may stop reading early
                 self._send_json(200, self._jsonable(result))
             elif route.kind == routes.Kind.BLOB_OUT:
                 self._read_json_body()
-                blob = route.call(api.handler, routes.Call(c.params, c.query, {}))
+                blob = route.call(api.handler, self._call(c, {}))
                 self._send_blob(blob)
             else:
                 body = self._read_json_body()
-                result = route.call(api.handler, routes.Call(c.params, c.query, body))
+                self._check_node(c, body)
+                result = route.call(api.handler, self._call(c, body))
+                if c.role is not None and c.role < Role.ADMIN:
+                    result = routes.redact_env(result)
                 self._send_json(200, self._jsonable(result))
         except ApiError as e:
             raise _Reply(e.status, e.message) from None

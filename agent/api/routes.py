@@ -19,14 +19,20 @@ GET      /v1/jobs/<id>/plan               read    get_plan(id)
 PUT      /v1/jobs/<id>/plan               admin   update_plan(id, body)
 POST     /v1/jobs/<id>/checkpoint         admin   checkpoint_now(id, body)
 POST     /v1/jobs/<id>/drain              admin   drain(id, body)
-POST     /v1/jobs/<id>/telemetry          admin   ingest_telemetry(id, body)  (other nodes' ranks)
+POST     /v1/jobs/<id>/telemetry          admin*  ingest_telemetry(id, body)  (other nodes' ranks)
 GET      /v1/checkpoints?job=             read    list_checkpoints(job)
 GET      /v1/config/detection             read    get_detection_config()
 PUT      /v1/config/detection             admin   update_detection_config(body)
-PUT      /v1/blobs/<ns>/<path...>         admin   put_blob(ns, path, reader)
+PUT      /v1/blobs/<ns>/<path...>         admin*  put_blob(ns, path, reader)
 GET      /v1/blobs/<ns>/<path...>         admin   get_blob(ns, path)
-DELETE   /v1/blobs/<ns>/<path...>         admin   delete_blob(ns, path)
+DELETE   /v1/blobs/<ns>/<path...>         admin*  delete_blob(ns, path)
 =======  ===============================  ======  =============================
+
+``*``: node-scoped. Over mutual TLS the caller is the node its certificate names, and it may only
+act for itself: the first path segment (a peer copy's origin node) or the body's ``node`` (the
+sender of forwarded telemetry) must be that node; otherwise 403, whatever the token.
+
+A read token never sees a job's ``env`` values: they are answered as ``"***"`` (``redact_env``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from urllib.parse import unquote
 
 from trainguard.agent.api.auth import Role
 from trainguard.agent.api.handler import ApiError, ApiHandler, BlobReader
+from trainguard.agent.api.identity import UNRESTRICTED, Caller
 
 MAX_EVENTS_LIMIT = 10_000
 DEFAULT_EVENTS_LIMIT = 100
@@ -55,6 +62,8 @@ class Call:
     query: Mapping[str, str]  # last value of each query parameter
     body: dict[str, Any]  # parsed JSON body ({} when none); unused by blob routes
     reader: BlobReader | None = None  # the raw body, for blob uploads
+    role: Role | None = None  # the token's role (None: a public route)
+    caller: Caller = UNRESTRICTED  # the calling node, from its verified certificate
 
 
 class Kind:
@@ -70,6 +79,8 @@ class Route:
     role: Role | None  # None: public (health only)
     kind: str
     call: Callable[[ApiHandler, Call], Any]
+    node_of: Callable[[Call], str | None] | None = None
+    """Node-scoped routes: the node the request acts for (it must be the caller's own)."""
 
 
 def _name(value: str, what: str) -> str:
@@ -172,13 +183,45 @@ def _blob_args(c: Call) -> tuple[str, str]:
     return _name(c.params["ns"], "blob namespace"), blob_path(c.params["path"])
 
 
+def _blob_owner(c: Call) -> str | None:
+    """The node a blob write acts for: the first path segment (a peer copy's origin)."""
+    return blob_path(c.params["path"]).split("/", 1)[0]
+
+
+def _telemetry_sender(c: Call) -> str | None:
+    node = c.body.get("node")
+    return node if isinstance(node, str) else None
+
+
+REDACTED = "***"
+_REDACT_DEPTH = 8
+
+
+def redact_env(result: Any, depth: int = 0) -> Any:
+    """``result`` with the values of every ``env`` mapping replaced by ``"***"`` (the keys stay, so
+    a reader still sees which variables a job sets): what a read-only token is shown."""
+    if depth > _REDACT_DEPTH:
+        return result
+    if isinstance(result, dict):
+        out: dict[str, Any] = {}
+        for key, value in result.items():
+            if key == "env" and isinstance(value, dict):
+                out[key] = {str(k): REDACTED for k in value}
+            else:
+                out[key] = redact_env(value, depth + 1)
+        return out
+    if isinstance(result, list):
+        return [redact_env(v, depth + 1) for v in result]
+    return result
+
+
 _JOB = r"/v1/jobs/(?P<job>[^/]+)"
 _BLOB = r"/v1/blobs/(?P<ns>[^/]+)/(?P<path>.+)"
 
 
 def _r(method: str, path: str, role: Role | None, call: Callable[[ApiHandler, Call], Any],
-       kind: str = Kind.JSON) -> Route:
-    return Route(method, re.compile(path), role, kind, call)
+       kind: str = Kind.JSON, node_of: Callable[[Call], str | None] | None = None) -> Route:
+    return Route(method, re.compile(path), role, kind, call, node_of)
 
 
 READ, ADMIN = Role.READ, Role.ADMIN
@@ -198,13 +241,14 @@ ROUTES: tuple[Route, ...] = (
     _r("PUT", _JOB + r"/plan", ADMIN, lambda h, c: h.update_plan(_job(c), c.body)),
     _r("POST", _JOB + r"/checkpoint", ADMIN, lambda h, c: h.checkpoint_now(_job(c), c.body)),
     _r("POST", _JOB + r"/drain", ADMIN, lambda h, c: h.drain(_job(c), c.body)),
-    _r("POST", _JOB + r"/telemetry", ADMIN, lambda h, c: h.ingest_telemetry(_job(c), c.body)),
+    _r("POST", _JOB + r"/telemetry", ADMIN, lambda h, c: h.ingest_telemetry(_job(c), c.body),
+       node_of=_telemetry_sender),
     _r("GET", r"/v1/checkpoints", READ, _checkpoints),
     _r("GET", r"/v1/config/detection", READ, lambda h, c: h.get_detection_config()),
     _r("PUT", r"/v1/config/detection", ADMIN, lambda h, c: h.update_detection_config(c.body)),
-    _r("PUT", _BLOB, ADMIN, _put_blob, Kind.BLOB_IN),
+    _r("PUT", _BLOB, ADMIN, _put_blob, Kind.BLOB_IN, node_of=_blob_owner),
     _r("GET", _BLOB, ADMIN, lambda h, c: h.get_blob(*_blob_args(c)), Kind.BLOB_OUT),
-    _r("DELETE", _BLOB, ADMIN, lambda h, c: h.delete_blob(*_blob_args(c))),
+    _r("DELETE", _BLOB, ADMIN, lambda h, c: h.delete_blob(*_blob_args(c)), node_of=_blob_owner),
 )
 
 

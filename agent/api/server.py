@@ -40,6 +40,9 @@ from trainguard.agent.api.request import RequestHandler
 log = logging.getLogger("trainguard.api")
 
 AuthFailureFn = Callable[[str, str], None]  # (remote, path)
+NodeRefusalFn = Callable[[str, str, str, str], None]  # (remote, caller names, claimed node, path)
+
+MAX_REPORTED_PATH = 200  # characters of a client's path kept in a log line or event
 
 _MAX_REJECTING = 8  # 503 answers in flight at once
 
@@ -89,14 +92,21 @@ class _Listener(socketserver.ThreadingMixIn):
             return f"{client_address[0]}:{client_address[1]}"
         return "unix"
 
+    def peer_of(self, client_address: Any) -> str | None:
+        """The key of the per-peer connection limit: the client's address (None: unix socket)."""
+        if self.is_unix or not isinstance(client_address, tuple) or not client_address:
+            return None
+        return str(client_address[0])
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.api._admit(self):
+        peer = self.peer_of(client_address)
+        if not self.api._admit(self, peer):
             self.api._reject_busy(request)
             return
         try:
             super().process_request(request, client_address)  # type: ignore[misc]
         except BaseException:
-            self.api._release(self)
+            self.api._release(self, peer)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
@@ -105,7 +115,7 @@ class _Listener(socketserver.ThreadingMixIn):
                 return
             super().process_request_thread(request, client_address)
         finally:
-            self.api._release(self)
+            self.api._release(self, self.peer_of(client_address))
 
 
 class _TcpListener(_Listener, socketserver.TCPServer):
@@ -152,11 +162,13 @@ class ApiStats:
 
     def snapshot(self) -> dict[str, Any]:
         """``{"requests_total", "auth_failures_total", "auth_failures_unreported_total",
-        "handler_errors_total", "busy_rejected_total", "tls_refused_total", "responses_total": {status: n}}``."""
+        "handler_errors_total", "busy_rejected_total", "tls_refused_total", "node_refused_total",
+        "peer_limited_total", "header_timeouts_total", "responses_total": {status: n}}``."""
         with self._lock:
             out: dict[str, Any] = {k: self._counts.get(k, 0) for k in (
                 "requests_total", "auth_failures_total", "auth_failures_unreported_total",
-                "handler_errors_total", "busy_rejected_total", "tls_refused_total")}
+                "handler_errors_total", "busy_rejected_total", "tls_refused_total", "node_refused_total",
+                "peer_limited_total", "header_timeouts_total")}
             out["responses_total"] = dict(self._by_status)
             return out
 
@@ -170,12 +182,15 @@ class ApiServer:
 
     def __init__(self, config: ApiConfig, handler: ApiHandler, *,
                  on_auth_failure: AuthFailureFn | None = None,
+                 on_node_refused: NodeRefusalFn | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.handler = handler
         self.tokens = TokenStore(config.token_file)  # raises TokenFileError: refuse to start
         self.stats = ApiStats()
         self._on_auth_failure = on_auth_failure
+        self._on_node_refused = on_node_refused
+        self._per_peer: Counter[str] = Counter()
         self._auth_reports = _Bucket(AUTH_REPORT_BURST, AUTH_REPORT_PER_S, clock)
         self._listeners: list[_TcpListener | _UnixListener] = []
         self._threads: list[threading.Thread] = []
@@ -253,6 +268,7 @@ class ApiServer:
     # -- called by the request handler ---------------------------------------------------------
 
     def auth_failed(self, remote: str, path: str) -> None:
+        path = truncate_path(path)
         self.stats.incr("auth_failures_total")
         # Every failure is counted; reports (a log line, the daemon's fsync'd event) are rate
         # limited, so a flood of bad requests cannot turn into a flood of disk writes.
@@ -290,16 +306,38 @@ class ApiServer:
                 pass
             return False
 
-    def _admit(self, listener: object) -> bool:
+    def node_refused(self, remote: str, caller: str, node: str, path: str) -> None:
+        """A verified node asked to act as another node: counted, reported (rate-limited)."""
+        path = truncate_path(path)
+        self.stats.incr("node_refused_total")
+        if not self._auth_reports.take():
+            return
+        log.warning("api: %s (certificate names %s) may not act for node %r: %s", remote, caller, node[:80], path)
+        if self._on_node_refused is not None:
+            try:
+                self._on_node_refused(remote, caller, node[:128], path)
+            except Exception:
+                log.exception("api: on_node_refused callback failed")
+
+    def _admit(self, listener: object, peer: str | None = None) -> bool:
         with self._active_lock:
             if self._active[id(listener)] >= self.config.max_connections:
                 return False
+            if peer is not None and self._per_peer[peer] >= self.config.max_connections_per_peer:
+                self.stats.incr("peer_limited_total")
+                return False
             self._active[id(listener)] += 1
+            if peer is not None:
+                self._per_peer[peer] += 1
             return True
 
-    def _release(self, listener: object) -> None:
+    def _release(self, listener: object, peer: str | None = None) -> None:
         with self._active_lock:
             self._active[id(listener)] -= 1
+            if peer is not None:
+                self._per_peer[peer] -= 1
+                if self._per_peer[peer] <= 0:
+                    del self._per_peer[peer]
 
     def _reject_busy(self, request: socket.socket) -> None:
         """Answer 503 on a short-lived thread; beyond a few of those, just hang up."""
@@ -316,9 +354,13 @@ class ApiServer:
         try:
             # Read the request head first: closing on unread data resets the connection, and the
             # client would see a broken pipe instead of the 503.
-            request.settimeout(1.0)
+            deadline = time.monotonic() + 1.0  # for the whole head: a trickling client gets no longer
             head = b""
             while b"\r\n\r\n" not in head and len(head) < 65536:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                request.settimeout(left)
                 chunk = request.recv(65536)
                 if not chunk:
                     break
@@ -391,6 +433,14 @@ class ApiServer:
             except FileNotFoundError:
                 pass
             self._unix_inode = None
+
+
+def truncate_path(path: str) -> str:
+    """A client's request path as it goes into logs and events: at most ``MAX_REPORTED_PATH``
+    characters, so a 64 KiB path cannot bloat (and rotate away) the audit trail."""
+    if len(path) <= MAX_REPORTED_PATH:
+        return path
+    return path[: MAX_REPORTED_PATH - 3] + "..."
 
 
 def _clear_stale_socket(path: Path) -> None:

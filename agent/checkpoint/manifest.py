@@ -105,6 +105,8 @@ class Manifest:
     algorithm: str
     files: tuple[FileEntry, ...]
     extra: Mapping[str, Any] = field(default_factory=dict)
+    signature: str = ""
+    """HMAC by the cluster key of the origin node (``agent.cluster.signing``); "" when unsigned."""
 
     @property
     def total_bytes(self) -> int:
@@ -122,6 +124,8 @@ class Manifest:
             "files": [{"path": f.path, "size": f.size, "checksum": f.checksum} for f in self.files],
             "extra": dict(self.extra),
         }
+        if self.signature:
+            doc["signature"] = self.signature
         return json.dumps(doc, indent=1, sort_keys=True).encode()
 
     @classmethod
@@ -151,6 +155,9 @@ class Manifest:
             raise ManifestError("manifest 'files' must be a list")
         if not isinstance(extra, dict):
             raise ManifestError("manifest 'extra' must be an object")
+        signature = doc.get("signature", "")
+        if not isinstance(signature, str) or len(signature) > 256:
+            raise ManifestError("manifest 'signature' must be a short string")
         entries: list[FileEntry] = []
         seen: set[str] = set()
         for item in files:
@@ -166,7 +173,7 @@ class Manifest:
                 raise ManifestError(f"manifest lists {path!r} twice")
             seen.add(path)
             entries.append(FileEntry(path, size, checksum))
-        return cls(job, step, float(created), str(algorithm), tuple(entries), extra)
+        return cls(job, step, float(created), str(algorithm), tuple(entries), extra, signature)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from trainguard.agent.cluster.etcd import parse_endpoint
+from trainguard.agent.cluster.signing import load_key
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -34,6 +35,12 @@ class ClusterConfig:
     etcd_cert: str = ""
     """PEM client certificate for etcd (its ``--client-cert-auth``); with ``etcd_key``."""
     etcd_key: str = ""
+    etcd_plaintext: bool = False
+    """Speak to etcd over plain HTTP without client certificates (loopback or a closed network only):
+    whoever reaches etcd then reaches every node's job records; the agent warns at every start."""
+    key_file: str = ""
+    """The cluster key (0600, owned by the agent's user, >= 32 characters; the same file on every
+    node): job records and peer-copy manifests are signed with it. Required with etcd_endpoints."""
     advertise: str = ""
     """``HOST:PORT`` peers use to reach this agent's TCP API; empty: the API's bound address."""
     slots: int = 0
@@ -49,6 +56,14 @@ class ClusterConfig:
     blob_root: str = ""
     """Shared-memory directory for checkpoint data other agents push here; empty:
     ``<checkpoint.memory_root>/peer-held``."""
+    blob_max_bytes: int = 0
+    """Bytes of other nodes' checkpoint copies this node holds at most (0: half the size of the
+    blob root's filesystem, e.g. /dev/shm); an upload beyond it is refused (507) and reported."""
+    blob_max_bytes_per_origin: int = 0
+    """Bytes held at most for any one origin node (0: half of ``blob_max_bytes``), so one node
+    cannot crowd out the others' copies."""
+    blob_min_free_bytes: int = 0
+    """Free space an upload must leave on the blob root's filesystem (0: 5 % of it, at most 1 GiB)."""
     peer_timeout_s: float = 30.0
     """Socket timeout for one blob transfer request."""
     held_retention_s: float = 3600.0
@@ -106,7 +121,7 @@ class ClusterConfig:
                 parse_endpoint(self.advertise)
             except ValueError as exc:
                 raise ValueError(f"cluster.advertise: {exc}") from None
-        for key in ("slots",):
+        for key in ("slots", "blob_max_bytes", "blob_max_bytes_per_origin", "blob_min_free_bytes"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"cluster.{key}: must be a non-negative integer, got {value!r}")
@@ -118,10 +133,28 @@ class ClusterConfig:
             raise ValueError(f"cluster.peer: not a node name: {self.peer!r}")
         if bool(self.etcd_cert) != bool(self.etcd_key):
             raise ValueError("cluster.etcd_cert: etcd_cert and etcd_key go together")
-        for key in ("peer_token_file", "blob_root", "etcd_ca", "etcd_cert", "etcd_key"):
+        for key in ("peer_token_file", "blob_root", "etcd_ca", "etcd_cert", "etcd_key", "key_file"):
             value = getattr(self, key)
             if value and not os.path.isabs(value):
                 raise ValueError(f"cluster.{key}: must be an absolute path, got {value!r}")
+        self._check_trust()
+
+    def _check_trust(self) -> None:
+        """etcd over TLS with a client certificate unless plaintext is asked for; the cluster key."""
+        if self.etcd_plaintext and (self.etcd_ca or self.etcd_cert):
+            raise ValueError("cluster.etcd_plaintext: true, but etcd_ca/etcd_cert are set too; drop one")
+        if self.etcd_endpoints and not self.etcd_plaintext:
+            if not self.etcd_ca:
+                raise ValueError("cluster.etcd_ca: required with etcd_endpoints (etcd over TLS with client "
+                                 "certificates), or set cluster.etcd_plaintext = true on a closed network")
+            if not self.etcd_cert:
+                raise ValueError("cluster.etcd_cert: required with etcd_endpoints (etcd's --client-cert-auth), "
+                                 "or set cluster.etcd_plaintext = true on a closed network")
+        if self.etcd_endpoints and not self.key_file:
+            raise ValueError("cluster.key_file: required with etcd_endpoints (the key job records and peer "
+                             "copies are signed with; the same 0600 file on every node)")
+        if self.key_file:
+            load_key(self.key_file)
 
     @property
     def decision_timeout(self) -> float:
@@ -138,3 +171,19 @@ class ClusterConfig:
     @property
     def solo(self) -> bool:
         return not self.etcd_endpoints
+
+    def blob_quotas(self, root: str) -> tuple[int, int, int]:
+        """(total, per origin, free space kept) in bytes for a blob store at ``root``, the zeros
+        resolved against the size of the filesystem that holds it."""
+        path = os.path.abspath(root)
+        while not os.path.exists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
+        try:
+            st = os.statvfs(path)
+            fs_size = st.f_blocks * st.f_frsize
+        except OSError:
+            fs_size = 0
+        total = self.blob_max_bytes or fs_size // 2
+        per_origin = self.blob_max_bytes_per_origin or total // 2
+        min_free = self.blob_min_free_bytes or min(1 << 30, fs_size // 20)
+        return total, per_origin, min_free

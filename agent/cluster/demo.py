@@ -26,6 +26,7 @@ from typing import Any
 from trainguard.agent.api.client import ApiClient
 from trainguard.agent.api.tls import TlsFiles, client_context
 from trainguard.agent.cluster.etcdserver import LocalEtcd
+from trainguard.agent.cluster.signing import write_key
 from trainguard.agent.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (agent/ resolved through the link)
@@ -38,6 +39,17 @@ def _tls_lines(tls: TlsFiles | None) -> str:
             f'tls_client_auth = {"true" if tls.client_auth else "false"}\n')
 
 
+def shared_key(directory: Path) -> Path:
+    """``directory/cluster.key``, created (0600) if it is not there yet: one cluster key for the
+    nodes a test or the demo makes side by side."""
+    path = directory / "cluster.key"
+    try:
+        write_key(str(path))
+    except FileExistsError:
+        pass
+    return path
+
+
 class ClusterNode:
     """One simulated node: ``trainguard agent`` (``python -m trainguard.agent.cli agent``) with its own
     directories and an ``agent.toml`` whose ``[cluster]`` section points at the shared etcd."""
@@ -45,16 +57,19 @@ class ClusterNode:
     def __init__(self, root: Path, name: str, endpoints: list[str], token: str, *, cluster: str, slots: int,
                  memory_every: int = 4, ttl: int = 3, peer_interval: int | None = None, object_url: str = "",
                  object_every: int = 2000, tls: TlsFiles | None = None, etcd_tls: bool = False,
-                 shm: Path | None = None, cluster_extra: str = "") -> None:
+                 shm: Path | None = None, cluster_extra: str = "", key_file: Path | None = None) -> None:
         """``peer_interval``: steps between peer-tier copies (default: every memory checkpoint);
         ``object_url``: an object tier (``file://...``) every ``object_every`` steps; ``tls``: this
         node's certificate and the cluster's CA (mutual TLS), else plain HTTP on loopback;
-        ``etcd_tls``: etcd speaks HTTPS too (same CA, this node's certificate); ``shm``: the memory
-        root of a node that comes back (its RAM kept what it had); ``cluster_extra``: more
-        ``[cluster]`` lines."""
+        ``etcd_tls``: etcd speaks HTTPS too (same CA, this node's certificate), else plain HTTP on
+        loopback (``etcd_plaintext``); ``shm``: the memory root of a node that comes back (its RAM
+        kept what it had); ``cluster_extra``: more ``[cluster]`` lines; ``key_file``: the cluster
+        key (default: ``cluster.key`` beside ``root``, made once and shared by every node made in
+        the same directory)."""
         self.name = name
         self.root = root
         root.mkdir(parents=True)
+        self.key_file = key_file or shared_key(root.parent)
         self.token_file = root / "tokens"
         self.token_file.write_text(token + "\n")
         os.chmod(self.token_file, 0o600)
@@ -69,7 +84,9 @@ class ClusterNode:
             + f'[cluster]\nname = "{cluster}"\netcd_endpoints = {json.dumps(endpoints)}\n'
             f'lease_ttl_s = {ttl}\npoll_s = 0.2\netcd_timeout_s = 0.5\nslots = {slots}\n'
             f'peer_interval = {peer_interval or memory_every}\npeer_keep = 2\n' + cluster_extra
-            + (f'etcd_ca = "{tls.ca}"\netcd_cert = "{tls.cert}"\netcd_key = "{tls.key}"\n' if tls and etcd_tls else '')
+            + (f'etcd_ca = "{tls.ca}"\netcd_cert = "{tls.cert}"\netcd_key = "{tls.key}"\n' if tls and etcd_tls
+               else 'etcd_plaintext = true\n')  # loopback only: nothing crosses a network
+            + f'key_file = "{self.key_file}"\n'
         )
         self.log_path = root / "agent.log"
         env = {**os.environ, "PYTHONPATH": str(REPO)}

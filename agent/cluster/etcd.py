@@ -105,11 +105,17 @@ class EtcdClient:
     """Thread-safe; each call goes to the endpoint that answered last, then fails over in order."""
 
     def __init__(self, endpoints: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 ca: str = "", cert: str = "", key: str = "") -> None:
-        """``ca``: speak HTTPS, verifying etcd against this bundle; ``cert``/``key``: a client certificate."""
+                 ca: str = "", cert: str = "", key: str = "", plaintext: bool = False) -> None:
+        """``ca``: speak HTTPS, verifying etcd against this bundle; ``cert``/``key``: a client certificate.
+        Plain HTTP (no ``ca``, no ``cert``) only with ``plaintext``: whoever reaches etcd then
+        reaches every job record, so it is an explicit choice (``cluster.etcd_plaintext``)."""
         if not endpoints:
             raise ValueError("at least one etcd endpoint is needed")
+        if not (ca or cert) and not plaintext:
+            raise ValueError("cluster.etcd_ca: etcd is spoken to over TLS with a client certificate; "
+                             "plain HTTP needs cluster.etcd_plaintext = true")
         self._tls = (ca, cert, key)
+        self.plaintext = plaintext
         self._clients = [Etcd3Client(h, p, protocol="https" if ca or cert else "http", api_path="/v3/",
                                      timeout=timeout_s, session=_session(ca, cert, key))
                          for h, p in (parse_endpoint(e) for e in endpoints)]
@@ -132,7 +138,7 @@ class EtcdClient:
         """A client with its own HTTP session: lease refreshes use one, so they never queue behind
         a slow read or write of another thread (calls on one client are serialised)."""
         ca, cert, key = self._tls
-        return EtcdClient(self.endpoints, timeout_s=self.timeout_s, ca=ca, cert=cert, key=key)
+        return EtcdClient(self.endpoints, timeout_s=self.timeout_s, ca=ca, cert=cert, key=key, plaintext=self.plaintext)
 
     # -- transport -------------------------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -140,7 +140,7 @@ class LocalEtcd:
         """A client of this cluster (with the probe's certificate when it speaks TLS)."""
         eps = endpoints or self.endpoints
         if self.tls is None:
-            return EtcdClient(eps, timeout_s=timeout_s)
+            return EtcdClient(eps, timeout_s=timeout_s, plaintext=True)
         cert, key = self.client_tls or ("", "")
         return EtcdClient(eps, timeout_s=timeout_s, ca=self.tls[2], cert=cert, key=key)
 

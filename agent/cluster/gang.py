@@ -56,7 +56,7 @@ from trainguard.agent.checkpoint.tier import Tier, step_dirname
 from trainguard.agent.cluster.blobstore import CKPT_NS, INDEX, BlobStore
 from trainguard.agent.cluster.decision import DecisionInputs, Gang, RestoreFinder, decide, place_gang, trigger
 from trainguard.agent.cluster.grace import MissingClock
-from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable
+from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable, valid_node_name
 from trainguard.agent.cluster.lineage import CommitRecord, CommitTable
 from trainguard.agent.cluster.peertier import ClientFactory, PeerRef, fetch_remote_copy
 from trainguard.agent.cluster.survey import TIER_HOLDER, Survey, take_survey
@@ -113,6 +113,7 @@ class GangCoordinator:
         self.store = store
         self.client_for = client_for
         self.scratch = Path(scratch)
+        self.cluster_key = b""  # set by the cluster service: parts fetched from other nodes are checked by it
         self.emit = emit
         self.is_leader = is_leader
         self.members = members
@@ -583,7 +584,11 @@ class GangCoordinator:
                 CKPT_NS, f"{origin}/{key}/{step_dirname(step)}/{MANIFEST_NAME}")
             manifest = Manifest.from_json(raw)
         parts = manifest.extra.get("parts")
-        return ([str(p) for p in parts] if isinstance(parts, list) else [origin]), manifest.created
+        if not isinstance(parts, list):
+            return [origin], manifest.created
+        if not all(valid_node_name(p) for p in parts):  # part names become paths in assemble
+            raise CheckpointError(f"manifest of {key} step {step} on {holder} lists parts that are not node names")
+        return [str(p) for p in parts], manifest.created
 
     def survey(self, rec: JobRecordDoc, g: Gang, apis: dict[str, str], probe: Iterable[str] = ()) -> Survey:
         """Probe ``probe`` nodes' APIs and list every part of the job at every holder (members in
@@ -629,7 +634,7 @@ class GangCoordinator:
                         shutil.copytree(src, target)
                     elif holder in apis:
                         fetch_remote_copy(self.client_for(PeerRef(holder, apis[holder])), holder, part, key, step,
-                                          target, label=f"part {part}")
+                                          target, key=self.cluster_key, label=f"part {part}")
                     else:
                         raise CheckpointError(f"{holder} is not a member any more")
                 except (CheckpointError, OSError) as exc:

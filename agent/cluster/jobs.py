@@ -23,13 +23,52 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from trainguard.agent.cluster.etcd import EtcdClient
+from trainguard.agent.cluster.signing import sign, verify
+from trainguard.agent.wire import valid_job_id
 
 log = logging.getLogger("trainguard.cluster.jobs")
+
+
+MAX_RECORD_BYTES = 1 << 20
+MAX_HISTORY = 20
+MAX_TEXT = 500
+MAX_DRAINED = 256
+RECORD_DOMAIN = "job-record"
+_NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_STATES = frozenset({"pending", "running", "paused", "stopped", "finished", "failed"})
+
+
+class JobRecordError(ValueError):
+    """A job record from etcd that is not used: malformed, out of bounds, or not signed by an agent."""
+
+
+def valid_node_name(value: object) -> bool:
+    """A node name, safe as one path segment (letters, digits, '.', '_', '-'; not '.' first)."""
+    return isinstance(value, str) and _NODE.match(value) is not None
+
+
+def _canonical(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _node_name(value: Any, what: str, *, empty_ok: bool) -> str:
+    if value in (None, "") and empty_ok:
+        return ""
+    if not isinstance(value, str) or not _NODE.match(value):
+        raise JobRecordError(f"{what} is not a node name: {str(value)[:80]!r}")
+    return value
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise JobRecordError(f"{what} must be a string")
+    return value[:MAX_TEXT]
 
 
 @dataclass(frozen=True)
@@ -51,20 +90,64 @@ class JobRecordDoc:
     """Nodes an operator drained this job off: the leader moves it away from them at its next
     restart point (now: the newest checkpoint) and never places it there again."""
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+    def to_json(self, key: bytes = b"") -> bytes:
+        """The record as stored in etcd; with the cluster ``key`` it carries ``sig``, an HMAC over
+        the rest, by which every agent knows an agent wrote it."""
+        doc = asdict(self)
+        if key:
+            doc["sig"] = sign(key, RECORD_DOMAIN, _canonical(doc))
+        return json.dumps(doc, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> JobRecordDoc | None:
+    def parse(cls, data: bytes, key: bytes = b"") -> JobRecordDoc:
+        """Validate a stored record; with ``key`` its signature must check. Raises JobRecordError
+        (one line) for anything an agent must not act on, before any path is built from it."""
+        if len(data) > MAX_RECORD_BYTES:
+            raise JobRecordError(f"record of {len(data)} bytes is larger than {MAX_RECORD_BYTES}")
         try:
             doc = json.loads(data)
-            return cls(job=str(doc["job"]), spec=dict(doc["spec"]), node=str(doc["node"]),
-                       peer=str(doc.get("peer", "")), state=str(doc.get("state", "running")),
-                       epoch=int(doc.get("epoch", 0)), cause=str(doc.get("cause", "")),
-                       history=[str(h) for h in doc.get("history", [])][-20:],
-                       plan=dict(doc.get("plan") or {}), gang=dict(doc.get("gang") or {}),
-                       drained=[str(n) for n in doc.get("drained") or []])
-        except (ValueError, KeyError, TypeError):
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise JobRecordError(f"not JSON: {str(exc)[:80]}") from None
+        if not isinstance(doc, dict):
+            raise JobRecordError("not a JSON object")
+        if key:
+            sig = doc.pop("sig", None)
+            if sig is None:
+                raise JobRecordError("not signed with the cluster key (written by something other than an agent)")
+            if not verify(key, RECORD_DOMAIN, _canonical(doc), sig):
+                raise JobRecordError("bad signature (not written with this cluster's key, or altered since)")
+        else:
+            doc.pop("sig", None)
+        job, spec = doc.get("job"), doc.get("spec")
+        if not isinstance(job, str) or not valid_job_id(job):
+            raise JobRecordError(f"bad job id {str(job)[:80]!r}")
+        if not isinstance(spec, dict) or spec.get("job") != job:
+            raise JobRecordError(f"spec of job {job} must be an object naming the same job")
+        epoch = doc.get("epoch", 0)
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 1 << 62:
+            raise JobRecordError(f"job {job}: epoch must be a non-negative integer")
+        state = doc.get("state", "running")
+        if state not in _STATES:
+            raise JobRecordError(f"job {job}: unknown state {str(state)[:40]!r}")
+        history, drained = doc.get("history", []), doc.get("drained") or []
+        plan, gang = doc.get("plan") or {}, doc.get("gang") or {}
+        if not isinstance(history, list) or not isinstance(drained, list) or len(drained) > MAX_DRAINED:
+            raise JobRecordError(f"job {job}: history and drained must be (short) lists")
+        if not isinstance(plan, dict) or not isinstance(gang, dict):
+            raise JobRecordError(f"job {job}: plan and gang must be objects")
+        return cls(job=job, spec=spec, node=_node_name(doc.get("node"), "node", empty_ok=True),
+                   peer=_node_name(doc.get("peer"), "peer", empty_ok=True), state=state, epoch=epoch,
+                   cause=_text(doc.get("cause", ""), "cause"),
+                   history=[_text(h, "history entry") for h in history][-MAX_HISTORY:],
+                   plan=plan, gang=gang,
+                   drained=[_node_name(n, "drained node", empty_ok=False) for n in drained])
+
+    @classmethod
+    def from_json(cls, data: bytes, key: bytes = b"") -> JobRecordDoc | None:
+        """``parse``, or None for a record that is not used."""
+        try:
+            return cls.parse(data, key)
+        except JobRecordError:
             return None
 
 
@@ -126,29 +209,68 @@ def plan_moves(records: dict[str, tuple[JobRecordDoc, int]], members: dict[str, 
     return out
 
 
-class JobTable:
-    """Reads and writes job records under ``<prefix>jobs/``."""
+DropFn = Callable[[str, int, str], None]  # (etcd key, mod revision, reason) of a record not used
+_SEEN_DROPS_MAX = 10_000
 
-    def __init__(self, client: EtcdClient, prefix: str) -> None:
+
+class JobTable:
+    """Reads and writes job records under ``<prefix>jobs/``.
+
+    With the cluster ``key`` every record written is signed and a record read is used only when
+    its signature checks (so an etcd writer without the key cannot make an agent run anything); a
+    record that fails (``JobRecordDoc.parse``) is left out, counted in ``dropped`` and reported to
+    ``on_drop`` once per revision."""
+
+    def __init__(self, client: EtcdClient, prefix: str, *, key: bytes = b"", on_drop: DropFn | None = None) -> None:
         self.client = client
         self.prefix = f"{prefix}jobs/"
+        self.key = key
+        self.on_drop = on_drop
+        self.dropped = 0
+        self._seen_drops: set[tuple[str, int]] = set()
+        # job -> revision of a refused record under its key: a writer that finds no usable record
+        # may replace it (a forged record must not block the real one forever).
+        self._refused_rev: dict[str, int] = {}
 
     def read(self) -> dict[str, tuple[JobRecordDoc, int]]:
         kvs, _ = self.client.get_prefix(self.prefix)
         out = {}
+        refused: dict[str, int] = {}
         for kv in kvs:
-            rec = JobRecordDoc.from_json(kv.value)
-            if rec is not None:
-                out[rec.job] = (rec, kv.mod_revision)
+            try:
+                rec = JobRecordDoc.parse(kv.value, self.key)
+                if self.prefix + rec.job != kv.key:
+                    raise JobRecordError(f"record of job {rec.job} stored under another key")
+            except JobRecordError as exc:
+                self._drop(kv.key, kv.mod_revision, str(exc))
+                name = kv.key[len(self.prefix):]
+                if valid_job_id(name):
+                    refused[name] = kv.mod_revision
+                continue
+            out[rec.job] = (rec, kv.mod_revision)
+        self._refused_rev = refused
         return out
+
+    def _drop(self, key: str, revision: int, reason: str) -> None:
+        if (key, revision) in self._seen_drops:
+            return
+        if len(self._seen_drops) >= _SEEN_DROPS_MAX:
+            self._seen_drops.clear()
+        self._seen_drops.add((key, revision))
+        self.dropped += 1
+        log.warning("cluster: job record %s (revision %d) not used: %s", key[:200], revision, reason)
+        if self.on_drop is not None:
+            self.on_drop(key[:200], revision, reason)
 
     def write(self, rec: JobRecordDoc, expect_revision: int | None) -> bool:
         """Put the record; with ``expect_revision`` only if nobody changed it since (0: absent)."""
         key = self.prefix + rec.job
         if expect_revision is None:
-            self.client.put(key, rec.to_json())
+            self.client.put(key, rec.to_json(self.key))
             return True
-        return self.client.replace(key, rec.to_json(), expect_revision)
+        if expect_revision == 0:
+            expect_revision = self._refused_rev.get(rec.job, 0)
+        return self.client.replace(key, rec.to_json(self.key), expect_revision)
 
 
 ApplyFn = Callable[[Move], None]

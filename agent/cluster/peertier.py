@@ -2,9 +2,15 @@
 
 Writing (``write_from``, fed by the checkpoint replicator like the disk and object tiers): the
 files of a committed memory checkpoint are streamed to the peer agent's blob API, checksummed on
-the way out against the local manifest (a corrupt source is never copied on), the manifest goes
-last, and the receiving agent verifies every file against it before it commits the copy
-(``BlobStore``). Which peer: the configured one, else the next node in sorted membership (ring).
+the way out against the local manifest (a corrupt source is never copied on) and hashed with
+sha256; the manifest goes last, rewritten with those sha256 sums and signed with the cluster key
+as this node's (``agent.cluster.signing``), and the receiving agent verifies every file against it
+before it commits the copy (``BlobStore``). Which peer: the configured one, else the next node in
+sorted membership (ring).
+
+Whoever restores a copy checks the origin's signature and every file itself
+(``fetch_remote_copy``): a holder that altered a file and recomputed the checksums has no key to
+sign them with, so its copy is refused and the next holder is tried.
 
 Reading, two kinds of copies under the one tier name ``peer``:
 
@@ -27,9 +33,9 @@ import os
 import ssl
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from trainguard.agent.api.client import ApiClient, ApiClientError
 from trainguard.agent.checkpoint.errors import (
@@ -42,6 +48,7 @@ from trainguard.agent.checkpoint.errors import (
 from trainguard.agent.checkpoint.local import rmtree_quiet
 from trainguard.agent.checkpoint.manifest import (
     MANIFEST_NAME,
+    FileEntry,
     Manifest,
     VerifyResult,
     new_hasher,
@@ -56,8 +63,9 @@ from trainguard.agent.checkpoint.tier import (
     check_job,
     step_dirname,
 )
-from trainguard.agent.cluster.blobstore import CKPT_NS, INCOMING, INDEX, VERIFY, BlobStore, HeldTier
+from trainguard.agent.cluster.blobstore import CKPT_NS, INCOMING, INDEX, BlobStore, HeldTier
 from trainguard.agent.cluster.etcd import parse_endpoint
+from trainguard.agent.cluster.signing import check_manifest, sign_manifest
 
 log = logging.getLogger("trainguard.cluster.peer")
 _CHUNK = 1 << 20
@@ -81,17 +89,24 @@ def token_client_factory(token: str | None, timeout: float, tls: ssl.SSLContext 
     return make
 
 
+SIGNED_ALGORITHM = "sha256"  # what a signed peer manifest's file sums are: a crc32 could be forged
+
+
 class _HashingReader:
-    """A file read for upload that checksums what it hands out."""
+    """A file read for upload that checksums what it hands out (with the source manifest's
+    algorithm, and with sha256 for the signed manifest the peer gets)."""
 
     def __init__(self, f: BinaryIO, algorithm: str) -> None:
         self.f = f
         self.hasher = new_hasher(algorithm)
+        self.strong = new_hasher(SIGNED_ALGORITHM) if algorithm != SIGNED_ALGORITHM else self.hasher
         self.size = 0
 
     def read(self, n: int = -1) -> bytes:
         data = self.f.read(n)
         self.hasher.update(data)
+        if self.strong is not self.hasher:
+            self.strong.update(data)
         self.size += len(data)
         return data
 
@@ -112,7 +127,9 @@ class PeerTier(Tier):
     """See the module docstring. ``resolve()`` names the current peer (None: no peer yet)."""
 
     def __init__(self, node: str, store: BlobStore, resolve: Callable[[], PeerRef | None],
-                 client_for: ClientFactory, *, name: str = "peer") -> None:
+                 client_for: ClientFactory, *, name: str = "peer", key: bytes = b"") -> None:
+        """``key``: the cluster key this node signs its copies with and checks fetched copies by."""
+        self.key = key
         self.name = name
         self.rank = RANK_PEER
         self.node = node
@@ -195,6 +212,7 @@ class PeerTier(Tier):
         try:
             client.delete_blob(CKPT_NS, self._path(job, step, INCOMING))  # start clean
             bad: list[str] = []
+            strong: list[FileEntry] = []
             for entry in manifest.files:
                 path = src / entry.path
                 try:
@@ -207,10 +225,14 @@ class PeerTier(Tier):
                     continue
                 if reader.hasher.hexdigest() != entry.checksum or reader.size != entry.size:
                     bad.append(f"checksum mismatch: {entry.path}")
+                strong.append(FileEntry(entry.path, reader.size, reader.strong.hexdigest()))
             if bad:
                 client.delete_blob(CKPT_NS, self._path(job, step, INCOMING))
                 raise CheckpointCorrupt(f"source {src} does not match its manifest", bad)
-            client.put_blob(CKPT_NS, self._path(job, step, MANIFEST_NAME), manifest.to_json())
+            sent = replace(manifest, algorithm=SIGNED_ALGORITHM, files=tuple(strong), signature="")
+            if self.key:
+                sent = sign_manifest(self.key, self.node, sent)
+            client.put_blob(CKPT_NS, self._path(job, step, MANIFEST_NAME), sent.to_json())
         except ApiClientError as exc:
             raise CheckpointWriteError(self.name, job, step, f"peer {peer.node}: {exc}") from None
         except OSError as exc:
@@ -231,7 +253,8 @@ class PeerTier(Tier):
         if remote is None:
             raise CheckpointNotFound(f"tier {self.name}: no peer")
         peer, client = remote
-        return fetch_remote_copy(client, peer.node, self.node, job, step, Path(dest_dir), label=f"tier {self.name}")
+        return fetch_remote_copy(client, peer.node, self.node, job, step, Path(dest_dir), key=self.key,
+                                 label=f"tier {self.name}")
 
     def verify(self, job: str, step: int) -> VerifyResult:
         held = self._held(job).get(step)
@@ -241,15 +264,18 @@ class PeerTier(Tier):
         if remote is None:
             return VerifyResult(error=f"tier {self.name}: no peer")
         peer, client = remote
+        # The peer's own word ("_verify") is not trusted: its manifest must carry this node's
+        # signature; every file is then checked against it when the copy is fetched.
         try:
-            raw = client.get_blob(CKPT_NS, self._path(job, step, VERIFY))
-            doc: dict[str, Any] = json.loads(raw)
-        except (ApiClientError, ValueError) as exc:
+            manifest = Manifest.from_json(client.get_blob(CKPT_NS, self._path(job, step, MANIFEST_NAME)))
+            if manifest.job != job or manifest.step != step:
+                raise CheckpointCorrupt(f"manifest names {manifest.job} step {manifest.step}")
+            if not self.key:
+                raise CheckpointError("no cluster key to check the copy's signature with")
+            check_manifest(self.key, self.node, manifest)
+        except (ApiClientError, CheckpointError) as exc:
             return VerifyResult(error=f"peer {peer.node}: cannot verify: {exc}")
-        if doc.get("ok") is True:
-            return VerifyResult()
-        problems = [str(p) for p in doc.get("problems", [])] or ["peer reported a failed verification"]
-        return VerifyResult(error=f"peer {peer.node}: " + "; ".join(problems[:20]))
+        return VerifyResult(manifest=manifest)
 
     def delete(self, job: str, step: int) -> None:
         held = self._held(job).get(step)
@@ -304,10 +330,14 @@ def ring_peer(me: str, members: dict[str, str], configured: str = "") -> PeerRef
 
 
 def fetch_remote_copy(client: ApiClient, holder: str, origin: str, job: str, step: int, dest: Path, *,
-                      label: str = "remote copy") -> Path:
+                      key: bytes, label: str = "remote copy") -> Path:
     """Download ``origin``'s checkpoint ``job`` step ``step`` from the agent ``holder`` (its own
-    memory tier when ``holder == origin``, else a copy it holds) into ``dest``, every file checked
-    against the manifest while it arrives. ``dest`` appears complete or not at all."""
+    memory tier when ``holder == origin``, else a copy it holds) into ``dest``: the manifest must
+    carry ``origin``'s signature by the cluster ``key``, and every file is checked against it while
+    it arrives (nothing of the holder's own verification is trusted). ``dest`` appears complete or
+    not at all; a bad copy raises CheckpointCorrupt."""
+    if not key:
+        raise CheckpointError(f"{label}: no cluster key to check {origin}'s signature with")
     prefix = f"{origin}/{check_job(job)}/{step_dirname(step)}"
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f"{TMP_PREFIX}fetch-{dest.name}-{uuid.uuid4().hex}"
@@ -322,6 +352,7 @@ def fetch_remote_copy(client: ApiClient, holder: str, origin: str, job: str, ste
         manifest = Manifest.from_json(raw)
         if manifest.job != job or manifest.step != step:
             raise CheckpointCorrupt(f"{label}: manifest on {holder} names {manifest.job} step {manifest.step}")
+        check_manifest(key, origin, manifest, where=f"{label} on {holder}: ")
         bad: list[str] = []
         for entry in manifest.files:
             target = tmp / entry.path

@@ -37,6 +37,7 @@ from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable, plan_moves
 from trainguard.agent.cluster.lineage import CommitTable
 from trainguard.agent.cluster.membership import EmitFn, Membership, NodeInfo
 from trainguard.agent.cluster.peertier import PeerRef, PeerTier, ring_peer, token_client_factory
+from trainguard.agent.cluster.signing import load_key
 from trainguard.agent.metricspec import MetricSpec
 
 if TYPE_CHECKING:
@@ -70,8 +71,12 @@ LINEAGE_WAITS = MetricSpec("trainguard_cluster_lineage_waits_total", "counter", 
 LINEAGE_GIVEN_UP = MetricSpec("trainguard_cluster_lineage_given_up_total", "counter", "", (),
                               "Restarts of spanning jobs that went on from an older step than one committed "
                               "(event lineage_steps_given_up).")
+RECORDS_REFUSED = MetricSpec("trainguard_cluster_job_records_refused_total", "counter", "", (),
+                             "Job records in etcd not acted on (unsigned, bad signature, invalid), once per revision.")
+UPLOADS_REFUSED = MetricSpec("trainguard_cluster_peer_uploads_refused_total", "counter", "", (),
+                             "Peer-copy uploads refused here (byte quota, free space, missing origin signature).")
 METRICS = (MEMBERS, IS_LEADER, ETCD_UP, REFRESH_FAILURES, MOVES, ADOPTIONS, HELD_BYTES, GANG_DECISIONS, FORWARDED,
-           FORWARD_DROPPED, UNREACHABLE, LINEAGE_WAITS, LINEAGE_GIVEN_UP)
+           FORWARD_DROPPED, UNREACHABLE, LINEAGE_WAITS, LINEAGE_GIVEN_UP, RECORDS_REFUSED, UPLOADS_REFUSED)
 
 
 def _noop(kind: str, message: str, fields: dict[str, Any]) -> None:
@@ -91,16 +96,28 @@ class ClusterService:
         self.node = node
         self.emit = emit
         self._clock = clock
-        self.store = BlobStore(cfg.blob_root or os.path.join(memory_root, ".peer-held"),
-                               own_node=node, own_root=memory_root)
+        # The cluster key signs job records and peer copies (required with etcd by the config).
+        self.key = load_key(cfg.key_file) if cfg.key_file else b""
+        blob_root = cfg.blob_root or os.path.join(memory_root, ".peer-held")
+        total, per_origin, min_free = cfg.blob_quotas(blob_root)
+        self.store = BlobStore(blob_root, own_node=node, own_root=memory_root, max_bytes=total,
+                               max_origin_bytes=per_origin, min_free_bytes=min_free, key=self.key,
+                               on_refuse=self._on_blob_refused)
+        if cfg.etcd_plaintext and not cfg.solo:
+            log.warning("cluster: etcd is spoken to over plain HTTP (cluster.etcd_plaintext = true): whoever "
+                        "reaches %s reads and writes every job record", ",".join(cfg.etcd_endpoints))
+            emit("etcd_plaintext", "etcd is spoken to over plain HTTP without client certificates "
+                 "(cluster.etcd_plaintext)", {"endpoints": list(cfg.etcd_endpoints), "severity": "warning"})
         self.client = None if cfg.solo else EtcdClient(cfg.etcd_endpoints, timeout_s=cfg.etcd_timeout_s,
-                                                       ca=cfg.etcd_ca, cert=cfg.etcd_cert, key=cfg.etcd_key)
+                                                       ca=cfg.etcd_ca, cert=cfg.etcd_cert, key=cfg.etcd_key,
+                                                       plaintext=cfg.etcd_plaintext)
         self.peer_tier: PeerTier | None = None
         peers = token_client_factory(token, cfg.peer_timeout_s, tls)
         if self.client is not None:
-            self.peer_tier = PeerTier(node, self.store, self.peer, peers)
+            self.peer_tier = PeerTier(node, self.store, self.peer, peers, key=self.key)
         self.membership: Membership | None = None
-        self.jobs = JobTable(self.client, f"/trainguard/{cfg.name}/") if self.client is not None else None
+        self.jobs = (JobTable(self.client, f"/trainguard/{cfg.name}/", key=self.key, on_drop=self._on_record_dropped)
+                     if self.client is not None else None)
         self.gangs: GangCoordinator | None = None
         if self.jobs is not None:
             self.gangs = GangCoordinator(
@@ -112,6 +129,7 @@ class ClusterService:
                 commits=CommitTable(self.client, f"/trainguard/{cfg.name}/") if self.client is not None else None,
                 decision_timeout_s=cfg.decision_timeout, fence_grace_s=cfg.fence_grace_s,
                 lineage_wait_s=cfg.lineage_wait)
+            self.gangs.cluster_key = self.key
         self._missing = MissingClock(cfg.fence_grace_s)
         self.supervisor: Supervisor | None = None
         self.plans: PlanStore | None = None
@@ -122,6 +140,14 @@ class ClusterService:
         self.moves = 0
         self.adoptions = 0
         self._next_gc = 0.0
+
+    def _on_blob_refused(self, origin: str, reason: str, size: int) -> None:
+        self.emit("peer_copy_refused", f"upload from {origin} refused: {reason}",
+                  {"origin": origin, "bytes": size, "reason": reason, "severity": "warning"})
+
+    def _on_record_dropped(self, key: str, revision: int, reason: str) -> None:
+        self.emit("job_record_refused", f"job record {key} (revision {revision}) not used: {reason}",
+                  {"key": key, "revision": revision, "reason": reason, "severity": "error"})
 
     def _wake(self) -> None:
         if self.membership is not None:
@@ -230,7 +256,10 @@ class ClusterService:
                             (FORWARD_DROPPED, gangs.forward_dropped if gangs else 0),
                             (UNREACHABLE, gangs.unreachable_total if gangs else 0),
                             (LINEAGE_WAITS, gangs.lineage_waits if gangs else 0),
-                            (LINEAGE_GIVEN_UP, gangs.lineage_given_up if gangs else 0)):
+                            (LINEAGE_GIVEN_UP, gangs.lineage_given_up if gangs else 0),
+
+                            (RECORDS_REFUSED, self.jobs.dropped if self.jobs is not None else 0),
+                            (UPLOADS_REFUSED, self.store.refused)):
             c = spec.counter()
             c.add_metric([], value)
             yield c
