@@ -278,6 +278,8 @@ class GangCoordinator:
         the judging node cannot read another node's /proc."""
         self.forwarded = 0
         self.forward_dropped = 0
+        self.socket_ifname = ""
+        """The interface holding this node's advertised address, for the ranks' gloo/NCCL sockets."""
 
     # -- telemetry forwarding ----------------------------------------------------------------------
     def on_telemetry(self, msg: Telemetry) -> None:
@@ -479,7 +481,8 @@ class GangCoordinator:
                 return
             env["TRAINGUARD_RESTORE"] = str(path)
             restore = {"tier": "assembled", "step": g.restore_step, "path": str(path), "parts": how}
-        block = RankBlock(offset, nproc, g.world_size, g.master_addr, g.master_port, group, env, g.attempt, restore)
+        block = RankBlock(offset, nproc, g.world_size, g.master_addr, g.master_port, group, env, g.attempt, restore,
+                          self.socket_ifname)
         if group == 0:
             self._forward_to.pop(job, None)
         else:

@@ -34,6 +34,7 @@ from trainguard.agent.cluster.etcd import EtcdClient, EtcdUnavailable, LeaseExpi
 from trainguard.agent.cluster.gang import Gang, GangCoordinator
 from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable, plan_moves
 from trainguard.agent.cluster.membership import EmitFn, Membership, NodeInfo
+from trainguard.agent.cluster.netif import socket_ifname
 from trainguard.agent.cluster.peertier import PeerRef, PeerTier, ring_peer, token_client_factory
 from trainguard.agent.metricspec import MetricSpec
 
@@ -140,6 +141,11 @@ class ClusterService:
         if advertise.startswith("0.0.0.0:"):
             log.warning("cluster: API bound to 0.0.0.0; set cluster.advertise so peers can reach this node")
         me = NodeInfo(self.node, advertise, self.cfg.slots, self._clock())
+        if self.gangs is not None:
+            ifname, warning = socket_ifname(advertise)
+            self.gangs.socket_ifname = ifname
+            if warning:
+                self.emit("gloo_loopback", warning, {"severity": "warning", "advertise": advertise})
         self.store.cleanup_tmp()
         self.membership = Membership(self.client, self.cfg.name, me, ttl=self.cfg.lease_ttl_s,
                                      poll_s=self.cfg.poll_s, emit=self.emit, watch=self.cfg.watch,
