@@ -54,6 +54,10 @@ class ClusterConfig:
     held_retention_s: float = 3600.0
     """Copies held for a node that is no longer a member are dropped after this long without a new
     copy (its job has moved and checkpoints anew, or it is gone for good)."""
+    fence_margin_s: float = 0.0
+    """An agent whose lease refresh has not reached etcd for ``lease_ttl_s - fence_margin_s`` stops
+    (SIGSTOP, then kill) the ranks of every job the leader could move elsewhere, before the lease
+    can expire on the server; 0: ``max(1, lease_ttl_s / 4)``, kept above one refresh period."""
     heal: bool = True
     """Leader restarts jobs of a lost node on the remaining nodes."""
     rejoin: bool = True
@@ -79,6 +83,13 @@ class ClusterConfig:
         if self.etcd_timeout_s >= self.lease_ttl_s / 3:
             raise ValueError(f"cluster.etcd_timeout_s: must be below lease_ttl_s / 3 so a refresh can be "
                              f"retried within the TTL, got {self.etcd_timeout_s}")
+        margin = self.fence_margin_s
+        if isinstance(margin, bool) or not isinstance(margin, int | float) or margin < 0:
+            raise ValueError(f"cluster.fence_margin_s: must be >= 0 (0: automatic), got {margin!r}")
+        if margin and self.lease_ttl_s - margin <= self.lease_ttl_s / 3 + self.etcd_timeout_s:
+            raise ValueError(f"cluster.fence_margin_s: must leave more than one refresh period plus etcd_timeout_s "
+                             f"({self.lease_ttl_s / 3 + self.etcd_timeout_s:g} s) of the {self.lease_ttl_s} s lease, "
+                             f"so that a healthy agent never fences; got {margin!r}")
         if self.advertise:
             try:
                 parse_endpoint(self.advertise)
@@ -100,6 +111,13 @@ class ClusterConfig:
             value = getattr(self, key)
             if value and not os.path.isabs(value):
                 raise ValueError(f"cluster.{key}: must be an absolute path, got {value!r}")
+
+    @property
+    def fence_after_s(self) -> float:
+        """Seconds without a successful lease refresh after which this agent fences its ranks."""
+        room = self.lease_ttl_s * 2 / 3 - self.etcd_timeout_s  # what a margin may take (see the check)
+        margin = self.fence_margin_s or min(max(1.0, self.lease_ttl_s / 4), room * 0.9)
+        return self.lease_ttl_s - margin
 
     @property
     def solo(self) -> bool:

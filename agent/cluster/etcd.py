@@ -258,6 +258,55 @@ class EtcdClient:
         }
         return bool(self._post("/kv/txn", txn).get("succeeded"))
 
+    # -- guarded transactions ------------------------------------------------------------------
+    def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+            failure: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """One etcd transaction as built by ``compare_*``/``op_*``; the server's answer
+        (``succeeded``, ``responses``). LeaseExpired when a put names a lease the server lost."""
+        try:
+            return self._post("/kv/txn", {"compare": compare, "success": success, "failure": failure or []})
+        except etcd_exc.Etcd3Exception as exc:
+            if "lease not found" in _text(exc):
+                raise LeaseExpired(_text(exc)) from None
+            raise
+
+    def put_if(self, key: str, value: bytes | str, mod_revision: int, guards: Sequence[dict[str, Any]]) -> bool:
+        """``replace`` that also needs every compare in ``guards`` to hold (all in one txn), e.g.
+        ``compare_held`` for "the leader key is still ours"."""
+        compare = [compare_revision(key, mod_revision), *guards]
+        return bool(self.txn(compare, [op_put(key, value)]).get("succeeded"))
+
+
+def compare_revision(key: str, mod_revision: int) -> dict[str, Any]:
+    """``key`` unchanged since ``mod_revision`` (0: ``key`` absent)."""
+    if mod_revision:
+        return {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": mod_revision}
+    return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+
+
+def compare_held(key: str, value: bytes | str, lease: int) -> list[dict[str, Any]]:
+    """``key`` holds ``value`` under ``lease`` (etcd's election recipe: a deposed holder, or one
+    whose lease expired and whose name was taken again under a new lease, fails both or one)."""
+    return [{"key": _b64(key), "result": "EQUAL", "target": "VALUE", "value": _b64(value)},
+            {"key": _b64(key), "result": "EQUAL", "target": "LEASE", "lease": str(lease)}]
+
+
+def op_put(key: str, value: bytes | str, lease: int = 0) -> dict[str, Any]:
+    put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        put["lease"] = lease
+    return {"request_put": put}
+
+
+def op_get(key: str) -> dict[str, Any]:
+    return {"request_range": {"key": _b64(key)}}
+
+
+def txn_kvs(result: dict[str, Any]) -> list[KeyValue]:
+    """The keys the range ops of a txn answer returned."""
+    return [_kv(item) for resp in result.get("responses", [])
+            for item in resp.get("response_range", {}).get("kvs", [])]
+
 
 def _kv(item: dict[str, Any]) -> KeyValue:
     return KeyValue(
@@ -348,8 +397,9 @@ class LeaseKeeper:
     def __init__(self, client: EtcdClient, lease: int, ttl: int, *,
                  on_expired: Callable[[int], None] = lambda lease: None, retry_s: float = 0.2,
                  on_refresh: Callable[[bool], None] = lambda ok: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``on_refresh(ok)`` after every refresh attempt (False: etcd did not answer)."""
+                 clock: Callable[[], float] = time.monotonic, since: float | None = None) -> None:
+        """``on_refresh(ok)`` after every refresh attempt (False: etcd did not answer); ``since``:
+        when the grant of ``lease`` was sent (``clock``'s time; default now)."""
         self.client = client
         self.on_refresh = on_refresh
         self.lease = lease
@@ -357,7 +407,9 @@ class LeaseKeeper:
         self.on_expired = on_expired
         self.retry_s = retry_s
         self._clock = clock
-        self.last_ok = clock()
+        self.last_ok = clock() if since is None else since
+        """When the newest refresh the server answered was sent: the server's deadline for the
+        lease is at least this plus the TTL, so fencing counts from here."""
         self.failures = 0  # refresh attempts that did not reach the server (for metrics/tests)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"etcd-lease-{lease:x}", daemon=True)
@@ -374,6 +426,7 @@ class LeaseKeeper:
         period = max(self.ttl / 3.0, 0.1)
         wait = period
         while not self._stop.wait(wait):
+            sent = self._clock()
             try:
                 left = self.client.keepalive(self.lease)
             except (EtcdUnavailable, etcd_exc.Etcd3Exception) as exc:
@@ -387,7 +440,7 @@ class LeaseKeeper:
                 self._stop.set()
                 self.on_expired(self.lease)
                 return
-            self.last_ok = self._clock()
+            self.last_ok = sent
             self.on_refresh(True)
             wait = period
 

@@ -54,7 +54,7 @@ from trainguard.agent.controller.batch_rule import follow_batch
 from trainguard.agent.wire import Telemetry, WireError, decode_telemetry, part_key
 
 if TYPE_CHECKING:
-    from trainguard.agent.cluster.membership import EmitFn, NodeInfo
+    from trainguard.agent.cluster.membership import EmitFn, LeaderClaim, NodeInfo
     from trainguard.agent.lifecycle.plans import PlanStore
     from trainguard.agent.lifecycle.supervisor import Supervisor
 
@@ -279,6 +279,8 @@ class GangCoordinator:
         self.forwarded = 0
         self.forward_dropped = 0
         self.socket_ifname = ""
+        self.leader_claim: Callable[[], LeaderClaim | None] = lambda: None
+        """This agent's leader claim: the leader's decisions are written only while etcd's leader key holds it."""
         """The interface holding this node's advertised address, for the ranks' gloo/NCCL sockets."""
 
     # -- telemetry forwarding ----------------------------------------------------------------------
@@ -368,7 +370,7 @@ class GangCoordinator:
                 if out is None:
                     continue
                 new, what = out
-                if self.table.write(new, rev):
+                if self.table.write(new, rev, leader=self.leader_claim()):
                     self.decisions += 1
                     gangs[job] = (new, -1)  # written: act on it at the next change (fresh revision)
                     placed = Gang.from_dict(new.gang)

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from trainguard.agent.cluster.etcd import EtcdClient
+from trainguard.agent.cluster.etcd import EtcdClient, compare_held, op_put
+from trainguard.agent.cluster.membership import LeaderClaim
 
 log = logging.getLogger("trainguard.cluster.jobs")
 
@@ -132,6 +133,8 @@ class JobTable:
     def __init__(self, client: EtcdClient, prefix: str) -> None:
         self.client = client
         self.prefix = f"{prefix}jobs/"
+        self.refused = 0
+        """Guarded leader writes etcd turned down (the record changed, or the claim no longer holds)."""
 
     def read(self) -> dict[str, tuple[JobRecordDoc, int]]:
         kvs, _ = self.client.get_prefix(self.prefix)
@@ -142,9 +145,19 @@ class JobTable:
                 out[rec.job] = (rec, kv.mod_revision)
         return out
 
-    def write(self, rec: JobRecordDoc, expect_revision: int | None) -> bool:
-        """Put the record; with ``expect_revision`` only if nobody changed it since (0: absent)."""
+    def write(self, rec: JobRecordDoc, expect_revision: int | None, *, leader: LeaderClaim | None = None) -> bool:
+        """Put the record; with ``expect_revision`` only if nobody changed it since (0: absent).
+        ``leader``: a leader's decision, written only while the leader key still holds that claim
+        (one txn), so a deposed leader's late decision never lands."""
         key = self.prefix + rec.job
+        if leader is not None:
+            guards = compare_held(leader.key, leader.node, leader.lease)
+            if expect_revision is None:
+                ok = bool(self.client.txn(guards, [op_put(key, rec.to_json())]).get("succeeded"))
+            else:
+                ok = self.client.put_if(key, rec.to_json(), expect_revision, guards)
+            self.refused += not ok
+            return ok
         if expect_revision is None:
             self.client.put(key, rec.to_json())
             return True
