@@ -6,7 +6,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from trainguard.agent.cluster.etcd import parse_endpoint
+from trainguard.agent.cluster.etcd import REFRESHES_PER_TTL, parse_endpoint
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -86,9 +86,10 @@ class ClusterConfig:
         margin = self.fence_margin_s
         if isinstance(margin, bool) or not isinstance(margin, int | float) or margin < 0:
             raise ValueError(f"cluster.fence_margin_s: must be >= 0 (0: automatic), got {margin!r}")
-        if margin and self.lease_ttl_s - margin <= self.lease_ttl_s / 3 + self.etcd_timeout_s:
+        if margin and self.lease_ttl_s - margin <= self.lease_ttl_s / REFRESHES_PER_TTL + self.etcd_timeout_s:
             raise ValueError(f"cluster.fence_margin_s: must leave more than one refresh period plus etcd_timeout_s "
-                             f"({self.lease_ttl_s / 3 + self.etcd_timeout_s:g} s) of the {self.lease_ttl_s} s lease, "
+                             f"({self.lease_ttl_s / REFRESHES_PER_TTL + self.etcd_timeout_s:g} s) of the "
+                             f"{self.lease_ttl_s} s lease, "
                              f"so that a healthy agent never fences; got {margin!r}")
         if self.advertise:
             try:
@@ -115,7 +116,7 @@ class ClusterConfig:
     @property
     def fence_after_s(self) -> float:
         """Seconds without a successful lease refresh after which this agent fences its ranks."""
-        room = self.lease_ttl_s * 2 / 3 - self.etcd_timeout_s  # what a margin may take (see the check)
+        room = self.lease_ttl_s * (1 - 1 / REFRESHES_PER_TTL) - self.etcd_timeout_s  # what a margin may take
         margin = self.fence_margin_s or min(max(1.0, self.lease_ttl_s / 4), room * 0.9)
         return self.lease_ttl_s - margin
 

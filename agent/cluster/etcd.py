@@ -8,7 +8,7 @@ Liveness rules, because a node must never be declared lost while it is alive:
 
 * Every call has a short timeout and tries the next endpoint on a connection failure, so a dead
   member of a three-member cluster costs one timeout, not the lease.
-* ``LeaseKeeper`` refreshes the lease every ``ttl/3`` and, when a refresh fails, retries every
+* ``LeaseKeeper`` refreshes the lease every ``ttl / REFRESHES_PER_TTL`` and, when a refresh fails, retries every
   ``retry_s`` until the server answers. Only the *server* saying the lease is gone (keepalive
   TTL -1, or a put naming a missing lease) counts as expiry; "cannot reach etcd" never does.
   That is what makes a short etcd stall harmless: the lease outlives it on the server, and the
@@ -33,6 +33,9 @@ from etcd3gw.client import Etcd3Client
 log = logging.getLogger("trainguard.cluster.etcd")
 
 DEFAULT_TIMEOUT_S = 1.0
+REFRESHES_PER_TTL = 4
+"""Lease refreshes per TTL: a healthy agent's newest refresh is at most TTL/4 old, which leaves the
+fence (``cluster.fence_margin_s``) room for an etcd stall of about half the TTL."""
 
 
 class EtcdUnavailable(ConnectionError):
@@ -423,7 +426,7 @@ class LeaseKeeper:
         return self._clock() - self.last_ok < self.ttl
 
     def _run(self) -> None:
-        period = max(self.ttl / 3.0, 0.1)
+        period = max(self.ttl / REFRESHES_PER_TTL, 0.1)
         wait = period
         while not self._stop.wait(wait):
             sent = self._clock()
