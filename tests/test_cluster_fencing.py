@@ -20,7 +20,7 @@ from trainguard.agent.cluster.membership import LeaderClaim, Membership, NodeInf
 from trainguard.agent.cluster.service import ClusterService
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
-from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
+from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher, RankBlock, free_port
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.supervisor import Supervisor
 from trainguard.agent.waiting import wait_for
@@ -159,8 +159,11 @@ def test_an_agent_cut_off_from_etcd_fences_its_ranks_before_the_ttl(etcd: LocalE
     svc.start("127.0.0.1:1", sup, PlanStore(str(tmp_path / "plans")))
     try:
         sup.submit(JobSpec("j", 1, command=SLEEPER))
-        wait_for(lambda: sup.jobs["j"].state == JobState.RUNNING and published(svc, "j") is not None, 30,
-                 "the job runs and is published")
+        # This node's block of a job spanning nodes (attempt 2 of the leader's): fenced as well.
+        block = RankBlock(1, 1, 2, "127.0.0.1", free_port(), 1, {}, 2)
+        sup.submit(JobSpec("span", 2, command=SLEEPER), block=block, on_failure=lambda job, cause: None)
+        wait_for(lambda: sup.jobs["j"].state == JobState.RUNNING and published(svc, "j") is not None
+                 and sup.jobs["span"].state == JobState.RUNNING, 30, "the jobs run and j is published")
         first = sup.jobs["j"]
         rank = first.ranks[0]
 
@@ -179,8 +182,16 @@ def test_an_agent_cut_off_from_etcd_fences_its_ranks_before_the_ttl(etcd: LocalE
         etcd.members[0].pause()
         try:
             paused = time.monotonic()
-            (message, fields), = wait_for(lambda: rec.of("job_fenced"), 10, "job_fenced")
+            # Submitted while cut off: unknown to the cluster (not published), so no one else
+            # can start it and it runs on.
+            sup.submit(JobSpec("unpublished", 1, command=SLEEPER))
+            wait_for(lambda: len(rec.of("job_fenced")) == 2, 10, "job_fenced for both cluster jobs")
             fenced_after = time.monotonic() - paused
+            (message, fields), = [(m, f) for m, f in rec.of("job_fenced") if f["job"] == "j"]
+            _, span = [(m, f) for m, f in rec.of("job_fenced") if f["job"] == "span"][0]
+            assert span["spanning"] and span["age_s"] < TTL
+            assert svc.gangs is not None and "fenced its ranks" in svc.gangs._requests["span"]["cause"]
+            assert svc.gangs._requests["span"]["attempt"] == 2  # the leader gets it once etcd answers
             wait_for(lambda: rank.popen.poll() is not None, 10, "the rank killed")
             print(f"last good lease refresh -> fence: {fields['age_s']:.2f} s (limit {cfg.fence_after_s:.2f} s, "
                   f"TTL {TTL} s); etcd paused -> fence: {fenced_after:.2f} s")
@@ -188,6 +199,8 @@ def test_an_agent_cut_off_from_etcd_fences_its_ranks_before_the_ttl(etcd: LocalE
             assert rank.popen.returncode == -9 and first.state == JobState.STOPPED
             time.sleep(TTL + 1 - fenced_after if fenced_after < TTL + 1 else 0)
             assert sup.jobs["j"] is first and first.state == JobState.STOPPED  # nothing restarts it meanwhile
+            assert sup.jobs["span"].state == JobState.STOPPED
+            assert sup.jobs["unpublished"].state == JobState.RUNNING
         finally:
             etcd.members[0].resume()
 
@@ -197,11 +210,12 @@ def test_an_agent_cut_off_from_etcd_fences_its_ranks_before_the_ttl(etcd: LocalE
                  "the job restarted from its record")
         again = published(svc, "j")
         assert again is not None and again.node == "a" and again.epoch == 1 and again.cause.startswith("restarted after fence")
-        assert len(rec.of("job_fenced")) == 1 and svc.status()["fenced"] == {}
+        assert len(rec.of("job_fenced")) == 2 and svc.status()["fenced"] == {}
     finally:
         svc.stop(leave=False)
         sup.stop_all("test over")
-        sup.launcher.close_job("j")
+        for job in ("j", "span", "unpublished"):
+            sup.launcher.close_job(job)
         sup.close()
 
 
