@@ -228,3 +228,37 @@ def test_fence_margin_is_checked_at_load() -> None:
         ClusterConfig(lease_ttl_s=10, fence_margin_s=-1)
     assert ClusterConfig(lease_ttl_s=10, fence_margin_s=4).fence_after_s == 6
 
+
+
+def test_ranks_taken_over_from_a_crashed_run_stop_if_the_job_moved_meanwhile(etcd: LocalEtcd, tmp_path: Path) -> None:
+    """The agent restarted after a crash waits out its previous run's lease; the leader may move
+    the job in that time. The ranks this agent took over then stop: the record decides."""
+    client = EtcdClient(etcd.endpoints)
+    prefix = "/trainguard/takeover/"
+    old_lease = client.grant(TTL)
+    client.put(prefix + "nodes/a", NodeInfo("a", "127.0.0.1:9").to_json(), old_lease)  # the crashed run's key
+    table = JobTable(client, prefix)
+    assert table.write(JobRecordDoc("moved", {"job": "moved", "nproc": 1}, "b", epoch=1, history=["a->b"]), 0)
+    assert table.write(JobRecordDoc("kept", {"job": "kept", "nproc": 1}, "a"), 0)
+    rec = Recorder()
+    cfg = ClusterConfig(name="takeover", etcd_endpoints=etcd.endpoints, lease_ttl_s=TTL, poll_s=0.1,
+                        etcd_timeout_s=0.5)
+    sup = make_supervisor(tmp_path)
+    for job in ("moved", "kept"):  # what the supervisor adopted from its previous run
+        sup.submit(JobSpec(job, 1, command=SLEEPER))
+    wait_for(lambda: all(sup.jobs[j].state == JobState.RUNNING for j in ("moved", "kept")), 30, "ranks run")
+    svc = ClusterService(cfg, node="a", memory_root=str(tmp_path / "shm"), emit=rec)
+    try:
+        svc.start("127.0.0.1:1", sup, PlanStore(str(tmp_path / "plans")))
+        assert svc.membership is not None and svc.membership.waited_for_name and not svc.membership.refused
+        wait_for(lambda: sup.jobs["moved"].state == JobState.STOPPED, 10, "the moved job's copy stopped")
+        (message, fields), = rec.of("job_fenced")
+        assert fields["job"] == "moved" and fields["owner"] == "b" and "previous lease expired" in message
+        time.sleep(1.0)
+        assert sup.jobs["kept"].state == JobState.RUNNING and rec.of("job_conflict") == []
+    finally:
+        svc.stop(leave=False)
+        sup.stop_all("test over")
+        for job in ("moved", "kept"):
+            sup.launcher.close_job(job)
+        sup.close()

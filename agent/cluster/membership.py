@@ -144,6 +144,9 @@ class Membership:
         self._last_ok_before: float | None = None  # the last good refresh of a lease replaced since
         self.refused = ""
         """Why this agent may not join ("": it may): its node name is held by another live agent."""
+        self.waited_for_name = False
+        """Registration found our name under another lease and waited it out: the leader may have
+        moved this node's jobs meanwhile (its previous run's lease expired)."""
 
     # -- reading ---------------------------------------------------------------------------------
     @property
@@ -284,7 +287,7 @@ class Membership:
                                     f"{holder.lease:x}, api {NodeInfo.from_json(self.me.node, holder.value).api or '?'}); "
                                     "give each agent its own agent.node")
             if not told:
-                told = True
+                told = self.waited_for_name = True
                 log.warning("node key %s exists under another lease; waiting up to %.0f s for it to expire",
                             key, self.ttl + 1.0)
             if self._stop.wait(0.25):

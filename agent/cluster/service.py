@@ -392,6 +392,16 @@ class ClusterService:
                     self.emit("job_fenced", f"job {job} now runs on {cur[0].node}; stopping the copy here",
                               {"job": job, "owner": cur[0].node, "severity": "warning"})
                     self._epochs[job] = cur[0].epoch
+                elif mine is None and cur[0].state == "running" and not local.state.finished \
+                        and self.membership is not None and self.membership.waited_for_name:
+                    # Ranks this agent took over from its crashed previous run, whose lease expired
+                    # while it waited for the node name: the leader has placed the job elsewhere.
+                    self.supervisor.stop(job, f"job moved to {cur[0].node} (epoch {cur[0].epoch}) while this "
+                                         "node's previous lease expired", hard=True)
+                    self.emit("job_fenced", f"job {job} now runs on {cur[0].node} (moved while this node's previous "
+                              "lease expired); stopping the copy here",
+                              {"job": job, "owner": cur[0].node, "severity": "warning"})
+                    self._epochs[job] = cur[0].epoch
                 elif mine is None and cur[0].state == "running" and job not in self._conflicts \
                         and not local.state.finished:
                     self._conflicts.add(job)
