@@ -280,7 +280,7 @@ def test_a_spare_node_joins_the_job_at_a_later_attempt_and_it_trains_again(
         started = wait_for(lambda: _events(c, "gang_ranks_started"), 60, f"c starts its block\n{c.log()[-2000:]}")
         assert started[0]["fields"]["attempt"] == attempt, [(e["kind"], e["message"]) for e in a.all_events()][-20:]
         # both nodes' ranks train again: rank 1 on c passed plan sync points with rank 0 on a
-        resumed = wait_for(lambda: _events(c, "job_resumed") and _events(a, "job_resumed") and _events(c, "job_resumed"),
+        resumed = wait_for(lambda: _events(c, "job_resumed") and _events(a, "job_resumed"),
                            120, f"training again on a and c\nc:\n{c.log()[-3000:]}\na:\n{a.log()[-2000:]}")
         took = time.monotonic() - killed
         job_c = c.client.job("big")
@@ -288,7 +288,7 @@ def test_a_spare_node_joins_the_job_at_a_later_attempt_and_it_trains_again(
         restore = moved[0]["fields"]["restore_step"]
         step = wait_for(lambda: (s := _progress(c)) >= max(restore, 0) + 12 and s, 90,
                         "c's rank trains on past several plan sync points")
-        assert step > max(restore, 0) + 12 and resumed
+        assert step >= max(restore, 0) + 12 and resumed
         print(f"node loss -> training again on a and the spare c (attempt {attempt}, restore step {restore}) "
               f"in {took:.1f} s")
     finally:
