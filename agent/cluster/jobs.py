@@ -11,12 +11,15 @@ Level-triggered, so a leader change in the middle changes nothing:
 * every agent publishes the jobs it runs (owner = itself, peer = where its checkpoints go);
 * the leader moves every running job whose owner is not a member any more to the owner's peer
   (which holds the newest memory checkpoint of that node in RAM) or, failing that, to the next
-  member by name; epoch + 1, written with compare-and-swap on the key's revision;
+  member by name; epoch + 1, written with compare-and-swap on the key's revision and on the
+  leader key still holding this leader under its lease (one txn: a deposed leader's move fails);
 * the agent named owner of a running job it does not run submits it; its recovery service then
   restores from the newest verified checkpoint across tiers (the peer tier holds the lost node's
   copy in this agent's own RAM);
 * an agent that still runs a job whose record names another owner with a newer epoch (it was cut
-  off long enough to be declared lost) stops its copy: one job never runs twice.
+  off long enough to be declared lost) stops its copy: one job never runs twice. Before that, an
+  agent whose lease went unrefreshed for ``cluster.fence_after_s`` has already fenced it on its
+  own clock (``ClusterService.fence_check``), and starts it again only by claiming a new epoch.
 """
 
 from __future__ import annotations

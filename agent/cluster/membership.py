@@ -2,7 +2,8 @@
 
 Keys (``<cluster>`` is the configured cluster name)::
 
-    /trainguard/<cluster>/nodes/<node>   NodeInfo JSON, bound to the node's lease
+    /trainguard/<cluster>/nodes/<node>   NodeInfo JSON, bound to the node's lease, created only
+                                          if absent (a name another live agent holds is refused)
     /trainguard/<cluster>/leader         the leader's node name, bound to the leader's lease,
                                           created only if absent (one txn)
 
@@ -15,6 +16,10 @@ it against the last successful read: a node key that appeared is ``node_joined``
 stop: ``node_left``). When the leader key is absent every agent campaigns; the txn lets one win.
 A read that fails (etcd stalled or down) changes nothing: no false losses, and the view stays as
 it was until etcd answers again.
+
+A leader's writes carry a ``LeaderClaim`` (leader key, node, lease) that etcd checks in the same
+txn, and ``refresh_age`` tells the fence (``ClusterService``) how old the newest answered lease
+refresh is, without asking etcd.
 
 Without etcd (no endpoints) the agent is a cluster of one and its own leader.
 """
