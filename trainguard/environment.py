@@ -104,7 +104,8 @@ class RunEnvironment:
     world_size: int
     local_world_size: int
     attempt: int
-    """Restarts so far (TORCHELASTIC_RESTART_COUNT), 0 on the first start."""
+    """Restarts so far (TORCHELASTIC_RESTART_COUNT), 0 on the first start; for a job spanning nodes
+    the cluster's attempt - 1, the same on every node (plan-sync keys and snapshot headers use it)."""
     socket: str
     """Telemetry socket ("" when no agent is known)."""
     plan_path: str
