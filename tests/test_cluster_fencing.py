@@ -262,3 +262,35 @@ def test_ranks_taken_over_from_a_crashed_run_stop_if_the_job_moved_meanwhile(etc
         for job in ("moved", "kept"):
             sup.launcher.close_job(job)
         sup.close()
+
+
+def test_a_deposed_leaders_heal_moves_nothing(etcd: LocalEtcd, tmp_path: Path) -> None:
+    """service._heal writes the move with the leader claim: the node that believes it leads, but
+    whose key etcd gave to another, moves no job; the real leader does."""
+    services = []
+    for name in ("a", "b"):
+        cfg = ClusterConfig(name="heal", etcd_endpoints=etcd.endpoints, lease_ttl_s=TTL, poll_s=0.1, etcd_timeout_s=0.5)
+        svc = ClusterService(cfg, node=name, memory_root=str(tmp_path / name), emit=Recorder())
+        svc.start(f"127.0.0.1:{len(services) + 2}", None)
+        services.append(svc)
+        wait_for(lambda: services[0].is_leader, 10, "a leads")
+    a, b = services
+    try:
+        assert a.jobs is not None and a.membership is not None and b.membership is not None
+        assert a.jobs.write(JobRecordDoc("orphan", {"job": "orphan", "nproc": 1}, "gone", peer="b"), 0)
+        a.membership._stop.set()  # a stops reading etcd and so keeps believing it leads
+        a.membership._bump()
+        assert a.membership._thread is not None
+        a.membership._thread.join(5)
+        a.jobs.client.delete(a.membership.leader_key)
+        wait_for(lambda: b.is_leader, 10, "b leads")
+        assert a.is_leader  # its own view, still
+        a._heal(a.jobs.read())
+        got, _ = a.jobs.read()["orphan"]
+        assert got.node == "gone" and got.epoch == 0 and a.moves == 0 and a.jobs.refused == 1
+        b._heal(b.jobs.read())  # type: ignore[union-attr]
+        got, _ = a.jobs.read()["orphan"]
+        assert got.node == "b" and got.epoch == 1 and b.moves == 1
+    finally:
+        for svc in services:
+            svc.stop(leave=False)
