@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from trainguard.agent.api.client import ApiClientError
 from trainguard.agent.cluster.demo import ClusterNode, wait_for
 from trainguard.agent.cluster.etcdserver import LocalEtcd
 
@@ -51,6 +52,15 @@ def two_nodes(tmp_path: Path, request: pytest.FixtureRequest, etcd: LocalEtcd) -
 
 def _events(node: ClusterNode, kind: str, job: str = "big") -> list[dict[str, Any]]:
     return [e for e in node.events(kind) if e.get("job") == job]
+
+
+def _progress(node: ClusterNode, job: str = "big") -> int:
+    """The newest step the node's ranks of ``job`` reported (-1 before it has any there)."""
+    try:
+        step = node.client.job(job).get("progress_step")
+    except ApiClientError:
+        return -1
+    return step if isinstance(step, int) else -1
 
 
 def _keep_parts(nodes: list[ClusterNode], step: int, dest: Path) -> Path:
@@ -240,3 +250,46 @@ def test_tensor_parallel_groups_stay_inside_nodes_and_reshard_after_node_loss(
     got = load_full_model_state(str(shutil.copytree(b.shm / ".assembled" / "big" / f"step_{step}", tmp_path / "got")))
     want = load_full_model_state(str(written))
     assert want.keys() == got.keys() and len(want) > 0 and all((want[k] == got[k]).all() for k in want)
+
+
+def test_a_spare_node_joins_the_job_at_a_later_attempt_and_it_trains_again(
+        two_nodes: tuple[ClusterNode, ClusterNode], tmp_path: Path, etcd: LocalEtcd) -> None:
+    """A node new to a job joins it at attempt > 1: every rank scopes its plan-sync keys by the
+    cluster's attempt, not the node's own count of starts (none on the spare, whose rank would
+    wait on plan/0/ while rank 0 writes under its own node's later count)."""
+    from trainguard.trainer.testing import tiny_config
+
+    a, b = two_nodes
+    trainer = tiny_config(str(tmp_path / "corpus"), steps=3000, parallel={"dp": 2}).to_dict()
+    a.client._json("POST", "/v1/jobs", {"job": "big", "nproc": 2, "nodes": 2, "trainer": trainer})
+    placed = wait_for(lambda: _events(a, "gang_placed"), 30, "placement")
+    assert "a: ranks 0-0; b: ranks 1-1" in placed[0]["message"]
+    wait_for(lambda: _progress(a) >= 8, 90, f"training on a and b\n{a.log()[-2000:]}")
+
+    # the spare joins after the placement, so that it is new to the job
+    c = ClusterNode(tmp_path / "c", "c", etcd.endpoints, a.token_file.read_text().strip(), cluster=f"s{os.getpid()}",
+                    slots=1, ttl=3)
+    try:
+        wait_for(lambda: [e for e in a.events("node_joined") if e["fields"]["node"] == "c"], 20, "c joins")
+        b.kill_with_ranks("big")
+        killed = time.monotonic()
+        moved = wait_for(lambda: [e for e in _events(a, "gang_placed") if "c: ranks 1-1" in e["message"]], 60,
+                         f"the leader places the job on a and c\n{[(e['kind'], e['message']) for e in a.all_events()][-20:]}")
+        attempt = moved[0]["fields"]["attempt"]
+        assert attempt >= 2 and "a: ranks 0-0" in moved[0]["message"]
+        started = wait_for(lambda: _events(c, "gang_ranks_started"), 60, f"c starts its block\n{c.log()[-2000:]}")
+        assert started[0]["fields"]["attempt"] == attempt, [(e["kind"], e["message"]) for e in a.all_events()][-20:]
+        # both nodes' ranks train again: rank 1 on c passed plan sync points with rank 0 on a
+        resumed = wait_for(lambda: _events(c, "job_resumed") and _events(a, "job_resumed"),
+                           120, f"training again on a and c\nc:\n{c.log()[-3000:]}\na:\n{a.log()[-2000:]}")
+        took = time.monotonic() - killed
+        job_c = c.client.job("big")
+        assert job_c["attempt"] == attempt and job_c["local_ranks"] == [1, 1]
+        restore = moved[0]["fields"]["restore_step"]
+        step = wait_for(lambda: (s := _progress(c)) >= max(restore, 0) + 12 and s, 90,
+                        "c's rank trains on past several plan sync points")
+        assert step >= max(restore, 0) + 12 and resumed
+        print(f"node loss -> training again on a and the spare c (attempt {attempt}, restore step {restore}) "
+              f"in {took:.1f} s")
+    finally:
+        c.stop()

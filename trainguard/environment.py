@@ -61,6 +61,21 @@ def _int(environ: Mapping[str, str], key: str, default: int) -> int:
         return default
 
 
+def _attempt(environ: Mapping[str, str], launched: bool) -> int:
+    """Restarts before this one. An agent's ``TRAINGUARD_ATTEMPT`` wins over a
+    ``TORCHELASTIC_RESTART_COUNT`` the rank may have inherited from an outer torchrun: for a job
+    spanning nodes it is the cluster's attempt, which every node's ranks scope their keys by."""
+    if launched and environ.get(ENV_ATTEMPT, "").strip().isdigit():
+        return max(0, int(environ[ENV_ATTEMPT]) - 1)
+    return max(0, _int(environ, "TORCHELASTIC_RESTART_COUNT", max(0, _int(environ, ENV_ATTEMPT, 1) - 1)))
+
+
+def plan_prefix(attempt: int) -> str:
+    """The job store prefix of plan sync for ``attempt`` (``RunEnvironment.attempt``): every rank
+    of one attempt, on whatever node, reads and writes under the same one."""
+    return f"trainguard/plan/{attempt}/"
+
+
 def _snapshot_every(text: str) -> int:
     if text.strip().lower() == "auto":
         return SNAPSHOT_AUTO
@@ -89,7 +104,8 @@ class RunEnvironment:
     world_size: int
     local_world_size: int
     attempt: int
-    """Restarts so far (TORCHELASTIC_RESTART_COUNT), 0 on the first start."""
+    """Restarts so far (TORCHELASTIC_RESTART_COUNT), 0 on the first start; for a job spanning nodes
+    the cluster's attempt - 1, the same on every node (plan-sync keys and snapshot headers use it)."""
     socket: str
     """Telemetry socket ("" when no agent is known)."""
     plan_path: str
@@ -121,8 +137,8 @@ class RunEnvironment:
         world = max(1, _int(env, "WORLD_SIZE", 1))
         local_rank = _int(env, "LOCAL_RANK", rank)
         local_world = max(1, _int(env, "LOCAL_WORLD_SIZE", world))
-        attempt = _int(env, "TORCHELASTIC_RESTART_COUNT", max(0, _int(env, ENV_ATTEMPT, 1) - 1))
         launched = bool(env.get(ENV_JOB)) and bool(env.get(ENV_SOCKET))
+        attempt = _attempt(env, launched)
         if launched:
             name = job or env[ENV_JOB]
             return cls(

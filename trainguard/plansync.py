@@ -22,7 +22,8 @@ that every rank snapshots the same steps: ranks that tuned their intervals apart
 step in their two slots, and a crash would restore nothing newer than the last DCP checkpoint.
 
 The store is the one the process group was initialised with (the job's rendezvous store); keys
-carry the restart count, so a restarted job never reads a previous attempt's plans.
+carry the attempt (the cluster's, for a job spanning nodes), so a restarted job never reads a
+previous attempt's plans and a node new to the job meets the others under the same keys.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any
 import torch.distributed as dist
 
 from trainguard.agent.wire import Plan
+from trainguard.environment import plan_prefix
 from trainguard.link import PlanWatcher
 
 _TIMEOUT = timedelta(seconds=300)
@@ -127,7 +129,7 @@ class PlanSync:
         self.is_leader = is_leader
         self.every = max(1, every)
         self.target_s = target_s
-        self.store = dist.PrefixStore(f"trainguard/plan/{attempt}/", _job_store())
+        self.store = dist.PrefixStore(plan_prefix(attempt), _job_store())
         self._step = 0
         self._at = 0  # the next sync point's step
         self._gap = self.every  # steps from the next sync point to the one after it

@@ -6,7 +6,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from trainguard.agent.cluster.etcd import parse_endpoint
+from trainguard.agent.cluster.etcd import REFRESHES_PER_TTL, parse_endpoint
 from trainguard.agent.cluster.signing import load_key
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -69,6 +69,10 @@ class ClusterConfig:
     held_retention_s: float = 3600.0
     """Copies held for a node that is no longer a member are dropped after this long without a new
     copy (its job has moved and checkpoints anew, or it is gone for good)."""
+    fence_margin_s: float = 0.0
+    """An agent whose lease refresh has not reached etcd for ``lease_ttl_s - fence_margin_s`` stops
+    (SIGSTOP, then kill) the ranks of every job the leader could move elsewhere, before the lease
+    can expire on the server; 0: ``max(1, lease_ttl_s / 4)``, kept above one refresh period."""
     heal: bool = True
     """Leader restarts jobs of a lost node on the remaining nodes."""
     rejoin: bool = True
@@ -116,6 +120,14 @@ class ClusterConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ValueError(f"cluster.{key}: must be >= 0, got {value!r}")
+        margin = self.fence_margin_s
+        if isinstance(margin, bool) or not isinstance(margin, int | float) or margin < 0:
+            raise ValueError(f"cluster.fence_margin_s: must be >= 0 (0: automatic), got {margin!r}")
+        if margin and self.lease_ttl_s - margin <= self.lease_ttl_s / REFRESHES_PER_TTL + self.etcd_timeout_s:
+            raise ValueError(f"cluster.fence_margin_s: must leave more than one refresh period plus etcd_timeout_s "
+                             f"({self.lease_ttl_s / REFRESHES_PER_TTL + self.etcd_timeout_s:g} s) of the "
+                             f"{self.lease_ttl_s} s lease, "
+                             f"so that a healthy agent never fences; got {margin!r}")
         if self.advertise:
             try:
                 parse_endpoint(self.advertise)
@@ -167,6 +179,13 @@ class ClusterConfig:
     def lineage_wait(self) -> float:
         """``lineage_wait_s``, or 3 x the lease TTL when unset."""
         return float(self.lineage_wait_s) if self.lineage_wait_s is not None else 3.0 * self.lease_ttl_s
+
+    @property
+    def fence_after_s(self) -> float:
+        """Seconds without a successful lease refresh after which this agent fences its ranks."""
+        room = self.lease_ttl_s * (1 - 1 / REFRESHES_PER_TTL) - self.etcd_timeout_s  # what a margin may take
+        margin = self.fence_margin_s or min(max(1.0, self.lease_ttl_s / 4), room * 0.9)
+        return self.lease_ttl_s - margin
 
     @property
     def solo(self) -> bool:

@@ -8,7 +8,7 @@ Liveness rules, because a node must never be declared lost while it is alive:
 
 * Every call has a short timeout and tries the next endpoint on a connection failure, so a dead
   member of a three-member cluster costs one timeout, not the lease.
-* ``LeaseKeeper`` refreshes the lease every ``ttl/3`` and, when a refresh fails, retries every
+* ``LeaseKeeper`` refreshes the lease every ``ttl / REFRESHES_PER_TTL`` and, when a refresh fails, retries every
   ``retry_s`` until the server answers. Only the *server* saying the lease is gone (keepalive
   TTL -1, or a put naming a missing lease) counts as expiry; "cannot reach etcd" never does.
   That is what makes a short etcd stall harmless: the lease outlives it on the server, and the
@@ -33,6 +33,9 @@ from etcd3gw.client import Etcd3Client
 log = logging.getLogger("trainguard.cluster.etcd")
 
 DEFAULT_TIMEOUT_S = 1.0
+REFRESHES_PER_TTL = 4
+"""Lease refreshes per TTL: a healthy agent's newest refresh is at most TTL/4 old, which leaves the
+fence (``cluster.fence_margin_s``) room for an etcd stall of about half the TTL."""
 
 
 class EtcdUnavailable(ConnectionError):
@@ -264,6 +267,55 @@ class EtcdClient:
         }
         return bool(self._post("/kv/txn", txn).get("succeeded"))
 
+    # -- guarded transactions ------------------------------------------------------------------
+    def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+            failure: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """One etcd transaction as built by ``compare_*``/``op_*``; the server's answer
+        (``succeeded``, ``responses``). LeaseExpired when a put names a lease the server lost."""
+        try:
+            return self._post("/kv/txn", {"compare": compare, "success": success, "failure": failure or []})
+        except etcd_exc.Etcd3Exception as exc:
+            if "lease not found" in _text(exc):
+                raise LeaseExpired(_text(exc)) from None
+            raise
+
+    def put_if(self, key: str, value: bytes | str, mod_revision: int, guards: Sequence[dict[str, Any]]) -> bool:
+        """``replace`` that also needs every compare in ``guards`` to hold (all in one txn), e.g.
+        ``compare_held`` for "the leader key is still ours"."""
+        compare = [compare_revision(key, mod_revision), *guards]
+        return bool(self.txn(compare, [op_put(key, value)]).get("succeeded"))
+
+
+def compare_revision(key: str, mod_revision: int) -> dict[str, Any]:
+    """``key`` unchanged since ``mod_revision`` (0: ``key`` absent)."""
+    if mod_revision:
+        return {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": mod_revision}
+    return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+
+
+def compare_held(key: str, value: bytes | str, lease: int) -> list[dict[str, Any]]:
+    """``key`` holds ``value`` under ``lease`` (etcd's election recipe: a deposed holder, or one
+    whose lease expired and whose name was taken again under a new lease, fails both or one)."""
+    return [{"key": _b64(key), "result": "EQUAL", "target": "VALUE", "value": _b64(value)},
+            {"key": _b64(key), "result": "EQUAL", "target": "LEASE", "lease": str(lease)}]
+
+
+def op_put(key: str, value: bytes | str, lease: int = 0) -> dict[str, Any]:
+    put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        put["lease"] = lease
+    return {"request_put": put}
+
+
+def op_get(key: str) -> dict[str, Any]:
+    return {"request_range": {"key": _b64(key)}}
+
+
+def txn_kvs(result: dict[str, Any]) -> list[KeyValue]:
+    """The keys the range ops of a txn answer returned."""
+    return [_kv(item) for resp in result.get("responses", [])
+            for item in resp.get("response_range", {}).get("kvs", [])]
+
 
 def _kv(item: dict[str, Any]) -> KeyValue:
     return KeyValue(
@@ -354,8 +406,9 @@ class LeaseKeeper:
     def __init__(self, client: EtcdClient, lease: int, ttl: int, *,
                  on_expired: Callable[[int], None] = lambda lease: None, retry_s: float = 0.2,
                  on_refresh: Callable[[bool], None] = lambda ok: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``on_refresh(ok)`` after every refresh attempt (False: etcd did not answer)."""
+                 clock: Callable[[], float] = time.monotonic, since: float | None = None) -> None:
+        """``on_refresh(ok)`` after every refresh attempt (False: etcd did not answer); ``since``:
+        when the grant of ``lease`` was sent (``clock``'s time; default now)."""
         self.client = client
         self.on_refresh = on_refresh
         self.lease = lease
@@ -363,7 +416,9 @@ class LeaseKeeper:
         self.on_expired = on_expired
         self.retry_s = retry_s
         self._clock = clock
-        self.last_ok = clock()
+        self.last_ok = clock() if since is None else since
+        """When the newest refresh the server answered was sent: the server's deadline for the
+        lease is at least this plus the TTL, so fencing counts from here."""
         self.failures = 0  # refresh attempts that did not reach the server (for metrics/tests)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"etcd-lease-{lease:x}", daemon=True)
@@ -377,9 +432,10 @@ class LeaseKeeper:
         return self._clock() - self.last_ok < self.ttl
 
     def _run(self) -> None:
-        period = max(self.ttl / 3.0, 0.1)
+        period = max(self.ttl / REFRESHES_PER_TTL, 0.1)
         wait = period
         while not self._stop.wait(wait):
+            sent = self._clock()
             try:
                 left = self.client.keepalive(self.lease)
             except (EtcdUnavailable, etcd_exc.Etcd3Exception) as exc:
@@ -393,7 +449,7 @@ class LeaseKeeper:
                 self._stop.set()
                 self.on_expired(self.lease)
                 return
-            self.last_ok = self._clock()
+            self.last_ok = sent
             self.on_refresh(True)
             wait = period
 

@@ -64,7 +64,7 @@ from trainguard.agent.controller.batch_rule import follow_batch
 from trainguard.agent.wire import Telemetry, WireError, decode_telemetry, part_key
 
 if TYPE_CHECKING:
-    from trainguard.agent.cluster.membership import EmitFn, NodeInfo
+    from trainguard.agent.cluster.membership import EmitFn, LeaderClaim, NodeInfo
     from trainguard.agent.lifecycle.plans import PlanStore
     from trainguard.agent.lifecycle.supervisor import Supervisor
 
@@ -160,6 +160,10 @@ class GangCoordinator:
         the judging node cannot read another node's /proc."""
         self.forwarded = 0
         self.forward_dropped = 0
+        self.socket_ifname = ""
+        self.leader_claim: Callable[[], LeaderClaim | None] = lambda: None
+        """This agent's leader claim: the leader's decisions are written only while etcd's leader key holds it."""
+        """The interface holding this node's advertised address, for the ranks' gloo/NCCL sockets."""
 
     # -- telemetry forwarding ----------------------------------------------------------------------
     def on_telemetry(self, msg: Telemetry) -> None:
@@ -267,7 +271,7 @@ class GangCoordinator:
             if out is None:
                 continue
             new, what = out
-            if not self.table.write(new, rev):
+            if not self.table.write(new, rev, leader=self.leader_claim()):
                 continue
             self.decisions += 1
             gangs[job] = (new, -1)
@@ -490,7 +494,8 @@ class GangCoordinator:
                 return
             env["TRAINGUARD_RESTORE"] = str(path)
             restore = {"tier": "assembled", "step": g.restore_step, "path": str(path), "parts": how}
-        block = RankBlock(offset, nproc, g.world_size, g.master_addr, g.master_port, group, env, g.attempt, restore)
+        block = RankBlock(offset, nproc, g.world_size, g.master_addr, g.master_port, group, env, g.attempt, restore,
+                          self.socket_ifname)
         if group == 0:
             self._forward_to.pop(job, None)
         else:

@@ -11,12 +11,15 @@ Level-triggered, so a leader change in the middle changes nothing:
 * every agent publishes the jobs it runs (owner = itself, peer = where its checkpoints go);
 * the leader moves every running job whose owner is not a member any more to the owner's peer
   (which holds the newest memory checkpoint of that node in RAM) or, failing that, to the next
-  member by name; epoch + 1, written with compare-and-swap on the key's revision;
+  member by name; epoch + 1, written with compare-and-swap on the key's revision and on the
+  leader key still holding this leader under its lease (one txn: a deposed leader's move fails);
 * the agent named owner of a running job it does not run submits it; its recovery service then
   restores from the newest verified checkpoint across tiers (the peer tier holds the lost node's
   copy in this agent's own RAM);
 * an agent that still runs a job whose record names another owner with a newer epoch (it was cut
-  off long enough to be declared lost) stops its copy: one job never runs twice.
+  off long enough to be declared lost) stops its copy: one job never runs twice. Before that, an
+  agent whose lease went unrefreshed for ``cluster.fence_after_s`` has already fenced it on its
+  own clock (``ClusterService.fence_check``), and starts it again only by claiming a new epoch.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from trainguard.agent.cluster.etcd import EtcdClient
+from trainguard.agent.cluster.etcd import EtcdClient, compare_held, op_put
+from trainguard.agent.cluster.membership import LeaderClaim
 from trainguard.agent.cluster.signing import sign, verify
 from trainguard.agent.wire import valid_job_id
 
@@ -231,6 +235,8 @@ class JobTable:
         # job -> revision of a refused record under its key: a writer that finds no usable record
         # may replace it (a forged record must not block the real one forever).
         self._refused_rev: dict[str, int] = {}
+        self.refused = 0
+        """Guarded leader writes etcd turned down (the record changed, or the claim no longer holds)."""
 
     def read(self) -> dict[str, tuple[JobRecordDoc, int]]:
         kvs, _ = self.client.get_prefix(self.prefix)
@@ -262,15 +268,26 @@ class JobTable:
         if self.on_drop is not None:
             self.on_drop(key[:200], revision, reason)
 
-    def write(self, rec: JobRecordDoc, expect_revision: int | None) -> bool:
-        """Put the record; with ``expect_revision`` only if nobody changed it since (0: absent)."""
+    def write(self, rec: JobRecordDoc, expect_revision: int | None, *, leader: LeaderClaim | None = None) -> bool:
+        """Put the record; with ``expect_revision`` only if nobody changed it since (0: absent).
+        ``leader``: a leader's decision, written only while the leader key still holds that claim
+        (one txn), so a deposed leader's late decision never lands."""
         key = self.prefix + rec.job
-        if expect_revision is None:
-            self.client.put(key, rec.to_json(self.key))
-            return True
+        data = rec.to_json(self.key)
         if expect_revision == 0:
             expect_revision = self._refused_rev.get(rec.job, 0)
-        return self.client.replace(key, rec.to_json(self.key), expect_revision)
+        if leader is not None:
+            guards = compare_held(leader.key, leader.node, leader.lease)
+            if expect_revision is None:
+                ok = bool(self.client.txn(guards, [op_put(key, data)]).get("succeeded"))
+            else:
+                ok = self.client.put_if(key, data, expect_revision, guards)
+            self.refused += not ok
+            return ok
+        if expect_revision is None:
+            self.client.put(key, data)
+            return True
+        return self.client.replace(key, data, expect_revision)
 
 
 ApplyFn = Callable[[Move], None]

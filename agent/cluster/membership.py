@@ -2,7 +2,8 @@
 
 Keys (``<cluster>`` is the configured cluster name)::
 
-    /trainguard/<cluster>/nodes/<node>   NodeInfo JSON, bound to the node's lease
+    /trainguard/<cluster>/nodes/<node>   NodeInfo JSON, bound to the node's lease, created only
+                                          if absent (a name another live agent holds is refused)
     /trainguard/<cluster>/leader         the leader's node name, bound to the leader's lease,
                                           created only if absent (one txn)
 
@@ -15,6 +16,10 @@ it against the last successful read: a node key that appeared is ``node_joined``
 stop: ``node_left``). When the leader key is absent every agent campaigns; the txn lets one win.
 A read that fails (etcd stalled or down) changes nothing: no false losses, and the view stays as
 it was until etcd answers again.
+
+A leader's writes carry a ``LeaderClaim`` (leader key, node, lease) that etcd checks in the same
+txn, and ``refresh_age`` tells the fence (``ClusterService``) how old the newest answered lease
+refresh is, without asking etcd.
 
 Without etcd (no endpoints) the agent is a cluster of one and its own leader.
 """
@@ -46,6 +51,10 @@ def _noop_emit(kind: str, message: str, fields: dict[str, Any]) -> None:
     pass
 
 
+class NodeNameTaken(RuntimeError):
+    """Another live agent holds this node's name (its key stayed under another lease past the TTL)."""
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     """What an agent publishes about itself."""
@@ -72,6 +81,17 @@ class NodeInfo:
             slots=int(doc.get("slots", 0)) if isinstance(doc.get("slots"), int) else 0,
             started=float(doc.get("started", 0.0)) if isinstance(doc.get("started"), int | float) else 0.0,
         )
+
+
+@dataclass(frozen=True)
+class LeaderClaim:
+    """What a leader's write is conditioned on: the leader key still holds ``node`` under
+    ``lease`` (``etcd.compare_held``). A deposed leader, or one whose lease expired, has its
+    writes refused by etcd itself, not by its own belief."""
+
+    key: str
+    node: str
+    lease: int
 
 
 @dataclass(frozen=True)
@@ -126,6 +146,12 @@ class Membership:
         self._etcd_ok = True
         self.polls = 0
         self._old_failures = 0  # refresh failures of leases replaced since
+        self._last_ok_before: float | None = None  # the last good refresh of a lease replaced since
+        self.refused = ""
+        """Why this agent may not join ("": it may): its node name is held by another live agent."""
+        self.waited_for_name = False
+        """Registration found our name under another lease and waited it out: the leader may have
+        moved this node's jobs meanwhile (its previous run's lease expired)."""
 
     # -- reading ---------------------------------------------------------------------------------
     @property
@@ -156,6 +182,11 @@ class Membership:
         keeper = self._keeper
         return self.view.leader == self.me.node and keeper is not None and keeper.healthy
 
+    def claim(self) -> LeaderClaim:
+        """This agent's claim to lead, for guarded writes (lease 0 while it has none: refused)."""
+        keeper = self._keeper
+        return LeaderClaim(self.leader_key, self.me.node, keeper.lease if keeper is not None else 0)
+
     @property
     def watching(self) -> bool:
         return self._watch is not None and self._watch.connected
@@ -176,6 +207,13 @@ class Membership:
     def etcd_reachable(self) -> bool:
         return self.solo or self._etcd_ok
 
+    def refresh_age(self) -> float | None:
+        """Seconds since the newest lease refresh etcd answered was sent (None: never registered).
+        Past the TTL the lease may be gone on the server and the leader may move this node's jobs."""
+        keeper = self._keeper
+        last = keeper.last_ok if keeper is not None else self._last_ok_before
+        return None if last is None else self._clock() - last
+
     @property
     def refresh_failures(self) -> int:
         keeper = self._keeper
@@ -192,6 +230,9 @@ class Membership:
             return
         try:
             self._register()
+        except NodeNameTaken as exc:
+            self._refuse(exc)
+            return
         except (*_ETCD_ERRORS, LeaseExpired) as exc:
             # etcd down at start-up: run on, keep trying from the thread (never crash the agent).
             self.emit("etcd_unreachable", f"cannot register in etcd yet, retrying: {exc}",
@@ -228,13 +269,49 @@ class Membership:
         keeper.stop(revoke=leave)
 
     def _register(self) -> None:
-        """Grant a lease, publish our node key under it, start keeping it alive."""
+        """Grant a lease, create our node key under it (only if absent), start keeping it alive.
+
+        A key under another lease is this agent's own previous run (crashed; its lease runs out
+        within the TTL) or another agent with the same name: wait until TTL + 1 s, then
+        NodeNameTaken. Two agents owning one name would both run its jobs and both lead."""
         assert self.client is not None and self._keeper_client is not None
-        lease = self.client.grant(self.ttl)
-        self.client.put(self.nodes_prefix + self.me.node, self.me.to_json(), lease)
+        key = self.nodes_prefix + self.me.node
+        deadline = self._clock() + self.ttl + 1.0
+        told = False
+        while True:
+            holder = self.client.get(key)
+            if holder is None:
+                sent = self._clock()
+                lease = self.client.grant(self.ttl)
+                created, holder = self.client.create(key, self.me.to_json(), lease)
+                if created:
+                    break
+                self.client.revoke(lease)  # another agent took the name meanwhile
+            if holder is not None and self._clock() >= deadline:
+                raise NodeNameTaken(f"node name {self.me.node!r} is held by another live agent (lease "
+                                    f"{holder.lease:x}, api {NodeInfo.from_json(self.me.node, holder.value).api or '?'}); "
+                                    "give each agent its own agent.node")
+            if not told:
+                told = self.waited_for_name = True
+                log.warning("node key %s exists under another lease; waiting up to %.0f s for it to expire",
+                            key, self.ttl + 1.0)
+            if self._stop.wait(0.25):
+                raise NodeNameTaken("stopped while waiting for the node name")
         self._lease_lost.clear()
         self._keeper = LeaseKeeper(self._keeper_client, lease, self.ttl, on_expired=self._on_lease_expired,
-                                   on_refresh=self._on_refresh).start()
+                                   on_refresh=self._on_refresh, clock=self._clock, since=sent).start()
+
+    def _refuse(self, exc: NodeNameTaken) -> None:
+        """Stay out of the cluster for this run: no membership, no leadership, no cluster jobs."""
+        if self._stop.is_set():
+            return  # stopped while waiting for the name: a shutdown, not a refusal
+        self.refused = str(exc)
+        self._stop.set()
+        with self._lock:
+            self._view = ClusterView()
+        log.error("not joining cluster %s: %s", self.cluster, exc)
+        self.emit("cluster_join_refused", f"not joining the cluster: {exc}; this agent runs on without "
+                  "cluster jobs", {"severity": "critical", "node": self.me.node})
 
     def _on_lease_expired(self, lease: int) -> None:
         self._lease_lost.set()
@@ -267,9 +344,13 @@ class Membership:
         if old is not None:
             old.stop()
             self._old_failures += old.failures
+            self._last_ok_before = old.last_ok
             self._keeper = None
         try:
             self._register()
+        except NodeNameTaken as exc:
+            self._refuse(exc)
+            return
         except (*_ETCD_ERRORS, LeaseExpired) as exc:
             log.info("re-registering failed (retrying): %s", exc)
             self._lease_lost.set()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import ssl
 import threading
 import time
@@ -35,7 +36,8 @@ from trainguard.agent.cluster.gang import Gang, GangCoordinator
 from trainguard.agent.cluster.grace import MissingClock
 from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable, plan_moves
 from trainguard.agent.cluster.lineage import CommitTable
-from trainguard.agent.cluster.membership import EmitFn, Membership, NodeInfo
+from trainguard.agent.cluster.membership import EmitFn, LeaderClaim, Membership, NodeInfo
+from trainguard.agent.cluster.netif import socket_ifname
 from trainguard.agent.cluster.peertier import PeerRef, PeerTier, ring_peer, token_client_factory
 from trainguard.agent.cluster.signing import load_key
 from trainguard.agent.metricspec import MetricSpec
@@ -130,6 +132,7 @@ class ClusterService:
                 decision_timeout_s=cfg.decision_timeout, fence_grace_s=cfg.fence_grace_s,
                 lineage_wait_s=cfg.lineage_wait)
             self.gangs.cluster_key = self.key
+            self.gangs.leader_claim = self._claim
         self._missing = MissingClock(cfg.fence_grace_s)
         self.supervisor: Supervisor | None = None
         self.plans: PlanStore | None = None
@@ -140,6 +143,17 @@ class ClusterService:
         self.moves = 0
         self.adoptions = 0
         self._next_gc = 0.0
+        self._fenced: dict[str, str] = {}
+        """Jobs whose ranks this agent stopped because its lease went unrefreshed -> why. Such a job
+        is neither published nor restarted here until its etcd record says where it runs."""
+        self._fence_thread: threading.Thread | None = None
+        self.fences = 0
+
+    def _claim(self) -> LeaderClaim:
+        """This agent's leadership as etcd must still hold it for a leader's write to land."""
+        if self.membership is None:
+            return LeaderClaim(f"/trainguard/{self.cfg.name}/leader", self.node, 0)
+        return self.membership.claim()
 
     def _on_blob_refused(self, origin: str, reason: str, size: int) -> None:
         self.emit("peer_copy_refused", f"upload from {origin} refused: {reason}",
@@ -182,14 +196,21 @@ class ClusterService:
         if advertise.startswith("0.0.0.0:"):
             log.warning("cluster: API bound to 0.0.0.0; set cluster.advertise so peers can reach this node")
         me = NodeInfo(self.node, advertise, self.cfg.slots, self._clock())
+        if self.gangs is not None:
+            ifname, warning = socket_ifname(advertise)
+            self.gangs.socket_ifname = ifname
+            if warning:
+                self.emit("gloo_loopback", warning, {"severity": "warning", "advertise": advertise})
         self.store.cleanup_tmp()
         self.membership = Membership(self.client, self.cfg.name, me, ttl=self.cfg.lease_ttl_s,
                                      poll_s=self.cfg.poll_s, emit=self.emit, watch=self.cfg.watch,
                                      resync_s=self.cfg.resync_s)
         self.membership.start()
-        if self.client is not None and supervisor is not None:
+        if self.client is not None and supervisor is not None and not self.membership.refused:
             self._thread = threading.Thread(target=self._job_loop, name="cluster-jobs", daemon=True)
             self._thread.start()
+            self._fence_thread = threading.Thread(target=self._fence_loop, name="cluster-fence", daemon=True)
+            self._fence_thread.start()
 
     def stop(self, leave: bool = True) -> None:
         """Leave the cluster. On a clean leave the jobs this node runs are marked ``paused`` first:
@@ -202,6 +223,8 @@ class ClusterService:
             self.membership._bump()  # wake the job loop now
         if self._thread is not None:
             self._thread.join(5.0)
+        if self._fence_thread is not None:
+            self._fence_thread.join(5.0)
         if leave:
             self._pause_own_jobs()
         if self.membership is not None:
@@ -237,6 +260,8 @@ class ClusterService:
             "peer": peer.node if peer else None,
             "held_origins": self.store.origins(),
             "spanning_jobs": self.gangs.last if self.gangs is not None else {},
+            "fenced": dict(self._fenced),
+            "join_refused": self.membership.refused if self.membership is not None else "",
         }
 
     def metrics(self) -> Iterator[Metric]:
@@ -298,8 +323,8 @@ class ClusterService:
         """Publish our jobs, adopt jobs assigned to us, and (leader) move jobs of lost nodes."""
         if self.jobs is None or self.supervisor is None or self.membership is None:
             return
-        if not self.membership.etcd_reachable:
-            return  # a frozen view must not drive decisions
+        if not self.membership.etcd_reachable or self.membership.refused:
+            return  # a frozen view must not drive decisions; a refused name owns no jobs
         records = self.jobs.read()
         single = {j: r for j, r in records.items() if not r[0].gang}
         self._publish(single, set(records) - set(single))
@@ -309,6 +334,65 @@ class ClusterService:
         if self.gangs is not None:
             self.gangs.sync(records)
         self.gc_held()
+
+    # -- fencing ---------------------------------------------------------------------------------
+    def _fence_loop(self) -> None:
+        """Checks the lease's age on its own thread: a job sync stuck in etcd timeouts must not
+        delay the fence past the TTL."""
+        tick = min(0.25, max(0.05, (self.cfg.lease_ttl_s - self.cfg.fence_after_s) / 4))
+        while not self._stop.wait(tick):
+            try:
+                self.fence_check()
+            except Exception as exc:  # noqa: BLE001 - the fence must keep watching
+                log.exception("fence check failed: %s", exc)
+
+    def fence_check(self) -> list[str]:
+        """Fence every job the cluster could move elsewhere once the lease went unrefreshed for
+        ``cluster.fence_after_s``: the lease may expire on the server before the next refresh, and
+        the leader then places the job on other nodes. Needs no etcd. Returns the jobs fenced."""
+        m = self.membership
+        if m is None or m.solo or self.supervisor is None:
+            return []
+        age = m.refresh_age()
+        if age is None or age < self.cfg.fence_after_s:
+            return []
+        out = []
+        for job, record in list(self.supervisor.jobs.items()):
+            if record.state.finished or record.state.value == "stopping":
+                continue
+            if record.block is None and not (self.cfg.heal and job in self._epochs):
+                continue  # a job the cluster does not know of runs here only: no one else starts it
+            self._fence(job, record, age)
+            out.append(job)
+        return out
+
+    def _fence(self, job: str, record: Any, age: float) -> None:
+        assert self.supervisor is not None
+        cause = f"lease not refreshed for {age:.1f} s"
+        spanning = record.block is not None
+        if not spanning:
+            self._fenced[job] = cause
+            self._epochs.pop(job, None)  # the record decides what runs here next
+        stopped = []
+        for rank in list(record.ranks):
+            try:
+                os.killpg(rank.pid, signal.SIGSTOP)  # at once: not one more step, not one more write
+                stopped.append(rank.pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.fences += 1
+        self.emit("job_fenced", f"job {job}: {cause} (limit {self.cfg.fence_after_s:.1f} s of the "
+                  f"{self.cfg.lease_ttl_s} s TTL); ranks stopped, the leader may place the job elsewhere; "
+                  "not restarted here until its etcd record says so",
+                  {"job": job, "cause_": cause, "age_s": round(age, 3), "pids": stopped, "spanning": spanning,
+                   "action": "fence", "severity": "error"})
+        try:
+            self.supervisor.stop(job, f"fenced: {cause}", hard=True)
+        except KeyError:
+            return
+        if spanning and self.gangs is not None:
+            # Once etcd answers, the leader learns the block is gone and orders a new attempt.
+            self.gangs.on_local_failure(job, f"{self.node} fenced its ranks: {cause}")
 
     def submit_spanning(self, spec: dict[str, Any]) -> None:
         """A job over several nodes: recorded in etcd; the leader places it (ValueError: refused)."""
@@ -346,7 +430,7 @@ class ClusterService:
         assert self.jobs is not None and self.supervisor is not None
         peer = self.peer()
         for job, local in list(self.supervisor.jobs.items()):
-            if job in spanning or local.block is not None:
+            if job in spanning or local.block is not None or job in self._fenced:
                 continue
             cur = records.get(job)
             mine = self._epochs.get(job)
@@ -356,7 +440,18 @@ class ClusterService:
                     self.emit("job_fenced", f"job {job} now runs on {cur[0].node}; stopping the copy here",
                               {"job": job, "owner": cur[0].node, "severity": "warning"})
                     self._epochs[job] = cur[0].epoch
-                elif mine is None and cur[0].state == "running" and job not in self._conflicts:
+                elif mine is None and cur[0].state == "running" and not local.state.finished \
+                        and self.membership is not None and self.membership.waited_for_name:
+                    # Ranks this agent took over from its crashed previous run, whose lease expired
+                    # while it waited for the node name: the leader has placed the job elsewhere.
+                    self.supervisor.stop(job, f"job moved to {cur[0].node} (epoch {cur[0].epoch}) while this "
+                                         "node's previous lease expired", hard=True)
+                    self.emit("job_fenced", f"job {job} now runs on {cur[0].node} (moved while this node's previous "
+                              "lease expired); stopping the copy here",
+                              {"job": job, "owner": cur[0].node, "severity": "warning"})
+                    self._epochs[job] = cur[0].epoch
+                elif mine is None and cur[0].state == "running" and job not in self._conflicts \
+                        and not local.state.finished:
                     self._conflicts.add(job)
                     self.emit("job_conflict", f"job {job} already runs on {cur[0].node}",
                               {"job": job, "owner": cur[0].node, "severity": "warning"})
@@ -399,13 +494,25 @@ class ClusterService:
         assert self.supervisor is not None
         from trainguard.agent.lifecycle.jobs import JobSpec, JobSpecError
 
-        for job, (rec, _) in records.items():
+        for job, (rec, rev) in records.items():
+            if job in self._fenced and rec.node != self.node:
+                del self._fenced[job]  # moved on: the record's owner runs it
+                self._epochs[job] = rec.epoch
             if rec.node != self.node or rec.state != "running" or self._epochs.get(job, -1) >= rec.epoch:
                 continue
             local = self.supervisor.jobs.get(job)
             if local is not None and not local.state.finished:
                 self._epochs[job] = rec.epoch
                 continue
+            if job in self._fenced:
+                # Fenced here and still ours: claim a new epoch first, so that a leader moving it
+                # at the same time (it saw our lease expire) and this restart cannot both win.
+                claimed = replace(rec, epoch=rec.epoch + 1, cause=f"restarted after fence ({self._fenced[job]})",
+                                  history=[*rec.history, f"{self.node}->{self.node}"][-20:])
+                if not self.jobs or not self.jobs.write(claimed, rev):
+                    continue
+                del self._fenced[job]
+                rec = claimed
             try:
                 spec = JobSpec.from_dict(rec.spec)
                 par = spec.trainer.get("parallel", {}) if isinstance(spec.trainer, dict) else {}
@@ -439,7 +546,7 @@ class ClusterService:
         if due is not None and self.gangs is not None:
             self.gangs.wake_in(due)
         for new, rev, move in plan_moves(records, members):
-            if self.jobs.write(new, rev):
+            if self.jobs.write(new, rev, leader=self.membership.claim()):
                 self.moves += 1
                 how = "drained" if new.cause.endswith("drained") else "lost"
                 self.emit("job_moved", f"leader moves job {move.job} from {how} node {move.src} to {move.dst}"

@@ -112,6 +112,12 @@ class RankBlock:
     """The cluster-wide attempt these ranks belong to (a failure report names it)."""
     restore: dict[str, Any] | None = field(default=None, compare=False)
     """The checkpoint this attempt restores (shown in status, used for the recovery clock)."""
+    socket_ifname: str = ""
+    """The interface holding this node's advertised address: gloo and NCCL bind there unless the
+    job's environment names one (the hostname may resolve to loopback, which peers cannot reach)."""
+
+
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def torchrun_env(spec: JobSpec, block: RankBlock, attempt: int) -> dict[str, str]:
@@ -327,6 +333,8 @@ class Launcher:
         os.makedirs(ctx.log_dir, exist_ok=True)
         if block is None:
             block = RankBlock(0, spec.nproc, spec.nproc, ctx.master_addr, free_port(ctx.master_addr))
+        elif block.attempt > 0:
+            attempt = block.attempt  # every node's ranks of a spanning job agree on the cluster's attempt
         prefix, popen_kwargs = _privilege_wrapper(ctx.user)
         cg = self.job_cgroup(spec, ctx)
         if cg is not None:
@@ -344,6 +352,9 @@ class Launcher:
             base_env["PYTHONPATH"] = PACKAGE_PARENT + (os.pathsep + pythonpath if pythonpath else "")
         base_env.update(ctx.extra_env)
         base_env.update(spec.env)
+        if block.socket_ifname:
+            for key in SOCKET_IFNAME_VARS:
+                base_env.setdefault(key, block.socket_ifname)
         gpus = visible_gpus(ctx.gpus, base_env.get("CUDA_VISIBLE_DEVICES"))
         if gpus is not None:
             base_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))

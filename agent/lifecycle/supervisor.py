@@ -120,6 +120,16 @@ class JobRecord:
         }
 
 
+def launch_attempt(record: JobRecord) -> int:
+    """The attempt number the next start of ``record``'s ranks runs as. A node's share of a job
+    spanning nodes takes the cluster's attempt (every node's ranks scope their rendezvous and
+    store keys by it, and a node new to the job has no local count); a job of this node alone
+    counts its own starts."""
+    if record.block is not None and record.block.attempt > 0:
+        return record.block.attempt
+    return record.attempt + 1
+
+
 def _status_text(status: int) -> str:
     """A Popen-convention status as the rank_exit event words it (-N: signal N)."""
     return f"signal {-status}" if status < 0 else f"code {status}"
@@ -217,7 +227,7 @@ class Supervisor:
 
     def _launch(self, record: JobRecord) -> None:
         ctx = self.context_for(record.spec)
-        attempt = record.attempt + 1
+        attempt = launch_attempt(record)
         env = self.launch_env(record) if self.launch_env is not None else None
         ranks = self.launcher.start(record.spec, ctx, attempt, env, block=record.block)
         with self._lock:
@@ -447,7 +457,7 @@ class Supervisor:
             self.restart_total += 1
             record.spec, record.block = spec, block
             self.events.emit("job_restart", f"job {job}: restarting ranks {block.rank_offset}-"
-                             f"{block.rank_offset + block.nproc - 1} of {block.world_size} (attempt {record.attempt + 1})",
+                             f"{block.rank_offset + block.nproc - 1} of {block.world_size} (attempt {launch_attempt(record)})",
                              severity="warning", job=job, cause=cause, action="restart")
         self._launch(record)
 

@@ -354,6 +354,10 @@ class RecoveryService:
 
     def _note_recovered_locked(self, job: str, record: JobRecord, ranks: list[Any], now: float) -> None:
         started = self._failure_at.get(job)
+        if started is not None and self._launch_at.get(job, float("-inf")) < started:
+            # No attempt started here since the failure (this node stopped or fenced its copy, the
+            # job goes on elsewhere): the ranks in view trained before it, nothing resumed.
+            return
         restored_step = (record.restored_from or {}).get("step", -1)
         if started is not None and ranks and all(v.step > restored_step for v in ranks):
             # The first step of the new attempt by its own clock, not this tick's: ticks are coarse.
