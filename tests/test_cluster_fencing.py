@@ -13,17 +13,25 @@ from typing import Any
 import pytest
 
 from trainguard.agent.cluster.config import ClusterConfig
+from trainguard.agent.cluster.demo import shared_key
 from trainguard.agent.cluster.etcd import EtcdClient
 from trainguard.agent.cluster.etcdserver import LocalEtcd
 from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable
 from trainguard.agent.cluster.membership import LeaderClaim, Membership, NodeInfo
 from trainguard.agent.cluster.service import ClusterService
+from trainguard.agent.cluster.signing import load_key
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
 from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher, RankBlock, free_port
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.supervisor import Supervisor
 from trainguard.agent.waiting import wait_for
+
+
+def KEY(directory: Path) -> str:  # noqa: N802 - reads as a constant at the call sites
+    """The cluster key every service of one test shares."""
+    return str(shared_key(directory))
+
 
 TTL = 3
 SLEEPER = [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"]
@@ -47,7 +55,7 @@ class Recorder:
 
 
 def member(etcd: LocalEtcd, cluster: str, name: str, rec: Recorder, api: str = "127.0.0.1:1") -> Membership:
-    return Membership(EtcdClient(etcd.endpoints, timeout_s=0.5), cluster, NodeInfo(name, api, 1),
+    return Membership(EtcdClient(etcd.endpoints, timeout_s=0.5, plaintext=True), cluster, NodeInfo(name, api, 1),
                       ttl=TTL, poll_s=0.1, emit=rec)
 
 
@@ -69,7 +77,7 @@ def test_a_deposed_leaders_write_is_refused(etcd: LocalEtcd) -> None:
     b.start()
     try:
         wait_for(lambda: a.is_leader and b.leader == "a", 10, "a leads")
-        client = EtcdClient(etcd.endpoints)
+        client = EtcdClient(etcd.endpoints, plaintext=True)
         table = JobTable(client, "/trainguard/depose/")
         rec = JobRecordDoc("j", {"job": "j", "nproc": 1}, "a")
         assert table.write(rec, 0, leader=a.claim())
@@ -111,7 +119,7 @@ def test_a_node_name_held_by_a_live_agent_is_refused(etcd: LocalEtcd) -> None:
         assert fields["severity"] == "critical" and "without cluster jobs" in message
         assert not second.is_leader and second.members() == {} and second.refresh_age() is None
         assert first.is_leader and list(first.members()) == ["n1"]
-        key = EtcdClient(etcd.endpoints).get(first.nodes_prefix + "n1")
+        key = EtcdClient(etcd.endpoints, plaintext=True).get(first.nodes_prefix + "n1")
         assert key is not None and first._keeper is not None and key.lease == first._keeper.lease
         assert b"7001" in key.value
     finally:
@@ -128,7 +136,7 @@ def test_a_restarted_agent_takes_its_name_back_after_its_old_lease_expires(etcd:
     try:
         new.start()
         assert not new.refused and r2.of("cluster_join_refused") == []
-        key = EtcdClient(etcd.endpoints).get(new.nodes_prefix + "n1")
+        key = EtcdClient(etcd.endpoints, plaintext=True).get(new.nodes_prefix + "n1")
         assert key is not None and b"7003" in key.value and new._keeper is not None and key.lease == new._keeper.lease
     finally:
         new.stop()
@@ -153,7 +161,7 @@ def published(svc: ClusterService, job: str) -> JobRecordDoc | None:
 
 def test_an_agent_cut_off_from_etcd_fences_its_ranks_before_the_ttl(etcd: LocalEtcd, tmp_path: Path) -> None:
     rec = Recorder()
-    cfg = ClusterConfig(name="fence", etcd_endpoints=etcd.endpoints, lease_ttl_s=TTL, poll_s=0.1, etcd_timeout_s=0.5)
+    cfg = ClusterConfig(name="fence", etcd_endpoints=etcd.endpoints, etcd_plaintext=True, key_file=KEY(tmp_path), lease_ttl_s=TTL, poll_s=0.1, etcd_timeout_s=0.5)
     sup = make_supervisor(tmp_path)
     svc = ClusterService(cfg, node="a", memory_root=str(tmp_path / "shm"), emit=rec)
     svc.start("127.0.0.1:1", sup, PlanStore(str(tmp_path / "plans")))
@@ -233,15 +241,15 @@ def test_fence_margin_is_checked_at_load() -> None:
 def test_ranks_taken_over_from_a_crashed_run_stop_if_the_job_moved_meanwhile(etcd: LocalEtcd, tmp_path: Path) -> None:
     """The agent restarted after a crash waits out its previous run's lease; the leader may move
     the job in that time. The ranks this agent took over then stop: the record decides."""
-    client = EtcdClient(etcd.endpoints)
+    client = EtcdClient(etcd.endpoints, plaintext=True)
     prefix = "/trainguard/takeover/"
     old_lease = client.grant(TTL)
     client.put(prefix + "nodes/a", NodeInfo("a", "127.0.0.1:9").to_json(), old_lease)  # the crashed run's key
-    table = JobTable(client, prefix)
+    table = JobTable(client, prefix, key=load_key(KEY(tmp_path)))
     assert table.write(JobRecordDoc("moved", {"job": "moved", "nproc": 1}, "b", epoch=1, history=["a->b"]), 0)
     assert table.write(JobRecordDoc("kept", {"job": "kept", "nproc": 1}, "a"), 0)
     rec = Recorder()
-    cfg = ClusterConfig(name="takeover", etcd_endpoints=etcd.endpoints, lease_ttl_s=TTL, poll_s=0.1,
+    cfg = ClusterConfig(name="takeover", etcd_endpoints=etcd.endpoints, etcd_plaintext=True, key_file=KEY(tmp_path), lease_ttl_s=TTL, poll_s=0.1,
                         etcd_timeout_s=0.5)
     sup = make_supervisor(tmp_path)
     for job in ("moved", "kept"):  # what the supervisor adopted from its previous run
@@ -269,7 +277,8 @@ def test_a_deposed_leaders_heal_moves_nothing(etcd: LocalEtcd, tmp_path: Path) -
     whose key etcd gave to another, moves no job; the real leader does."""
     services = []
     for name in ("a", "b"):
-        cfg = ClusterConfig(name="heal", etcd_endpoints=etcd.endpoints, lease_ttl_s=TTL, poll_s=0.1, etcd_timeout_s=0.5)
+        cfg = ClusterConfig(name="heal", etcd_endpoints=etcd.endpoints, etcd_plaintext=True, key_file=KEY(tmp_path),
+                            lease_ttl_s=TTL, poll_s=0.1, etcd_timeout_s=0.5, fence_grace_s=0)  # moves due at once
         svc = ClusterService(cfg, node=name, memory_root=str(tmp_path / name), emit=Recorder())
         svc.start(f"127.0.0.1:{len(services) + 2}", None)
         services.append(svc)

@@ -102,7 +102,7 @@ class Table:
     def read(self) -> dict[str, tuple[JobRecordDoc, int]]:
         return {self.rec.job: (self.rec, self.rev)}
 
-    def write(self, rec: JobRecordDoc, rev: int | None) -> bool:
+    def write(self, rec: JobRecordDoc, rev: int | None, *, leader: Any = None) -> bool:
         self.rec, self.rev = rec, self.rev + 1
         self.writes.append(rec)
         return True
@@ -439,7 +439,7 @@ def test_commit_records_in_etcd_round_trip_and_a_bad_one_is_a_counted_drop(tmp_p
     from trainguard.agent.cluster.lineage import CommitTable
 
     with LocalEtcd(tmp_path / "etcd", size=1) as etcd:
-        client = EtcdClient(etcd.endpoints, timeout_s=2.0)
+        client = EtcdClient(etcd.endpoints, timeout_s=2.0, plaintext=True)
         table = CommitTable(client, "/trainguard/t/")
         table.write("j", CommitRecord("a", 20, 2, ("a", "b"), 5.0))
         table.write("j", CommitRecord("b", 18, 2, ("a", "b"), 6.0))
@@ -464,7 +464,7 @@ def test_single_owner_job_of_a_lost_node_moves_only_after_the_grace(tmp_path: An
     rec = JobRecordDoc("solo", {"job": "solo", "nproc": 1}, "a", peer="b", state="running")
     table = Table(rec)
     svc.jobs = table  # type: ignore[assignment]
-    svc.membership = SimpleNamespace(members=lambda: _members("b"))  # type: ignore[assignment]
+    svc.membership = SimpleNamespace(members=lambda: _members("b"), claim=lambda: None)  # type: ignore[assignment]
     svc._heal(table.read())
     clock[0] = 11.9
     svc._heal(table.read())
