@@ -80,7 +80,7 @@ def _record(client: EtcdClient, name: str) -> JobRecordDoc | None:
 def test_leader_waits_for_the_lost_node_with_newer_steps_then_says_what_it_gave_up(
         cluster: Cluster, tmp_path: Path) -> None:
     etcd, (a, b), name, _start = cluster
-    client = EtcdClient(etcd.endpoints, timeout_s=2.0)
+    client = EtcdClient(etcd.endpoints, timeout_s=2.0, plaintext=True)
     commits = CommitTable(client, f"/trainguard/{name}/")
     _run_until_committed(a, b, commits, tmp_path)
 
@@ -114,7 +114,7 @@ def test_leader_waits_for_the_lost_node_with_newer_steps_then_says_what_it_gave_
 @pytest.mark.parametrize("cluster", ["lineage_wait_s = 120.0\n"], indirect=True)
 def test_a_node_that_comes_back_within_the_wait_gives_the_newer_step(cluster: Cluster, tmp_path: Path) -> None:
     etcd, (a, b), name, start = cluster
-    client = EtcdClient(etcd.endpoints, timeout_s=2.0)
+    client = EtcdClient(etcd.endpoints, timeout_s=2.0, plaintext=True)
     commits = CommitTable(client, f"/trainguard/{name}/")
     _run_until_committed(a, b, commits, tmp_path)
 
