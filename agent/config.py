@@ -167,12 +167,21 @@ class TelemetrySection:
     max_foreign_jobs: int = 64
     """At most this many jobs the agent did not launch are kept (more: their datagrams are dropped
     and counted), so a local process inventing job ids cannot grow the agent's tables."""
+    foreign_idle_s: float = 300.0
+    """A job the agent did not launch that sent nothing for this long is evicted, so stale torchrun
+    jobs never keep new ones out."""
+    max_bytes: int = 256 << 20
+    """Byte budget of the telemetry table (estimated). Past it ranks keep only their newest
+    detection window of steps and new ranks are dropped (``table_bytes``)."""
 
     def validate(self, key: str) -> None:
         if self.ring < 16:
             raise ConfigError(f"{key}.ring", "must be >= 16")
         if not (0 <= self.max_foreign_jobs <= 1 << 16):
             raise ConfigError(f"{key}.max_foreign_jobs", "must be in [0, 65536]")
+        _positive(f"{key}.foreign_idle_s", self.foreign_idle_s)
+        if self.max_bytes < 1 << 20:
+            raise ConfigError(f"{key}.max_bytes", f"must be >= 1048576 (1 MiB), got {self.max_bytes}")
         if not (0 <= self.min_queue <= 1 << 20):
             raise ConfigError(f"{key}.min_queue", "must be in [0, 1048576]")
 

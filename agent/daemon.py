@@ -86,7 +86,8 @@ class Agent:
         )
         self.table = RankTable(
             RankTableConfig(ring=cfg.telemetry.ring, accept_unknown_jobs=cfg.telemetry.accept_unknown_jobs,
-                            max_foreign_jobs=cfg.telemetry.max_foreign_jobs)
+                            max_foreign_jobs=cfg.telemetry.max_foreign_jobs, max_bytes=cfg.telemetry.max_bytes,
+                            foreign_idle_s=cfg.telemetry.foreign_idle_s)
         )
         self.telemetry = TelemetryServer(
             self.paths.telemetry_socket, self.table, min_queue=cfg.telemetry.min_queue or None
@@ -100,7 +101,7 @@ class Agent:
             stop_grace_s=cfg.launcher.stop_grace_s,
             on_ranks_changed=self._ranks_changed,
             # Its own jobs' telemetry is kept even with telemetry.accept_unknown_jobs = false.
-            on_submit=self.table.register_job,
+            on_submit=self._register_job,
             records=RecordStore(self.paths.jobs_dir),
         )
         self.telemetry.sender_check = self._sender_ok
@@ -147,6 +148,15 @@ class Agent:
         except TlsConfigError as exc:
             key, _, why = str(exc).partition(": ")
             raise ConfigError(key, why) from None
+
+    def _register_job(self, job: str) -> None:
+        """Its telemetry is kept (even with accept_unknown_jobs off) for ranks below its world size."""
+        record = self.supervisor.jobs.get(job) if hasattr(self, "supervisor") else None
+        world = None
+        if record is not None:
+            block = getattr(record, "block", None)
+            world = max(record.spec.nproc, getattr(block, "world_size", 0) or 0)
+        self.table.register_job(job, world)
 
     def _watch_threads(self) -> None:
         """Put every long-lived thread that exists now under the watchdog's check (idempotent; the
@@ -578,6 +588,7 @@ class Agent:
                 c.poll(now)
             except Exception as exc:  # noqa: BLE001 - one bad read must not stop the loop
                 log.warning("collector %s poll failed: %s", c.name, exc)
+        self.table.evict_idle_foreign(now)
         snapshot = self.table.snapshot()
         for job, ranks in snapshot.jobs.items():
             steps = [r.step for r in ranks.values()]

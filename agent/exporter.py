@@ -67,8 +67,13 @@ TELEMETRY_METRICS: tuple[MetricSpec, ...] = (
                "Telemetry messages validated and stored."),
     MetricSpec("trainguard_telemetry_dropped_total", "counter", "", ("reason",),
                "Telemetry datagrams dropped by the agent, by reason (size, json, schema, version, type, "
-               "range, unknown_job, table_full, internal). Drops at a full socket queue are counted by "
-               "the sender, not here."),
+               "range, forged, unknown_job, foreign_limit, rank_range (a rank at or past its job's nproc), "
+               "table_full, table_bytes (telemetry.max_bytes spent), internal). Drops at a full socket "
+               "queue are counted by the sender, not here."),
+    MetricSpec("trainguard_telemetry_table_bytes", "gauge", "bytes", (),
+               "Estimated memory the telemetry table holds; telemetry.max_bytes bounds it."),
+    MetricSpec("trainguard_telemetry_foreign_evicted_total", "counter", "", (),
+               "Jobs the agent did not launch evicted after telemetry.foreign_idle_s without a message."),
     MetricSpec("trainguard_telemetry_queue_limit", "gauge", "", (),
                "net.unix.max_dgram_qlen when the telemetry socket was created: datagrams that can wait "
                "before senders start dropping."),
@@ -170,6 +175,12 @@ class TelemetryMetrics:
                 yield gauge
         snap = self.table.snapshot()
         views: list[RankView] = list(snap.ranks())
+        used = _SPEC["trainguard_telemetry_table_bytes"].gauge()
+        used.add_metric([], self.table.bytes_used)
+        yield used
+        evicted = _SPEC["trainguard_telemetry_foreign_evicted_total"].counter()
+        evicted.add_metric([], self.table.evicted_foreign_total)
+        yield evicted
         gauge = _SPEC["trainguard_telemetry_ranks"].gauge()
         gauge.add_metric([], len(views))
         yield gauge
