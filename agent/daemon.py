@@ -36,6 +36,9 @@ log = logging.getLogger("trainguard.agent")
 EXTERNAL_SILENCE_S = 60.0
 """A rank of a job this agent did not start stops being tracked after this long without a step."""
 
+REPLICATE_STALE_S = 1800.0
+"""A checkpoint replicator busy with one copy longer than this is stuck (an upload that hangs)."""
+
 # A main-loop step (collect, detect, act) runs after each interval; these hooks are where the
 # detectors and healers of later modules plug in. Each gets the agent and the current time.
 TickHook = Callable[["Agent", float], None]
@@ -178,6 +181,17 @@ class Agent:
         gangs = getattr(cluster, "gangs", None)
         if gangs is not None and getattr(gangs, "_forwarder", None) is not None:
             watch(gangs, "gang-telemetry")
+        for c in self.collectors:
+            if getattr(c, "_thread", None) is not None and c.name == "ebpf":
+                watch(c, "ebpf-events")
+            watcher = getattr(c, "_watcher", None)
+            if watcher is not None and getattr(watcher, "_thread", None) is not None:
+                watch(watcher, "gpu-xid")
+        replicator = getattr(getattr(self, "checkpoints", None), "replicator", None)
+        for worker in getattr(replicator, "_workers", []):
+            if worker.thread.is_alive():
+                # An upload of a large checkpoint is one long iteration: only a hang past this is stuck.
+                watch(worker, worker.thread.name, stale_after_s=max(self.cfg.agent.heartbeat_stale_s, REPLICATE_STALE_S))
 
     def _on_thread_health(self, th: ThreadHealth) -> None:
         if th.healthy:
