@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STALE_S = 60.0
 """A watched thread without a beat for this long is stuck (``agent.heartbeat_stale_s``)."""
+ERROR_REPORT_S = 60.0
+"""Failed iterations of one thread are reported at most this often (the first at once), so a loop
+that fails every time round costs the event log one line a minute, not one per iteration."""
 
 
 class Beat:
@@ -112,9 +115,10 @@ class Watch:
         self.on_change = on_change
         """Called (on the checking thread) when a thread turns unhealthy or recovers."""
         self.on_errors = on_errors
-        """Called with (thread, new failed iterations, last error) when a check finds new ones:
-        at most one report per thread and check, so a failing loop cannot flood the event log."""
+        """Called with (thread, new failed iterations, last error) when a check finds new ones,
+        at most once per ``ERROR_REPORT_S`` a thread."""
         self._reported: dict[str, int] = {}
+        self._report_at: dict[str, float] = {}
         self._watched: dict[str, tuple[Beat, float]] = {}
         self._bad: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -161,9 +165,10 @@ class Watch:
                 out.append(th)
                 if bool(reason) != was_bad:
                     changed.append(th)
-                if b.errors > self._reported.get(name, 0):
+                if b.errors > self._reported.get(name, 0) and now >= self._report_at.get(name, now):
                     errors.append((name, b.errors - self._reported.get(name, 0), b.last_error))
                     self._reported[name] = b.errors
+                    self._report_at[name] = now + ERROR_REPORT_S
         try:
             for th in changed:
                 if self.on_change is not None:
