@@ -64,9 +64,14 @@ class AgentSection:
     job_retention_s: float = 3600.0
     """A finished job stays in status, events' job views and /metrics this long, then is forgotten."""
 
+    heartbeat_stale_s: float = 60.0
+    """A supervised thread (rank monitor, telemetry, API, cluster, /metrics) without a heartbeat for
+    this long is stuck: the agent reports itself unhealthy and stops feeding the systemd watchdog."""
+
     def validate(self, key: str) -> None:
         _positive(f"{key}.interval_s", self.interval_s)
         _positive(f"{key}.job_retention_s", self.job_retention_s)
+        _positive(f"{key}.heartbeat_stale_s", self.heartbeat_stale_s)
         if not self.node:
             raise ConfigError(f"{key}.node", "must not be empty")
 
@@ -121,11 +126,31 @@ class ApiSection:
 
 @dataclass
 class MetricsSection:
-    addr: str = f"0.0.0.0:{DEFAULT_METRICS_PORT}"
-    """HOST:PORT for the read-only Prometheus /metrics endpoint (empty: off)."""
+    addr: str = f"127.0.0.1:{DEFAULT_METRICS_PORT}"
+    """HOST:PORT for the read-only Prometheus /metrics endpoint (empty: off). Loopback by default:
+    a Prometheus on another host needs it widened explicitly (e.g. "0.0.0.0:9478")."""
+    max_connections: int = 16
+    """Connections served at once; more are answered 503 and closed."""
+    timeout_s: float = 10.0
+    """Per read/write, and for a whole connection: a slow client is closed after this long."""
+    tls_cert: str = ""
+    """PEM certificate (chain): /metrics is served over HTTPS with it (empty: plain HTTP)."""
+    tls_key: str = ""
+    """PEM private key of ``tls_cert`` (empty: in the same file)."""
+    tls_ca: str = ""
+    """PEM CA bundle scrapers' client certificates must chain to (with ``tls_client_auth``)."""
+    tls_client_auth: bool = False
+    """Refuse scrapers without a client certificate from ``tls_ca`` (mutual TLS)."""
 
     def validate(self, key: str) -> None:
         _host_port(f"{key}.addr", self.addr, allow_empty=True)
+        if not (1 <= self.max_connections <= 4096):
+            raise ConfigError(f"{key}.max_connections", f"must be in [1, 4096], got {self.max_connections}")
+        _positive(f"{key}.timeout_s", self.timeout_s)
+        if self.tls_client_auth and not self.tls_ca:
+            raise ConfigError(f"{key}.tls_ca", "required when metrics.tls_client_auth is true")
+        if (self.tls_key or self.tls_client_auth) and not self.tls_cert:
+            raise ConfigError(f"{key}.tls_cert", "required with metrics.tls_key / metrics.tls_client_auth")
 
 
 @dataclass
@@ -154,12 +179,21 @@ class TelemetrySection:
     max_foreign_jobs: int = 64
     """At most this many jobs the agent did not launch are kept (more: their datagrams are dropped
     and counted), so a local process inventing job ids cannot grow the agent's tables."""
+    foreign_idle_s: float = 300.0
+    """A job the agent did not launch that sent nothing for this long is evicted, so stale torchrun
+    jobs never keep new ones out."""
+    max_bytes: int = 256 << 20
+    """Byte budget of the telemetry table (estimated). Past it ranks keep only their newest
+    detection window of steps and new ranks are dropped (``table_bytes``)."""
 
     def validate(self, key: str) -> None:
         if self.ring < 16:
             raise ConfigError(f"{key}.ring", "must be >= 16")
         if not (0 <= self.max_foreign_jobs <= 1 << 16):
             raise ConfigError(f"{key}.max_foreign_jobs", "must be in [0, 65536]")
+        _positive(f"{key}.foreign_idle_s", self.foreign_idle_s)
+        if self.max_bytes < 1 << 20:
+            raise ConfigError(f"{key}.max_bytes", f"must be >= 1048576 (1 MiB), got {self.max_bytes}")
         if not (0 <= self.min_queue <= 1 << 20):
             raise ConfigError(f"{key}.min_queue", "must be in [0, 1048576]")
 

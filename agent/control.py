@@ -74,8 +74,11 @@ class AgentControl:
                         ],
                     }
                 )
+        threads = agent.health.check()
         return {
             "node": agent.cfg.agent.node,
+            "healthy": all(t.healthy for t in threads),
+            "threads": [t.as_dict() for t in threads],
             "hostname": socket.gethostname(),
             "version": __version__,
             "pid": os.getpid(),

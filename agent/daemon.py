@@ -22,6 +22,7 @@ from trainguard.agent.collectors.base import Collector, CollectorUnavailable, Tr
 from trainguard.agent.config import AgentConfig, ConfigError, load_config, parse_host_port
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.heal.gpu_faults import GpuFaults
+from trainguard.agent.health import ThreadHealth, Watch
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
 from trainguard.agent.lifecycle.plans import PlanStore
@@ -34,6 +35,9 @@ from trainguard.agent.sdnotify import Notifier
 log = logging.getLogger("trainguard.agent")
 EXTERNAL_SILENCE_S = 60.0
 """A rank of a job this agent did not start stops being tracked after this long without a step."""
+
+REPLICATE_STALE_S = 1800.0
+"""A checkpoint replicator busy with one copy longer than this is stuck (an upload that hangs)."""
 
 # A main-loop step (collect, detect, act) runs after each interval; these hooks are where the
 # detectors and healers of later modules plug in. Each gets the agent and the current time.
@@ -53,6 +57,9 @@ class Agent:
         self.print_bpf = print_bpf
         self.paths = AgentPaths(cfg.agent.state_dir, cfg.agent.run_dir)
         self.notifier = Notifier()
+        self.health = Watch(cfg.agent.heartbeat_stale_s, on_change=self._on_thread_health,
+                            on_errors=self._on_thread_errors)
+        """The long-lived threads whose heartbeats gate the systemd watchdog (agent.health)."""
         self.started = time.time()
         self.tick_hooks: list[TickHook] = []
         self.collectors: list[Collector] = []
@@ -70,7 +77,8 @@ class Agent:
 
     # --- start-up ---------------------------------------------------------------------------
     def start(self) -> None:
-        from trainguard.agent.exporter import AgentExporter, TelemetryMetrics, serve_metrics
+        from trainguard.agent.exporter import AgentExporter, HealthMetrics, TelemetryMetrics, serve_metrics
+        from trainguard.agent.metrics_http import MetricsServerLimits
         from trainguard.agent.ranktable import RankTable, RankTableConfig
         from trainguard.agent.telemetry import TelemetryServer
 
@@ -81,7 +89,8 @@ class Agent:
         )
         self.table = RankTable(
             RankTableConfig(ring=cfg.telemetry.ring, accept_unknown_jobs=cfg.telemetry.accept_unknown_jobs,
-                            max_foreign_jobs=cfg.telemetry.max_foreign_jobs)
+                            max_foreign_jobs=cfg.telemetry.max_foreign_jobs, max_bytes=cfg.telemetry.max_bytes,
+                            foreign_idle_s=cfg.telemetry.foreign_idle_s)
         )
         self.telemetry = TelemetryServer(
             self.paths.telemetry_socket, self.table, min_queue=cfg.telemetry.min_queue or None
@@ -95,7 +104,7 @@ class Agent:
             stop_grace_s=cfg.launcher.stop_grace_s,
             on_ranks_changed=self._ranks_changed,
             # Its own jobs' telemetry is kept even with telemetry.accept_unknown_jobs = false.
-            on_submit=self.table.register_job,
+            on_submit=self._register_job,
             records=RecordStore(self.paths.jobs_dir),
         )
         self.telemetry.sender_check = self._sender_ok
@@ -104,16 +113,20 @@ class Agent:
         self._start_collectors()
         self._adopt_jobs()
         self.exporter = AgentExporter(
-            sources=[TelemetryMetrics(self.table, self.telemetry), *self.collectors, self.checkpoints, self.recovery, self],
+            sources=[HealthMetrics(self.health, lambda: getattr(self, "_metrics_server", None)),
+                     TelemetryMetrics(self.table, self.telemetry), *self.collectors, self.checkpoints, self.recovery, self],
             build_info={"version": __version__, "python": platform.python_version(), "node": cfg.agent.node},
             collector_status=lambda: dict(self.collector_state),
         )
         self._install_policies()
         if cfg.metrics.addr:
             host, port = parse_host_port(cfg.metrics.addr)
-            self._metrics_server, self.metrics_port = serve_metrics(self.exporter.registry, host, port)
+            limits = MetricsServerLimits(max_connections=cfg.metrics.max_connections, timeout_s=cfg.metrics.timeout_s)
+            self._metrics_server, self.metrics_port = serve_metrics(self.exporter.registry, host, port, limits=limits,
+                                                                    tls=self._metrics_tls())
             _write_whole(self.paths.metrics_addr_file, f"{host}:{self.metrics_port}\n")
         self._start_api()
+        self._watch_threads()
         with open(self.paths.pid_file, "w") as fh:
             fh.write(f"{os.getpid()}\n")
         self._write_discovery()
@@ -124,6 +137,83 @@ class Agent:
             collectors={k: v[0] for k, v in self.collector_state.items()},
         )
         self.notifier.ready(self._status_line())
+
+    def _metrics_tls(self) -> Any:
+        """The /metrics server's TLS context (None: plain HTTP); a bad file is a ConfigError naming its key."""
+        from trainguard.agent.api.tls import TlsConfigError, TlsFiles, server_context
+
+        m = self.cfg.metrics
+        files = TlsFiles(m.tls_cert, m.tls_key, m.tls_ca, m.tls_client_auth)
+        if not files.enabled:
+            return None
+        try:
+            return server_context(files, prefix="metrics")
+        except TlsConfigError as exc:
+            key, _, why = str(exc).partition(": ")
+            raise ConfigError(key, why) from None
+
+    def _register_job(self, job: str) -> None:
+        """Its telemetry is kept (even with accept_unknown_jobs off) for ranks below its world size."""
+        record = self.supervisor.jobs.get(job) if hasattr(self, "supervisor") else None
+        world = None
+        if record is not None:
+            block = getattr(record, "block", None)
+            world = max(record.spec.nproc, getattr(block, "world_size", 0) or 0)
+        self.table.register_job(job, world)
+
+    def _watch_threads(self) -> None:
+        """Put every long-lived thread that exists now under the watchdog's check (idempotent; the
+        main loop calls it again for threads that start later, such as a gang's forwarder)."""
+        watch = self.health.watch
+        watch(self.supervisor, "rank-monitor")
+        watch(self.telemetry, "telemetry")
+        for lst in getattr(getattr(self, "api", None), "_listeners", []):
+            watch(lst, "api-unix" if lst.is_unix else "api-tcp")
+        server = getattr(self, "_metrics_server", None)
+        if server is not None:
+            watch(server, "metrics-http")
+        cluster = getattr(self, "cluster", None)
+        membership = getattr(cluster, "membership", None)
+        if membership is not None and getattr(membership, "_thread", None) is not None:
+            watch(membership, "cluster-membership")
+        if cluster is not None and getattr(cluster, "_thread", None) is not None:
+            watch(cluster, "cluster-jobs")
+        gangs = getattr(cluster, "gangs", None)
+        if gangs is not None and getattr(gangs, "_forwarder", None) is not None:
+            watch(gangs, "gang-telemetry")
+        for c in self.collectors:
+            if getattr(c, "_thread", None) is not None and c.name == "ebpf":
+                watch(c, "ebpf-events")
+            watcher = getattr(c, "_watcher", None)
+            if watcher is not None and getattr(watcher, "_thread", None) is not None:
+                watch(watcher, "gpu-xid")
+        replicator = getattr(getattr(self, "checkpoints", None), "replicator", None)
+        for worker in getattr(replicator, "_workers", []):
+            if worker.thread.is_alive():
+                # An upload of a large checkpoint is one long iteration: only a hang past this is stuck.
+                watch(worker, worker.thread.name, stale_after_s=max(self.cfg.agent.heartbeat_stale_s, REPLICATE_STALE_S))
+
+    def _on_thread_health(self, th: ThreadHealth) -> None:
+        if th.healthy:
+            self.events.emit("thread_recovered", f"agent thread {th.name} beats again", thread=th.name)
+            return
+        self.events.emit("thread_unhealthy", f"agent thread {th.name} is {th.reason} (no heartbeat for {th.age_s:.1f}s): "
+                         "the systemd watchdog is no longer fed", severity="critical", cause=th.reason, thread=th.name,
+                         heartbeat_age_s=round(th.age_s, 3), last_error=th.last_error)
+
+    def _on_thread_errors(self, name: str, count: int, last_error: str) -> None:
+        self.events.emit("thread_iteration_failed", f"agent thread {name}: {count} iteration(s) failed and were "
+                         f"survived: {last_error}", severity="error", cause=last_error, thread=name, failures=count)
+
+    def feed_watchdog(self) -> bool:
+        """One watchdog round of the main loop: feed systemd only while every supervised thread
+        beats (kubelet's PLEG check); returns whether it was fed."""
+        self._watch_threads()
+        healthy = self.health.healthy()
+        fed = self.notifier.watchdog(healthy)
+        if not healthy:
+            self.notifier.status(self._status_line())
+        return fed
 
     def _write_discovery(self) -> None:
         """Tell ranks this agent did not start (torchrun jobs calling ``trainguard.init()``) where
@@ -523,6 +613,7 @@ class Agent:
                 c.poll(now)
             except Exception as exc:  # noqa: BLE001 - one bad read must not stop the loop
                 log.warning("collector %s poll failed: %s", c.name, exc)
+        self.table.evict_idle_foreign(now)
         snapshot = self.table.snapshot()
         for job, ranks in snapshot.jobs.items():
             steps = [r.step for r in ranks.values()]
@@ -557,7 +648,7 @@ class Agent:
                     self.tick(time.time())
                     next_tick = now + interval
                     self.notifier.status(self._status_line())
-                self.notifier.watchdog()
+                self.feed_watchdog()
                 self._stop.wait(max(0.0, min(period, next_tick - time.monotonic())))
         finally:
             self.shutdown()
@@ -633,7 +724,11 @@ class Agent:
         sup = getattr(self, "supervisor", None)
         running = sum(1 for j in sup.jobs.values() if not j.state.finished) if sup else 0
         up = [k for k, v in self.collector_state.items() if v[0]]
-        return f"{running} job(s) running; collectors up: {', '.join(up) or 'none'}"
+        line = f"{running} job(s) running; collectors up: {', '.join(up) or 'none'}"
+        bad = [t for t in self.health.check() if not t.healthy]
+        if bad:
+            line = "UNHEALTHY: " + ", ".join(f"{t.name} {t.reason} for {t.since_s:.0f}s" for t in bad) + "; " + line
+        return line
 
     @property
     def event_counts(self) -> dict[tuple[str, str], int]:

@@ -20,6 +20,48 @@ LOG_NAME = "events.jsonl"
 
 SEVERITIES = ("debug", "info", "warning", "error", "critical")
 
+MAX_FIELD_CHARS = 512
+"""Longest string kept in an event field: a request path or a rank's error text from outside is
+cut here, so a flood of auth failures cannot rotate the audit trail away with big lines."""
+MAX_MESSAGE_CHARS = 2048
+"""Longest message or cause kept (messages quote some fields)."""
+LONG_FIELDS = {"stacks": 16384}
+"""Fields the agent fills with long text of its own (py-spy stacks of hung ranks), per string."""
+_MAX_ITEMS = 256
+"""Most entries of one list or mapping kept in a field."""
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...[{len(text) - limit} more chars cut]"
+
+
+def bound_field(value: Any, limit: int = MAX_FIELD_CHARS, depth: int = 0) -> Any:
+    """``value`` with every string cut to ``limit`` characters and every container to a bounded
+    size and depth, so no event line grows with what an outsider sent."""
+    if isinstance(value, str):
+        return _cut(value, limit)
+    if isinstance(value, bytes):
+        return _cut(value.decode("utf-8", "replace"), limit)
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if depth >= 4:
+        return _cut(str(value), limit)
+    if isinstance(value, dict):
+        items = list(value.items())
+        out = {_cut(str(k), limit): bound_field(v, limit, depth + 1) for k, v in items[:_MAX_ITEMS]}
+        if len(items) > _MAX_ITEMS:
+            out["..."] = f"{len(items) - _MAX_ITEMS} more entries cut"
+        return out
+    if isinstance(value, (list, tuple, set, frozenset)):
+        seq = list(value)
+        cut = [bound_field(v, limit, depth + 1) for v in seq[:_MAX_ITEMS]]
+        if len(seq) > _MAX_ITEMS:
+            cut.append(f"...{len(seq) - _MAX_ITEMS} more items cut")
+        return cut
+    return _cut(str(value), limit)
+
 
 @dataclass(frozen=True)
 class Event:
@@ -147,6 +189,12 @@ class EventLog:
     ) -> Event:
         if severity not in SEVERITIES:
             severity = "info"
+        message = _cut(str(message), MAX_MESSAGE_CHARS)
+        cause = _cut(str(cause), MAX_MESSAGE_CHARS)
+        if job is not None:
+            job = _cut(str(job), MAX_FIELD_CHARS)
+        fields = {_cut(str(k), MAX_FIELD_CHARS): bound_field(v, LONG_FIELDS.get(k, MAX_FIELD_CHARS))
+                  for k, v in fields.items()}
         with self._lock:
             self._seq += 1
             event = Event(self._seq, self.clock(), kind, severity, self.node, message, cause, job, rank, fields)

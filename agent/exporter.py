@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import logging
 import platform
+import ssl
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from prometheus_client import start_http_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector as PromCollector
 from prometheus_client.registry import CollectorRegistry
 
 from trainguard.agent.collectors.host import HOST_METRICS
+from trainguard.agent.health import Watch
+from trainguard.agent.metrics_http import MetricsServerLimits, serve
 from trainguard.agent.metricspec import MetricSpec, index
 from trainguard.agent.ranktable import RankTable, RankView
 from trainguard.agent.telemetry import TelemetryServer
@@ -41,6 +43,23 @@ CORE_METRICS: tuple[MetricSpec, ...] = (
                "Scrapes in which a metric source raised; its metrics were left out of that scrape."),
 )
 
+HEALTH_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("trainguard_agent_healthy", "gauge", "", (),
+               "1 while every supervised agent thread beats; 0 when one died or is stuck (the systemd "
+               "watchdog is then no longer fed and systemd restarts the agent)."),
+    MetricSpec("trainguard_thread_healthy", "gauge", "", ("thread",),
+               "1 while the agent thread beats recently, 0 when it died or is stuck."),
+    MetricSpec("trainguard_thread_heartbeat_age_seconds", "gauge", "seconds", ("thread",),
+               "Seconds since the agent thread last went round its loop."),
+    MetricSpec("trainguard_thread_unhealthy_seconds", "gauge", "seconds", ("thread",),
+               "Seconds the agent thread has been dead or stuck (0 while healthy)."),
+    MetricSpec("trainguard_thread_errors_total", "counter", "", ("thread",),
+               "Iterations of the agent thread's loop that raised; the thread reported them and went on."),
+    MetricSpec("trainguard_metrics_connections_total", "counter", "", ("outcome",),
+               "Connections to /metrics by outcome: served, rejected_busy (over metrics.max_connections), "
+               "timed_out (closed at metrics.timeout_s), error."),
+)
+
 TELEMETRY_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("trainguard_telemetry_received_total", "counter", "", (),
                "Telemetry messages read from the agent's socket (a datagram may hold several)."),
@@ -48,8 +67,13 @@ TELEMETRY_METRICS: tuple[MetricSpec, ...] = (
                "Telemetry messages validated and stored."),
     MetricSpec("trainguard_telemetry_dropped_total", "counter", "", ("reason",),
                "Telemetry datagrams dropped by the agent, by reason (size, json, schema, version, type, "
-               "range, unknown_job, table_full, internal). Drops at a full socket queue are counted by "
-               "the sender, not here."),
+               "range, forged, unknown_job, foreign_limit, rank_range (a rank at or past its job's nproc), "
+               "table_full, table_bytes (telemetry.max_bytes spent), internal). Drops at a full socket "
+               "queue are counted by the sender, not here."),
+    MetricSpec("trainguard_telemetry_table_bytes", "gauge", "bytes", (),
+               "Estimated memory the telemetry table holds; telemetry.max_bytes bounds it."),
+    MetricSpec("trainguard_telemetry_foreign_evicted_total", "counter", "", (),
+               "Jobs the agent did not launch evicted after telemetry.foreign_idle_s without a message."),
     MetricSpec("trainguard_telemetry_queue_limit", "gauge", "", (),
                "net.unix.max_dgram_qlen when the telemetry socket was created: datagrams that can wait "
                "before senders start dropping."),
@@ -88,7 +112,7 @@ TELEMETRY_METRICS: tuple[MetricSpec, ...] = (
                "Unix time the agent last received telemetry from the rank."),
 )
 
-METRICS: tuple[MetricSpec, ...] = CORE_METRICS + TELEMETRY_METRICS + HOST_METRICS
+METRICS: tuple[MetricSpec, ...] = CORE_METRICS + HEALTH_METRICS + TELEMETRY_METRICS + HOST_METRICS
 """Every metric the agent's exporter and built-in sources produce (the reference is generated from it)."""
 
 _SPEC = index(METRICS)
@@ -151,6 +175,12 @@ class TelemetryMetrics:
                 yield gauge
         snap = self.table.snapshot()
         views: list[RankView] = list(snap.ranks())
+        used = _SPEC["trainguard_telemetry_table_bytes"].gauge()
+        used.add_metric([], self.table.bytes_used)
+        yield used
+        evicted = _SPEC["trainguard_telemetry_foreign_evicted_total"].counter()
+        evicted.add_metric([], self.table.evicted_foreign_total)
+        yield evicted
         gauge = _SPEC["trainguard_telemetry_ranks"].gauge()
         gauge.add_metric([], len(views))
         yield gauge
@@ -169,6 +199,41 @@ class TelemetryMetrics:
             counter = _SPEC[name].counter()
             for v in views:
                 counter.add_metric([v.job, str(v.rank)], getattr(v, attr))
+            yield counter
+
+
+class HealthMetrics:
+    """The agent's thread health and the /metrics server's own connection counts as a source."""
+
+    name = "health"
+
+    def __init__(self, watch: Watch, server: Callable[[], Any] | None = None) -> None:
+        self.watch = watch
+        self.server = server
+        """Returns the running metrics server (or None), read at scrape time."""
+
+    def metrics(self) -> Iterator[Metric]:
+        threads = self.watch.check()
+        fam = _SPEC["trainguard_agent_healthy"].gauge()
+        fam.add_metric([], 1 if all(t.healthy for t in threads) else 0)
+        yield fam
+        for name, attr in (("trainguard_thread_healthy", "healthy"), ("trainguard_thread_heartbeat_age_seconds", "age_s"),
+                           ("trainguard_thread_unhealthy_seconds", "since_s")):
+            fam = _SPEC[name].gauge()
+            for t in threads:
+                fam.add_metric([t.name], float(getattr(t, attr)))
+            yield fam
+        counter = _SPEC["trainguard_thread_errors_total"].counter()
+        for t in threads:
+            counter.add_metric([t.name], t.errors)
+        yield counter
+        server = self.server() if self.server is not None else None
+        if server is not None:
+            st = server.stats
+            counter = _SPEC["trainguard_metrics_connections_total"].counter()
+            for outcome, n in (("served", st.served), ("rejected_busy", st.rejected_busy),
+                               ("timed_out", st.timed_out), ("error", st.errors)):
+                counter.add_metric([outcome], n)
             yield counter
 
 
@@ -258,16 +323,17 @@ def make_registry(exporter: AgentExporter) -> CollectorRegistry:
     return registry
 
 
-def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0) -> tuple[Any, int]:
-    """Serve ``registry`` over HTTP (``/metrics``, any path works) on a daemon thread.
+def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, *,
+                  limits: MetricsServerLimits | None = None, tls: ssl.SSLContext | None = None) -> tuple[Any, int]:
+    """Serve ``registry`` over HTTP(S) (``/metrics``, any path works) on a daemon thread, with a
+    connection cap and a whole-connection deadline (agent.metrics_http).
 
     ``port`` 0 picks a free port. Returns (server, bound port); stop with ``stop_metrics(server)``.
     """
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    server = serve(registry, host, port, limits=limits, tls=tls)
     return server, int(server.server_port)
 
 
 def stop_metrics(server: Any) -> None:
     server.shutdown()
     server.server_close()
-

@@ -20,6 +20,12 @@ from typing import Any, NamedTuple
 
 from trainguard.agent.wire import Telemetry
 
+MESSAGE_BYTES = 800
+"""Memory one stored message costs, measured with tracemalloc on decoded datagrams (~775 bytes
+plus the ring's slot), before its variable strings (job id, checkpoint error)."""
+RANK_BYTES = 4096
+"""Memory of one rank's entry besides its messages (ring, counters, cached view)."""
+
 
 @dataclass(frozen=True)
 class RankTableConfig:
@@ -33,8 +39,17 @@ class RankTableConfig:
     """Upper bound on (job, rank) entries, so a sender inventing ids cannot grow the agent without end."""
     max_foreign_jobs: int = 64
     """Upper bound on jobs nobody registered (not launched by this agent) kept at once."""
+    max_bytes: int = 256 << 20
+    """Byte budget of the whole table (estimated: ``MESSAGE_BYTES`` a message plus its strings).
+    Past it a rank keeps only its newest ``window`` messages and no new rank is taken."""
+    foreign_idle_s: float = 300.0
+    """A job nobody registered that sent nothing for this long is evicted (its place goes to a new one)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes < 1 << 20:
+            raise ValueError(f"telemetry.max_bytes: must be an integer >= 1048576 (1 MiB), got {self.max_bytes!r}")
+        if not self.foreign_idle_s > 0:
+            raise ValueError(f"telemetry.foreign_idle_s: must be > 0, got {self.foreign_idle_s!r}")
         for key in ("ring", "window", "max_ranks"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -128,11 +143,17 @@ class AddResult:
     rejected: dict[str, int]
 
 
+def message_bytes(msg: Telemetry) -> int:
+    """Estimated memory of one stored message."""
+    return MESSAGE_BYTES + len(msg.job) + len(msg.ckpt_error or "")
+
+
 class _RankState:
-    __slots__ = ("ring", "last_seen", "messages", "samples_total", "tokens_total", "view")
+    __slots__ = ("ring", "last_seen", "messages", "samples_total", "tokens_total", "view", "bytes")
 
     def __init__(self, ring: int) -> None:
         self.ring: deque[Telemetry] = deque(maxlen=ring)
+        self.bytes = RANK_BYTES
         self.last_seen = 0.0
         self.messages = 0
         self.samples_total = 0
@@ -236,7 +257,13 @@ class RankTable:
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[int, _RankState]] = {}
         self._registered: set[str] = set()
+        self._world: dict[str, int] = {}
+        """Registered jobs' rank counts: a message naming a rank at or past it is dropped."""
         self._count = 0
+        self._bytes = 0
+        self.evicted_foreign_total = 0
+        self._evict_scan_at = float("-inf")
+        """Jobs nobody registered, evicted after telemetry.foreign_idle_s of silence."""
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -251,28 +278,53 @@ class RankTable:
             now = self._clock()
         accepted: list[Telemetry] = []
         rejected: dict[str, int] = {}
-        ring = self.config.ring
+        cfg = self.config
+        ring, window, budget = cfg.ring, cfg.window, cfg.max_bytes
         with self._lock:
             jobs = self._jobs
             for msg in msgs:
                 ranks = jobs.get(msg.job)
                 state = ranks.get(msg.rank) if ranks is not None else None
+                size = message_bytes(msg)
                 if state is None:
+                    world = self._world.get(msg.job)
+                    if world is not None and msg.rank >= world:
+                        rejected["rank_range"] = rejected.get("rank_range", 0) + 1
+                        continue
                     if ranks is None and msg.job not in self._registered:
-                        if not self.config.accept_unknown_jobs:
+                        if not cfg.accept_unknown_jobs:
                             rejected["unknown_job"] = rejected.get("unknown_job", 0) + 1
                             continue
-                        if sum(1 for j in jobs if j not in self._registered) >= self.config.max_foreign_jobs:
+                        if self._foreign_count() >= cfg.max_foreign_jobs and (
+                                now < self._evict_scan_at or not self._evict_idle_foreign(now)):
                             rejected["foreign_limit"] = rejected.get("foreign_limit", 0) + 1
                             continue
-                    if self._count >= self.config.max_ranks:
+                    if self._count >= cfg.max_ranks:
                         rejected["table_full"] = rejected.get("table_full", 0) + 1
+                        continue
+                    need = RANK_BYTES + window * size
+                    if self._bytes + need > budget and not (
+                            msg.job in self._registered and self._make_room(need, budget)):
+                        rejected["table_bytes"] = rejected.get("table_bytes", 0) + 1
                         continue
                     if ranks is None:
                         ranks = jobs[msg.job] = {}
                     state = ranks[msg.rank] = _RankState(ring)
                     self._count += 1
-                state.ring.append(msg)
+                    self._bytes += state.bytes
+                q = state.ring
+                if len(q) == q.maxlen:
+                    gone = message_bytes(q[0])
+                    state.bytes -= gone
+                    self._bytes -= gone
+                q.append(msg)
+                state.bytes += size
+                self._bytes += size
+                # Over budget: this rank gives up its oldest messages past the median window.
+                while self._bytes > budget and len(q) > window:
+                    gone = message_bytes(q.popleft())
+                    state.bytes -= gone
+                    self._bytes -= gone
                 state.last_seen = now
                 state.messages += 1
                 state.samples_total += msg.samples
@@ -280,22 +332,71 @@ class RankTable:
                 accepted.append(msg)
         return AddResult(accepted, rejected)
 
+    def _foreign_count(self) -> int:
+        return sum(1 for j in self._jobs if j not in self._registered)
+
+    def _drop(self, job: str) -> None:
+        ranks = self._jobs.pop(job, None)
+        if ranks:
+            self._count -= len(ranks)
+            self._bytes -= sum(r.bytes for r in ranks.values())
+
+    def _evict_idle_foreign(self, now: float) -> int:
+        """Under the lock: drop jobs nobody registered that sent nothing for foreign_idle_s. A
+        flood of new job ids looks at most once a second (each look reads every foreign rank)."""
+        self._evict_scan_at = now + 1.0
+        idle = [job for job, ranks in self._jobs.items() if job not in self._registered
+                and now - max((r.last_seen for r in ranks.values()), default=0.0) >= self.config.foreign_idle_s]
+        for job in idle:
+            self._drop(job)
+        self.evicted_foreign_total += len(idle)
+        return len(idle)
+
+    def _make_room(self, need: int, budget: int) -> bool:
+        """Under the lock: a job this agent launched comes first. Jobs nobody registered leave,
+        the longest silent first, until ``need`` bytes fit; returns whether they do."""
+        foreign = sorted((max((r.last_seen for r in ranks.values()), default=0.0), job)
+                         for job, ranks in self._jobs.items() if job not in self._registered)
+        for _seen, job in foreign:
+            if self._bytes + need <= budget:
+                break
+            self._drop(job)
+            self.evicted_foreign_total += 1
+        return self._bytes + need <= budget
+
+    def evict_idle_foreign(self, now: float | None = None) -> int:
+        """Drop silent jobs nobody registered (the daemon calls it every tick); returns how many."""
+        with self._lock:
+            return self._evict_idle_foreign(self._clock() if now is None else now)
+
+    @property
+    def bytes_used(self) -> int:
+        """Estimated memory the table holds (``max_bytes`` bounds it)."""
+        with self._lock:
+            return self._bytes
+
     def set_accept_unknown_jobs(self, accept: bool) -> None:
         with self._lock:
             self.config = replace(self.config, accept_unknown_jobs=accept)
 
-    def register_job(self, job: str) -> None:
-        """Mark a job as known, so its telemetry is kept even when unknown jobs are rejected."""
+    def register_job(self, job: str, world_size: int | None = None) -> None:
+        """Mark a job as known, so its telemetry is kept even when unknown jobs are rejected.
+        ``world_size``: its rank count; a message naming a rank at or past it is dropped
+        (``rank_range``), so one job's ranks cannot fill the table with invented rank numbers."""
         with self._lock:
             self._registered.add(job)
+            if world_size is not None:
+                self._world[job] = world_size
+                for rank in [r for r in self._jobs.get(job, {}) if r >= world_size]:
+                    self._bytes -= self._jobs[job].pop(rank).bytes
+                    self._count -= 1
 
     def forget_job(self, job: str) -> None:
         """Drop everything about a job (it ended or was cleaned up); it is unregistered too."""
         with self._lock:
             self._registered.discard(job)
-            ranks = self._jobs.pop(job, None)
-            if ranks:
-                self._count -= len(ranks)
+            self._world.pop(job, None)
+            self._drop(job)
 
     # -- reading ------------------------------------------------------------------------------
 

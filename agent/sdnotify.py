@@ -15,6 +15,8 @@ class Notifier:
         self.address = address
         self.sent = 0
         self.errors = 0
+        self.withheld = 0
+        """Watchdog pings not sent because a supervised thread was unhealthy."""
         self._sock: socket.socket | None = None
         if address:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
@@ -45,7 +47,12 @@ class Notifier:
     def status(self, status: str) -> bool:
         return self.notify(status=status)
 
-    def watchdog(self) -> bool:
+    def watchdog(self, healthy: bool = True) -> bool:
+        """Feed the watchdog, only while ``healthy``: a withheld feed lets systemd restart the agent
+        after WatchdogSec, which is the point when one of its threads died or hangs."""
+        if not healthy:
+            self.withheld += 1
+            return False
         return self.notify(watchdog=1)
 
     def reloading(self) -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
+from trainguard.agent import health
 from trainguard.agent.ranktable import RankTable, RankTableConfig, RankView, TableSnapshot
 from trainguard.agent.wire import MAX_DATAGRAM_BYTES, Telemetry, WireError, decode_telemetry, split_datagram
 
@@ -265,6 +266,7 @@ class TelemetryServer:
         stopping = self._stopping
         pending: list[tuple[bytes, int]] = []
         while not stopping.is_set():
+            health.beat(self, self.name)
             # Empty the kernel queue into our own list first (a recv is ~1 us, a decode ~10 us),
             # then decode a few and look at the queue again: senders find room sooner.
             try:
@@ -277,10 +279,16 @@ class TelemetryServer:
                 log.warning("telemetry socket receive failed: %s", exc)
                 time.sleep(0.1)
             if pending:
-                self._ingest(pending[:_DECODE_BATCH])
+                batch = pending[:_DECODE_BATCH]
                 del pending[:_DECODE_BATCH]
+                try:
+                    self._ingest(batch)
+                except Exception as exc:  # noqa: BLE001 - a bad batch costs its messages, not the receiver
+                    self.dropped_total["internal"] = self.dropped_total.get("internal", 0) + len(batch)
+                    health.failed(self, self.name, exc)
                 continue
             poller.poll(self._poll_ms)
+        health.stopped(self, self.name)
 
     def _ingest(self, batch: list[tuple[bytes, int]]) -> None:
         good: list[Telemetry] = []

@@ -64,6 +64,11 @@ def test_the_agent_as_a_systemd_service(tmp_path: Path) -> None:
     assert found["check_config"] == "0" and found["enable"] == "0", why
     # Type=notify: READY reached systemd, and the main loop's STATUS= line shows.
     assert found["active"] == "active" and "job(s) running" in found["status_text"], why
+    # The memory root a local user planted (a symlink to /etc) was moved aside, not followed; the
+    # agent may write there and nowhere else in /dev/shm.
+    assert found["shm_planted"] == "65534:symbolic link", why
+    assert found["shm_root"] == "0:directory:755" and found["shm_moved_aside"] == "1", why
+    assert found["shm_write_elsewhere"] != "0" and found["shm_write_root"] == "0", why
     status = json.loads((res / "status.json").read_text())
     collectors = {c["name"]: c for c in status.get("collectors", [])} if isinstance(status.get("collectors"), list) \
         else status.get("collectors", {})

@@ -186,6 +186,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(st, indent=2))
         return 0
     print(f"node {st['node']}  agent {st['version']} pid {st['pid']}  up {st['uptime_s']:.0f}s  leader {st.get('leader')}")
+    for t in st.get("threads", []):
+        if not t.get("healthy", True):
+            print(f"UNHEALTHY: agent thread {t['name']} {t['reason']} for {t['unhealthy_for_s']:.0f}s (watchdog not fed)")
     for name, c in sorted(st["collectors"].items()):
         print(f"  collector {name:<5} {'up' if c['up'] else 'down'}{'' if c['up'] else '  (' + str(c['reason']) + ')'}")
     for job in st["jobs"]:

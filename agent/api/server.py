@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainguard.agent import health
 from trainguard.agent.api.auth import TokenStore
 from trainguard.agent.api.config import ApiConfig, parse_hostport
 from trainguard.agent.api.handler import ApiHandler
@@ -86,6 +87,10 @@ class _Listener(socketserver.ThreadingMixIn):
     block_on_close = False  # stop() must not wait for a 10 GB transfer to finish
     api: ApiServer
     is_unix = False
+
+    def service_actions(self) -> None:
+        # serve_forever calls this each time round its accept loop: the listener's heartbeat.
+        health.beat(self, "api-unix" if self.is_unix else "api-tcp")
 
     def remote_of(self, request: socket.socket, client_address: Any) -> str:
         if isinstance(client_address, tuple) and len(client_address) >= 2:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from trainguard.agent import health
 from trainguard.agent.checkpoint.errors import CheckpointCorrupt, CheckpointWriteError, describe
 from trainguard.agent.checkpoint.local import LocalDirTier
 from trainguard.agent.checkpoint.status import CheckpointStatus
@@ -55,9 +56,11 @@ class _Worker:
 
     def run(self) -> None:
         while True:
+            health.beat(self, self.thread.name)
             with self.cond:
                 while not self.pending and not self.stopping:
-                    self.cond.wait()
+                    self.cond.wait(5.0)  # woken by work; the timeout only lets it beat while idle
+                    health.beat(self, self.thread.name)
                 if self.stopping and not self.pending:
                     return
                 job, req = next(iter(self.pending.items()))

@@ -49,6 +49,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainguard.agent import health
 from trainguard.agent.checkpoint.errors import CheckpointError
 from trainguard.agent.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
 from trainguard.agent.checkpoint.objectstore import ObjectTier
@@ -178,6 +179,7 @@ class GangCoordinator:
 
     def _forward_loop(self) -> None:
         while not self._stop.wait(self.forward_interval_s):
+            health.beat(self, "gang-telemetry")
             self.flush_forward()
 
     def flush_forward(self) -> None:

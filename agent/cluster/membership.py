@@ -36,6 +36,7 @@ from typing import Any
 
 from etcd3gw import exceptions as etcd_exc
 
+from trainguard.agent import health
 from trainguard.agent.cluster.etcd import EtcdClient, EtcdUnavailable, LeaseExpired, LeaseKeeper, PrefixWatch
 
 log = logging.getLogger("trainguard.cluster")
@@ -329,6 +330,7 @@ class Membership:
     def _run(self) -> None:
         seen = self._gen
         while not self._stop.is_set():
+            health.beat(self, "cluster-membership")
             seen = self.wait_change(seen, self.resync_s if self.watching else self.poll_s)
             if self._stop.is_set():
                 return

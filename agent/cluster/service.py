@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from etcd3gw import exceptions as etcd_exc
 from prometheus_client.metrics_core import Metric
 
+from trainguard.agent import health
 from trainguard.agent.checkpoint.tier import Tier
 from trainguard.agent.cluster.blobstore import BlobStore
 from trainguard.agent.cluster.config import ClusterConfig
@@ -304,6 +305,7 @@ class ClusterService:
         m = self.membership
         seen, last_fp, last_sync = -1, None, 0.0
         while not self._stop.is_set():
+            health.beat(self, "cluster-jobs")
             gen = m.wait_change(seen, self.cfg.poll_s)
             if self._stop.is_set():
                 return

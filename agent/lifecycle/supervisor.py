@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.agent import health
 from trainguard.agent.collectors.base import TrackedProcess
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState, check_transition
@@ -593,53 +594,65 @@ class Supervisor:
 
     def _monitor(self) -> None:
         while not self._stopping.is_set():
-            with self._lock:
-                fds: dict[int, tuple[JobRecord, RankProcess]] = {}
-                waiting = False
-                for rec in self.jobs.values():
-                    for r in rec.ranks:
-                        if not r.alive:
-                            continue
-                        if getattr(r, "_pidfd_fired", False):
-                            # Its process ended and its status has not come (a warm launcher's rank
-                            # whose zygote has not reported yet): polled again, its pidfd would
-                            # answer at once, a busy loop (~800-1,300 rounds a kill on the recovery
-                            # bench) that held the GIL from the very thread that brings the report.
-                            waiting = True
-                            continue
-                        fd = getattr(r, "_pidfd", None)
-                        if fd is None:
-                            try:
-                                fd = os.pidfd_open(r.pid)
-                            except OSError:
-                                fd = -1
-                            r._pidfd = fd  # type: ignore[attr-defined]
-                        if fd >= 0:
-                            fds[fd] = (rec, r)
-            poller = select.poll()
-            poller.register(self._wake_r, select.POLLIN)
-            for fd in fds:
-                poller.register(fd, select.POLLIN)
-            # Statuses still to come are looked for every few ms (the eBPF exit event wakes at once).
-            ready = poller.poll(STATUS_POLL_MS if waiting else 500)
-            if any(fd == self._wake_r for fd, _ in ready):
-                try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
-            self.reap_all()
-            for fd, _ in ready:
-                if fd in fds:
-                    fds[fd][1]._pidfd_fired = True  # type: ignore[attr-defined]
+            health.beat(self, "rank-monitor")
+            try:
+                self._monitor_once()
+            except Exception as exc:  # noqa: BLE001 - one bad record must not end supervision of every job
+                health.failed(self, "rank-monitor", exc)
+                self._stopping.wait(0.1)  # a failure that repeats at once must not spin
+        health.stopped(self, "rank-monitor")
+
+    def _monitor_once(self) -> None:
+        with self._lock:
+            fds: dict[int, tuple[JobRecord, RankProcess]] = {}
+            waiting = False
+            for rec in self.jobs.values():
+                for r in rec.ranks:
+                    if not r.alive:
+                        continue
+                    if getattr(r, "_pidfd_fired", False):
+                        # Its process ended and its status has not come (a warm launcher's rank
+                        # whose zygote has not reported yet): polled again, its pidfd would
+                        # answer at once, a busy loop (~800-1,300 rounds a kill on the recovery
+                        # bench) that held the GIL from the very thread that brings the report.
+                        waiting = True
+                        continue
+                    fd = getattr(r, "_pidfd", None)
+                    if fd is None:
+                        try:
+                            fd = os.pidfd_open(r.pid)
+                        except OSError:
+                            fd = -1
+                        r._pidfd = fd  # type: ignore[attr-defined]
+                    if fd >= 0:
+                        fds[fd] = (rec, r)
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        # Statuses still to come are looked for every few ms (the eBPF exit event wakes at once).
+        ready = poller.poll(STATUS_POLL_MS if waiting else 500)
+        if any(fd == self._wake_r for fd, _ in ready):
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+        self.reap_all()
+        for fd, _ in ready:
+            if fd in fds:
+                fds[fd][1]._pidfd_fired = True  # type: ignore[attr-defined]
 
     def reap_all(self) -> None:
         with self._lock:
             for rec in list(self.jobs.values()):
-                ended = self.launcher.reap(rec.ranks)
-                for r in ended:
-                    _close_pidfd(r)
-                if ended:
-                    self._handle_exits(rec, ended)
+                try:
+                    ended = self.launcher.reap(rec.ranks)
+                    for r in ended:
+                        _close_pidfd(r)
+                    if ended:
+                        self._handle_exits(rec, ended)
+                except Exception as exc:  # noqa: BLE001 - one job's fault must not stop reaping the others
+                    health.failed(self, "rank-monitor", exc)
 
     def close(self) -> None:
         self._stopping.set()

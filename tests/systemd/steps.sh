@@ -43,6 +43,13 @@ printf '[Service]\nWatchdogSec=4\n' > /etc/systemd/system/$unit.service.d/10-tes
 # A checkout under /tmp (CI clones there) is hidden by the unit's PrivateTmp=; a real install is
 # /opt/trainguard. Bind it into the unit's namespace, read-only, for the test.
 case "$REPO" in /tmp/*) printf 'BindReadOnlyPaths=%s\n' "$REPO" >> /etc/systemd/system/$unit.service.d/10-test.conf ;; esac
+# This checkout's interpreter may live under a home (pyenv in /root), which ProtectHome=yes hides.
+case "$(readlink -f "$REPO/.venv/bin/python")" in /root/*|/home/*) printf 'ProtectHome=read-only\n' >> /etc/systemd/system/$unit.service.d/10-test.conf ;; esac
+# A local user plants the memory tier's root first (a symlink to /etc): the unit must move it
+# aside and make its own, never follow it.
+shm_root=/dev/shm/trainguard-$("$REPO/.venv/bin/python" -c "from trainguard.agent.paths import agent_tag; print(agent_tag('/var/lib/trainguard'))")
+setpriv --reuid=65534 --regid=65534 --clear-groups ln -s /etc "$shm_root"
+say shm_planted "$(stat -c %u:%F "$shm_root")"
 systemctl daemon-reload && systemctl enable --now $unit > /res/enable.txt 2>&1
 say enable $?
 wait_for 60 active
@@ -57,6 +64,14 @@ fi
 wait_for 10 sh -c "[ -n \"\$(systemctl show -p StatusText --value $unit)\" ]"
 say status_text "$(prop StatusText)"
 say main_pid_1 "$(prop MainPID)"
+
+# --- /dev/shm: read-only to the agent but for its memory root, which is its own ----------------
+say shm_root "$(stat -c %u:%F:%a "$shm_root")"
+say shm_moved_aside "$(ls -d "$shm_root".unsafe-* 2>/dev/null | wc -l)"
+nsenter -t "$(prop MainPID)" -m touch /dev/shm/tg-probe 2>/res/shm-probe.err
+say shm_write_elsewhere $?
+nsenter -t "$(prop MainPID)" -m sh -c "touch '$shm_root/.probe' && rm '$shm_root/.probe'" 2>/res/shm-root-probe.err
+say shm_write_root $?
 
 # --- collectors under the unit's capability set ------------------------------------------------
 trainguard status --json > /res/status.json 2>/res/status.err

@@ -22,6 +22,8 @@ from typing import Any, TextIO
 
 from prometheus_client.metrics_core import Metric
 
+from trainguard.agent import health
+
 from ..base import CollectorUnavailable, EmitFn, TrackedProcess
 from . import bpfstats, btf
 from .loader import AttachError, BccLoader, CompileError, LoadedModule
@@ -203,7 +205,13 @@ class EbpfCollector:
         # thread. At 10 ms it woke the agent 100 times a second for nothing (~0.4 % of a core).
         module = self._module
         while module is not None and not self._stop.is_set():
-            module.ring_buffer_poll(self.event_poll_ms)
+            health.beat(self, "ebpf-events")
+            try:
+                module.ring_buffer_poll(self.event_poll_ms)
+            except Exception as exc:  # noqa: BLE001 - one bad poll must not end exit detection for good
+                health.failed(self, "ebpf-events", exc)
+                self._stop.wait(0.1)
+        health.stopped(self, "ebpf-events")
 
     def _on_event(self, data: bytes) -> None:
         kind = int.from_bytes(data[:4], "little")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trainguard.agent import health
 from trainguard.agent.collectors.gpu import nvml as N
 from trainguard.agent.collectors.gpu.nvml import GpuLost, Nvml, NvmlError
 
@@ -133,6 +134,7 @@ class XidWatcher:
         mod = self._nvml.module
         failures = 0
         while not self._stop.is_set():
+            health.beat(self, "gpu-xid")
             try:
                 data = self._nvml.call("nvmlEventSetWait_v2", self._event_set, self._wait_ms)
             except GpuLost as exc:
