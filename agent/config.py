@@ -167,7 +167,8 @@ class LauncherSection:
     python: str = ""
     """Interpreter for rank processes (empty: the agent's own)."""
     user: str = ""
-    """Run ranks as this user (empty: same user, with capabilities dropped)."""
+    """Run ranks as this user (empty: as the agent's user with every capability dropped, i.e. as
+    root under a root agent: then whoever may submit a job is root-equivalent)."""
     master_addr: str = "127.0.0.1"
     stop_grace_s: float = 10.0
     """SIGTERM -> SIGKILL grace period when stopping ranks."""
@@ -181,9 +182,17 @@ class LauncherSection:
     """Default CPU quota of a job's cgroup, in CPUs (0: none; a job's ``cpus`` overrides it)."""
     job_memory_max: int = 0
     """Default memory ceiling of a job's cgroup in bytes (0: none; a job's ``memory_max`` overrides it)."""
+    log_max_bytes: int = 64 << 20
+    """A rank's log (``<state>/jobs/<job>/rank<N>.log``) is rotated when it grows past this."""
+    log_keep: int = 3
+    """Rotated logs kept per rank (``rank<N>.log.1`` newest)."""
 
     def validate(self, key: str) -> None:
         _positive(f"{key}.stop_grace_s", self.stop_grace_s)
+        if self.log_max_bytes < 4096:
+            raise ConfigError(f"{key}.log_max_bytes", f"must be >= 4096, got {self.log_max_bytes}")
+        if not (1 <= self.log_keep <= 100):
+            raise ConfigError(f"{key}.log_keep", f"must be in [1, 100], got {self.log_keep}")
         if self.job_cpus < 0:
             raise ConfigError(f"{key}.job_cpus", f"must be >= 0, got {self.job_cpus}")
         if self.job_memory_max != 0 and self.job_memory_max < 16 << 20:
