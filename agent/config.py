@@ -373,6 +373,37 @@ def config_from_dict(table: dict[str, Any]) -> AgentConfig:
     return cfg
 
 
+SECRET_KEY_NAMES = frozenset({"secret", "password", "passphrase", "token", "secret_key", "access_token"})
+"""Keys whose value is a credential when written inline in the config file."""
+
+
+def _inline_secrets(table: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys of the non-empty credentials written in ``table``."""
+    found = []
+    for key, value in table.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict):
+            found += _inline_secrets(value, dotted)
+        elif key in SECRET_KEY_NAMES and isinstance(value, str) and value:
+            found.append(dotted)
+    return found
+
+
+def check_secret_file_mode(path: str, table: dict[str, Any]) -> None:
+    """A config file that holds a credential must be readable by its owner alone: refused at load
+    otherwise, naming the key and the file, as ``ssh`` refuses a readable private key."""
+    secrets = _inline_secrets(table)
+    if not secrets:
+        return
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError as exc:
+        raise ConfigError(secrets[0], f"cannot check the mode of {path}: {exc.strerror or exc}") from None
+    if mode & 0o077:
+        raise ConfigError(secrets[0], f"holds a secret, but {path} is readable by group or others "
+                                      f"(mode {mode:04o}): chmod 600 {path}")
+
+
 def load_config(path: str | None, *, must_exist: bool = False) -> AgentConfig:
     """Load and validate. ``path`` None or a missing default file gives the built-in defaults."""
     if path is None or (not must_exist and not os.path.exists(path)):
@@ -388,6 +419,7 @@ def load_config(path: str | None, *, must_exist: bool = False) -> AgentConfig:
         raise ConfigError("config", f"cannot read {path}: permission denied") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+    check_secret_file_mode(path, table)
     return config_from_dict(table)
 
 

@@ -20,6 +20,20 @@ LOG_NAME = "events.jsonl"
 
 SEVERITIES = ("debug", "info", "warning", "error", "critical")
 
+REDACTED = "<redacted>"
+
+
+def redact_env(value: Any) -> Any:
+    """``value`` with every job environment in it (an ``env`` mapping, also inside a job spec)
+    shown by its variable names only: events are read with any token, and a job's env holds its
+    credentials (HF_TOKEN, cloud keys)."""
+    if isinstance(value, dict):
+        return {k: ({name: REDACTED for name in v} if k == "env" and isinstance(v, dict) else redact_env(v))
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_env(v) for v in value]
+    return value
+
 
 @dataclass(frozen=True)
 class Event:
@@ -147,6 +161,7 @@ class EventLog:
     ) -> Event:
         if severity not in SEVERITIES:
             severity = "info"
+        fields = redact_env(fields)
         with self._lock:
             self._seq += 1
             event = Event(self._seq, self.clock(), kind, severity, self.node, message, cause, job, rank, fields)

@@ -40,11 +40,12 @@ def under_systemd(environ: Mapping[str, str] | None = None) -> bool:
 
 RANK_SANDBOX = (
     "CapabilityBoundingSet=", "AmbientCapabilities=", "NoNewPrivileges=yes", "RestrictSUIDSGID=yes",
-    "ProtectKernelModules=yes", "ProtectKernelTunables=yes", "ProtectKernelLogs=yes", "ProtectClock=yes",
+    "ProtectKernelModules=yes", "ProtectKernelTunables=yes", "ProtectKernelLogs=yes",
     "ProtectControlGroups=yes", "LockPersonality=yes", "RestrictRealtime=yes",
 )
 """What every rank unit gets, with or without ``launcher.user``: nothing a training job needs, and
-none of what a rank running as root could use to take over the node."""
+none of what a rank running as root could use to take over the node. Nothing that sets a device
+policy (``PrivateDevices=``, ``ProtectClock=``): that would shut the ranks out of the GPUs."""
 
 
 def escape(name: str) -> str:
