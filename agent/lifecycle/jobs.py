@@ -7,7 +7,6 @@ trainer, which imports torch); the agent only needs the process layout.
 from __future__ import annotations
 
 import enum
-import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -15,8 +14,6 @@ from typing import Any
 
 from trainguard.agent.lifecycle.unitprops import check_unit_property
 from trainguard.agent.wire import valid_job_id
-
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 class JobSpecError(ValueError):
@@ -83,8 +80,10 @@ class JobSpec:
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise JobSpecError("env", "must map strings to strings")
         for k, v in env.items():
-            if not _ENV_NAME.match(k):
-                raise JobSpecError("env", f"{k!r} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)")
+            # What execve can pass: a shell's environment (``trainguard run`` sends it whole) may
+            # hold names like BASH_FUNC_f%%, so only '=' and NUL are refused.
+            if not k or "=" in k or "\x00" in k:
+                raise JobSpecError("env", f"{k!r} is not a variable name (empty, or holds '=' or NUL)")
             if "\x00" in v:
                 raise JobSpecError("env", f"{k}: a value may not hold a NUL byte")
         faults = body.get("faults", [])

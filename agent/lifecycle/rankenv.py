@@ -30,12 +30,13 @@ RANK_ENV_PREFIXES = ("LC_", "CUDA_", "NCCL_", "GLOO_", "OMP_", "MKL_", "KMP_", "
                      "PYTORCH_", "TORCHELASTIC_", "TRAINGUARD_", "PET_")
 
 # Variables the dynamic loader, libc or /bin/sh act on in any process (glibc's list of "unsecure"
-# variables, which it drops only for set-uid programs, and the shell's start-up hooks).
+# variables, which it drops only for set-uid programs, the shell's start-up hooks, and bash's
+# exported functions, which override builtins where /bin/sh is bash).
 UNSECURE_NAMES = frozenset({
     "GCONV_PATH", "GETCONF_DIR", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH", "NIS_PATH", "NLSPATH",
     "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR", "ENV", "BASH_ENV", "SHELLOPTS", "PS4", "IFS", "CDPATH",
 })
-UNSECURE_PREFIXES = ("LD_", "MALLOC_", "GLIBC_")
+UNSECURE_PREFIXES = ("LD_", "MALLOC_", "GLIBC_", "BASH_FUNC_")
 DEFERRED = "TRAINGUARD_DEFERRED"
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")

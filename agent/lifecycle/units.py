@@ -23,6 +23,7 @@ failed) give the signal, and ``reset-failed`` lets the name go.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -30,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 _CLD_KILLED, _CLD_DUMPED = 2, 3  # ExecMainCode values for "killed by a signal"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def under_systemd(environ: Mapping[str, str] | None = None) -> bool:
@@ -73,6 +75,8 @@ def env_file_text(env: Mapping[str, str]) -> str:
     characters systemd unescapes there (double quote, backslash, backtick, dollar) escaped; a newline stays one."""
     lines = []
     for key, value in env.items():
+        if not _ENV_NAME.match(key):
+            continue  # systemd ignores such an assignment, saying so in its journal
         quoted = "".join("\\" + c if c in '"\\`$' else c for c in value)
         lines.append(f'{key}="{quoted}"\n')
     return "".join(lines)
