@@ -386,6 +386,9 @@ class Launcher:
             # Joined before the privilege drop (the cgroup is root's) and before anything can fork.
             files = cg.procs_files()
             join = ["/bin/sh", "-c", JOIN_SCRIPT, "sh", str(len(files)), *files]
+            if popen_kwargs:
+                # Popen's own switch would drop before the join, which then fails (exit 126).
+                raise RuntimeError("launcher.user with job cgroups needs setpriv (util-linux) on this host")
         base_env = agent_env_for_ranks()
         if user is not None:
             base_env.update(user_env(user))
