@@ -39,7 +39,6 @@ from trainguard.agent.lifecycle.rankenv import (
 from trainguard.agent.lifecycle.ranklogs import RankLogRotator
 from trainguard.agent.lifecycle.units import (
     UnitProcess,
-    escape,
     run_prefix,
     set_slice_limits,
     slice_name,
@@ -493,7 +492,8 @@ class Launcher:
         """The job's directory of unit environment files: root's, 0700, never through a link."""
         path = self.env_dirs.get(spec.job)
         if path is None:
-            path = (os.path.join(ctx.run_dir, "env", escape(spec.job)) if ctx.run_dir
+            # The job id as is (``wire.valid_job_id``): systemd unescapes ``\x2d`` in a property value.
+            path = (os.path.join(ctx.run_dir, "env", spec.job) if ctx.run_dir
                     else os.path.join(ctx.log_dir, ".env"))
             os.makedirs(path, mode=0o700, exist_ok=True)
             if os.path.islink(path):

@@ -115,12 +115,13 @@ n=0
 for f in /proc/[0-9]*/cmdline; do grep -qaFf /res/secret.pat "$f" 2>/dev/null && n=$((n + 1)); done
 say sec_cmdlines "$n"
 sunit='trainguard-sec\x2djob-a1-r0.service'
-envdir='/run/trainguard/env/sec\x2djob'
+envdir='/run/trainguard/env/sec-job'
 say sec_env_prop "$(systemctl show -p Environment --value "$sunit" | grep -cFf /res/secret.pat)"
 say sec_env_file "$(stat -c '%a %U' "$envdir/a1-r0.env" 2>&1)"
 say sec_slice "$(systemctl show -p Slice --value "$sunit")"
 say sec_slice_parent "$(systemctl show -p Slice --value 'trainguard-sec\x2djob.slice')"
-trainguard stop sec-job > /res/stop-sec.txt 2>&1
+"$REPO/.venv/bin/python" -c "from trainguard.agent.api.client import ApiClient
+ApiClient.local('/run/trainguard/agent.sock').stop_job('sec-job')" > /res/stop-sec.txt 2>&1
 wait_for 30 sh -c "[ ! -e '$envdir' ]"
 say sec_env_gone "$([ -e "$envdir" ] && echo no || echo yes)"
 
