@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,3 +135,19 @@ def test_an_unknown_user_fails_the_launch_saying_so(shared_dir: Path) -> None:
     with pytest.raises(ValueError, match="launcher.user: no user 'no-such-user-tg'"):
         launcher.start(JobSpec("x", 1, command=["true"]), ctx, 1)
     assert not subprocess.run(["pgrep", "-f", "no-such-user-tg"], capture_output=True).stdout
+
+
+def test_the_agent_runs_a_jobs_ranks_as_launcher_user(agent_factory: Any, shared_dir: Path) -> None:
+    """The whole path, as an operator configures it: ``[launcher] user = "nobody"`` in the agent's
+    config, a job submitted over the control socket, the warm launcher (the default here)."""
+    agent = agent_factory(config='[collectors]\nebpf = false\ngpu = false\n[launcher]\nuser = "nobody"\n')
+    client = agent.client()
+    client.submit_job({"job": "as-user", "nproc": 2, "command": [sys.executable, str(shared_dir / "probe.py")],
+                       "cwd": str(shared_dir)})
+    deadline = time.monotonic() + 120
+    while client.job("as-user")["state"] not in ("succeeded", "failed") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    logs = [(agent.state_dir / "jobs" / "as-user" / f"rank{r}.log").read_text() for r in (0, 1)]
+    assert client.job("as-user")["state"] == "succeeded", logs
+    for log in logs:
+        assert f"euid={NOBODY.pw_uid} egid={NOBODY.pw_gid} groups=[] caps=0000000000000000" in log, log
