@@ -213,7 +213,8 @@ class LauncherSection:
     python: str = ""
     """Interpreter for rank processes (empty: the agent's own)."""
     user: str = ""
-    """Run ranks as this user (empty: same user, with capabilities dropped)."""
+    """Run ranks as this user (empty: as the agent's user with every capability dropped, i.e. as
+    root under a root agent: then whoever may submit a job is root-equivalent)."""
     master_addr: str = "127.0.0.1"
     stop_grace_s: float = 10.0
     """SIGTERM -> SIGKILL grace period when stopping ranks."""
@@ -227,9 +228,17 @@ class LauncherSection:
     """Default CPU quota of a job's cgroup, in CPUs (0: none; a job's ``cpus`` overrides it)."""
     job_memory_max: int = 0
     """Default memory ceiling of a job's cgroup in bytes (0: none; a job's ``memory_max`` overrides it)."""
+    log_max_bytes: int = 64 << 20
+    """A rank's log (``<state>/jobs/<job>/rank<N>.log``) is rotated when it grows past this."""
+    log_keep: int = 3
+    """Rotated logs kept per rank (``rank<N>.log.1`` newest)."""
 
     def validate(self, key: str) -> None:
         _positive(f"{key}.stop_grace_s", self.stop_grace_s)
+        if self.log_max_bytes < 4096:
+            raise ConfigError(f"{key}.log_max_bytes", f"must be >= 4096, got {self.log_max_bytes}")
+        if not (1 <= self.log_keep <= 100):
+            raise ConfigError(f"{key}.log_keep", f"must be in [1, 100], got {self.log_keep}")
         if self.job_cpus < 0:
             raise ConfigError(f"{key}.job_cpus", f"must be >= 0, got {self.job_cpus}")
         if self.job_memory_max != 0 and self.job_memory_max < 16 << 20:
@@ -410,6 +419,37 @@ def config_from_dict(table: dict[str, Any]) -> AgentConfig:
     return cfg
 
 
+SECRET_KEY_NAMES = frozenset({"secret", "password", "passphrase", "token", "secret_key", "access_token"})
+"""Keys whose value is a credential when written inline in the config file."""
+
+
+def _inline_secrets(table: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys of the non-empty credentials written in ``table``."""
+    found = []
+    for key, value in table.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict):
+            found += _inline_secrets(value, dotted)
+        elif key in SECRET_KEY_NAMES and isinstance(value, str) and value:
+            found.append(dotted)
+    return found
+
+
+def check_secret_file_mode(path: str, table: dict[str, Any]) -> None:
+    """A config file that holds a credential must be readable by its owner alone: refused at load
+    otherwise, naming the key and the file, as ``ssh`` refuses a readable private key."""
+    secrets = _inline_secrets(table)
+    if not secrets:
+        return
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError as exc:
+        raise ConfigError(secrets[0], f"cannot check the mode of {path}: {exc.strerror or exc}") from None
+    if mode & 0o077:
+        raise ConfigError(secrets[0], f"holds a secret, but {path} is readable by group or others "
+                                      f"(mode {mode:04o}): chmod 600 {path}")
+
+
 def load_config(path: str | None, *, must_exist: bool = False) -> AgentConfig:
     """Load and validate. ``path`` None or a missing default file gives the built-in defaults."""
     if path is None or (not must_exist and not os.path.exists(path)):
@@ -425,6 +465,7 @@ def load_config(path: str | None, *, must_exist: bool = False) -> AgentConfig:
         raise ConfigError("config", f"cannot read {path}: permission denied") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+    check_secret_file_mode(path, table)
     return config_from_dict(table)
 
 

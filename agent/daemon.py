@@ -136,6 +136,12 @@ class Agent:
             pid=os.getpid(),
             collectors={k: v[0] for k, v in self.collector_state.items()},
         )
+        if not cfg.launcher.user and os.geteuid() == 0:
+            # Said once per start: whoever may submit a job (the control socket's group, an admin
+            # token) may then run code as root, without capabilities but as uid 0.
+            self.events.emit("ranks_run_as_root", "ranks run as root without capabilities: no launcher.user is "
+                             "set, so submitting a job is root-equivalent (set launcher.user to run them as a user)",
+                             severity="warning", cause="launcher.user unset")
         self.notifier.ready(self._status_line())
 
     def _metrics_tls(self) -> Any:
@@ -390,8 +396,10 @@ class Agent:
         if units:
             self.cgroups_reason = "systemd units (a slice per job)"
             log.info("ranks run as transient systemd units, outside the agent's sandbox (warm launcher off)")
-            return Launcher(mode="cold", units=True)
-        return Launcher(mode="warm" if cfg.recovery.warm_launcher else "cold", cgroups=self._job_cgroups())
+            return Launcher(mode="cold", units=True, log_max_bytes=cfg.launcher.log_max_bytes,
+                            log_keep=cfg.launcher.log_keep)
+        return Launcher(mode="warm" if cfg.recovery.warm_launcher else "cold", cgroups=self._job_cgroups(),
+                        log_max_bytes=cfg.launcher.log_max_bytes, log_keep=cfg.launcher.log_keep)
 
     def _job_cgroups(self) -> Any:
         """Where job cgroups are made (None: launcher.cgroups is off, or auto and not possible here)."""
@@ -596,6 +604,7 @@ class Agent:
             master_addr=self.cfg.launcher.master_addr,
             python=self.cfg.launcher.python,
             user=self.cfg.launcher.user,
+            run_dir=self.cfg.agent.run_dir,
             extra_env={"TRAINGUARD_STATE_DIR": self.cfg.agent.state_dir, "TRAINGUARD_JSON": "1"},
             gpus=self._healthy_gpus(),
             cpus=self.cfg.launcher.job_cpus,

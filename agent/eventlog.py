@@ -63,6 +63,21 @@ def bound_field(value: Any, limit: int = MAX_FIELD_CHARS, depth: int = 0) -> Any
     return _cut(str(value), limit)
 
 
+REDACTED = "<redacted>"
+
+
+def redact_env(value: Any) -> Any:
+    """``value`` with every job environment in it (an ``env`` mapping, also inside a job spec)
+    shown by its variable names only: events are read with any token, and a job's env holds its
+    credentials (HF_TOKEN, cloud keys)."""
+    if isinstance(value, dict):
+        return {k: ({name: REDACTED for name in v} if k == "env" and isinstance(v, dict) else redact_env(v))
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_env(v) for v in value]
+    return value
+
+
 @dataclass(frozen=True)
 class Event:
     seq: int
@@ -189,6 +204,7 @@ class EventLog:
     ) -> Event:
         if severity not in SEVERITIES:
             severity = "info"
+        fields = redact_env(fields)
         message = _cut(str(message), MAX_MESSAGE_CHARS)
         cause = _cut(str(cause), MAX_MESSAGE_CHARS)
         if job is not None:

@@ -90,5 +90,11 @@ def test_the_agent_as_a_systemd_service(tmp_path: Path) -> None:
     # restarts the agent, and the new one adopts the same processes.
     assert int(found["adopted"]) >= 1, why
     assert found["adopt_pids_before"].strip() and found["adopt_pids_after"] == found["adopt_pids_before"], why
+    # A job's secret reaches its rank unit through a 0600 root-only file: on no command line, not
+    # in the unit's Environment= (readable by any local user), gone with the job; the job name's
+    # '-' is escaped, so its slice is not nested in another job's.
+    assert found["sec_reached"] == "1" and found["sec_cmdlines"] == "0" and found["sec_env_prop"] == "0", why
+    assert found["sec_env_file"] == "600 root" and found["sec_env_gone"] == "yes", why
+    assert found["sec_slice"] == "trainguard-sec\\x2djob.slice" and found["sec_slice_parent"] == "trainguard.slice", why
     # systemctl stop with a job running: on_stop = "stop_ranks" takes the ranks with it.
     assert found["stop_rc"] == "0" and found["long_pids"].strip() and found["ranks_left"] == "0", why

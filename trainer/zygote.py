@@ -10,7 +10,9 @@ Protocol (JSON lines): the agent writes ``{"op": "spawn", "rank": r, "env": {...
 ``{"ev": "ready", "pid": p, "import_s": t}`` once, then ``{"ev": "spawned", "rank": r, "pid": p}``
 and ``{"ev": "exit", "pid": p, "code": c, "signal": s}`` on stdout, and ``{"ev": "spare", "pid": p}``
 for each process it forks ahead of need (``Spares``: a later spawn's ``pid`` may be one;
-``{"ev": "spare_gone", "pid": p}`` when one died before it was given work). A spawn
+``{"ev": "spare_gone", "pid": p}`` when one died before it was given work). A spawn may name
+``"uid"`` and ``"gid"``: the rank drops to them (no supplementary groups) once its log is open and
+before anything of the job runs, so a zygote kept as root for its own files never hands root on. A spawn
 may name an ``"exit_file"``: the same end is written there too (``wire.write_exit_status``), which
 an agent started after the rank ended (the one that spawned it killed meanwhile) reads instead.
 """
@@ -135,6 +137,24 @@ def _host_rendezvous_store() -> None:
         print(f"trainguard: could not host the rendezvous store: {exc}", file=sys.stderr, flush=True)
 
 
+def drop_privileges(uid: int, gid: int) -> None:
+    """Become ``uid``/``gid`` with no supplementary groups; leaving root this way clears every
+    capability. Raises when the process is still privileged afterwards."""
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    if os.geteuid() != uid or os.getegid() != gid or (uid != 0 and _can_regain_root()):
+        raise PermissionError(f"could not drop to uid {uid} gid {gid}")
+
+
+def _can_regain_root() -> bool:
+    try:
+        os.setuid(0)
+    except PermissionError:
+        return False
+    return True
+
+
 def _child(req: dict[str, Any], started_at: float | None = None) -> None:
     """Runs in the forked child: becomes one rank and never returns. ``started_at``: when a spare
     was given this work (its process started earlier)."""
@@ -153,8 +173,14 @@ def _child(req: dict[str, Any], started_at: float | None = None) -> None:
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - lives as long as the process
         sys.stdout = text_stream(1)
         sys.stderr = text_stream(2, errors="backslashreplace")  # as the interpreter's own stderr
+        if "uid" in req:
+            drop_privileges(int(req["uid"]), int(req["gid"]))
         os.environ.clear()
         os.environ.update(req["env"])
+        # The job's own PYTHONPATH (a zygote started without the job's environment lacks it).
+        for search_dir in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+            if search_dir and search_dir not in sys.path:
+                sys.path.insert(1, search_dir)
         if started_at is not None:
             os.environ[ENV_STARTED_AT] = repr(started_at)
         if os.environ.get(ENV_HOST_STORE):

@@ -4,6 +4,7 @@ JSON (``--json``), then a summary. Reads only the agent API and rank 0's log fil
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any, TextIO
@@ -21,9 +22,12 @@ def _rank_line(job: dict[str, Any]) -> str:
 
 
 def _tail_json(path: str, offset: int, out: TextIO) -> int:
-    """Print complete JSON lines appended to ``path`` since ``offset``; returns the new offset."""
+    """Print complete JSON lines appended to ``path`` since ``offset``; returns the new offset. A
+    file shorter than ``offset`` was rotated (``agent.lifecycle.ranklogs``): read from its start."""
     try:
         with open(path, "rb") as fh:
+            if os.fstat(fh.fileno()).st_size < offset:
+                offset = 0
             fh.seek(offset)
             data = fh.read()
     except OSError:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.agent.lifecycle.unitprops import check_unit_property
 from trainguard.agent.wire import valid_job_id
 
 
@@ -45,8 +46,9 @@ class JobSpec:
     memory_max: int = 0
     """Memory ceiling of the job's cgroup in bytes (0: the agent's ``launcher.job_memory_max``)."""
     unit_properties: list[str] = field(default_factory=list)
-    """When ranks run as systemd units: properties of their units, the job's own sandbox
-    (``["ProtectHome=read-only", "ReadWritePaths=/data"]``); none by default."""
+    """When ranks run as systemd units: properties of their units that tighten the sandbox or
+    limit resources (``["ProtectHome=read-only", "MemoryHigh=8G"]``; ``agent.lifecycle.unitprops``
+    says which); none by default."""
 
     @property
     def is_command(self) -> bool:
@@ -77,6 +79,13 @@ class JobSpec:
         env = body.get("env", {})
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise JobSpecError("env", "must map strings to strings")
+        for k, v in env.items():
+            # What execve can pass: a shell's environment (``trainguard run`` sends it whole) may
+            # hold names like BASH_FUNC_f%%, so only '=' and NUL are refused.
+            if not k or "=" in k or "\x00" in k:
+                raise JobSpecError("env", f"{k!r} is not a variable name (empty, or holds '=' or NUL)")
+            if "\x00" in v:
+                raise JobSpecError("env", f"{k}: a value may not hold a NUL byte")
         faults = body.get("faults", [])
         if not isinstance(faults, list) or not all(isinstance(f, str) for f in faults):
             raise JobSpecError("faults", "must be a list of strings")
@@ -102,6 +111,10 @@ class JobSpec:
         props = body.get("unit_properties", [])
         if not isinstance(props, list) or not all(isinstance(p, str) and "=" in p and "\n" not in p for p in props):
             raise JobSpecError("unit_properties", 'a list of systemd properties like "ReadWritePaths=/data"')
+        for prop in props:
+            why = check_unit_property(prop)
+            if why is not None:
+                raise JobSpecError("unit_properties", why)
         return cls(job, nproc, trainer, command, env, faults, max_restarts, nodes, cwd, float(hang),
                    float(cpus), memory_max, list(props))
 

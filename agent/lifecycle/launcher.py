@@ -4,7 +4,8 @@ Each start attempt gets a fresh rendezvous port, so restarted ranks never read a
 addresses from the store (FACTS.md pitfall 1). A user's command gets torchrun's environment
 contract (``torchrun_env``), its own working directory and its own ``PYTHONPATH`` (nothing of
 trainguard's is put on it, so its own ``agent.py`` or ``trainer.py`` stay its own). Ranks never inherit the agent's capabilities: they
-run as a configured user, or through ``setpriv`` with every capability set cleared.
+run as a configured user, or through ``setpriv`` with every capability set cleared, and they start from an
+allow-listed environment, not the agent's (``agent.lifecycle.rankenv``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pwd
 import shutil
 import signal
 import socket
@@ -26,7 +26,26 @@ from typing import Any, Literal, Protocol
 
 from trainguard.agent.lifecycle.cgroups import JOIN_SCRIPT, CgroupError, JobCgroup, JobCgroups, JobUsage
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.agent.lifecycle.units import UnitProcess, run_prefix, set_slice_limits, slice_usage, unit_name
+from trainguard.agent.lifecycle.rankenv import (
+    RESTORE_SCRIPT,
+    RankUser,
+    agent_env_for_ranks,
+    can_drop,
+    defer_unsecure,
+    drop_argv,
+    unsecure,
+    user_env,
+)
+from trainguard.agent.lifecycle.ranklogs import RankLogRotator
+from trainguard.agent.lifecycle.units import (
+    UnitProcess,
+    run_prefix,
+    set_slice_limits,
+    slice_name,
+    slice_usage,
+    unit_name,
+    write_env_file,
+)
 from trainguard.agent.lifecycle.zygote_client import Zygote, ZygoteError
 from trainguard.agent.wire import ENV_HOST_STORE, ENV_JOB, ENV_JOB_SPEC, ENV_PLAN, ENV_SOCKET
 
@@ -85,7 +104,11 @@ class LaunchContext:
     master_addr: str = "127.0.0.1"
     python: str = ""
     user: str = ""
+    """Run ranks as this user (``launcher.user``; empty: as the agent, without its capabilities)."""
     extra_env: dict[str, str] = field(default_factory=dict)
+    run_dir: str = ""
+    """The agent's runtime directory: rank units' environment files go in ``<run_dir>/env/<job>``
+    (empty: ``<log_dir>/.env``)."""
     cpus: float = 0.0
     """CPU quota of the job's cgroup in CPUs (0: none)."""
     memory_max: int = 0
@@ -164,20 +187,14 @@ def _nth(items: tuple[int, ...] | None, i: int) -> int | None:
     return items[i] if items is not None and i < len(items) else None
 
 
-def _privilege_wrapper(user: str) -> tuple[list[str], dict[str, object]]:
-    """argv prefix and Popen kwargs that start a rank without the agent's privileges."""
-    if user:
-        entry = pwd.getpwnam(user)
-        return [], {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
-    if os.geteuid() == 0 and shutil.which("setpriv"):
-        return [
-            "setpriv",
-            "--bounding-set=-all",
-            "--inh-caps=-all",
-            "--ambient-caps=-all",
-            "--no-new-privs",
-            "--",
-        ], {}
+def _privilege_wrapper(user: RankUser | None) -> tuple[list[str], dict[str, object]]:
+    """argv prefix and Popen kwargs that start a rank without the agent's privileges: ``setpriv``
+    when the agent is root (the prefix runs after the cgroup join, which needs root), else Popen's
+    own user switch (a non-root agent can only start ranks as itself anyway)."""
+    if can_drop():
+        return drop_argv(user), {}
+    if user is not None:
+        return [], {"user": user.uid, "group": user.gid, "extra_groups": []}
     return [], {}
 
 
@@ -186,10 +203,15 @@ class Launcher:
     zygote that already imported torch and the trainer (restart in ~1 s instead of ~10 s)."""
 
     def __init__(self, mode: Literal["warm", "cold"] = "warm", clock: Callable[[], float] = time.monotonic,
-                 cgroups: JobCgroups | None = None, units: bool = False) -> None:
+                 cgroups: JobCgroups | None = None, units: bool = False, *, log_max_bytes: int = 64 << 20,
+                 log_keep: int = 3) -> None:
         """``cgroups``: give each job a cgroup of its own (None: ranks stay in the agent's);
-        ``units``: start each rank as a transient systemd unit (``agent.lifecycle.units``)."""
+        ``units``: start each rank as a transient systemd unit (``agent.lifecycle.units``);
+        ``log_max_bytes``/``log_keep``: rank logs are rotated past this size, this many kept."""
         self.units = units
+        self.logs = RankLogRotator(log_max_bytes, log_keep)
+        self.env_dirs: dict[str, str] = {}
+        """job -> the directory of its rank units' environment files (removed with the job)."""
         if units:
             mode, cgroups = "cold", None  # systemd makes each rank's cgroup; a zygote would pin them in one
         self.mode = mode
@@ -234,6 +256,26 @@ class Launcher:
         except CgroupError as exc:
             log.warning("job %s: its cgroup cannot be found again: %s", spec.job, exc)
 
+    def owns_pid(self, job: str, pid: int) -> bool:
+        """Proof that process ``pid`` is one of ``job``'s: it sits in the job's systemd slice or
+        in the job's cgroup (a pid alone may have been used again by anyone)."""
+        try:
+            with open(f"/proc/{pid}/cgroup") as fh:
+                paths = [line.split(":", 2)[2].strip() for line in fh if line.count(":") >= 2]
+        except OSError:
+            return False
+        if any(slice_name(job) in p.split("/") for p in paths):
+            return True
+        if self.cgroups is None:
+            return False
+        cg = self.job_cgroups.get(job)
+        if cg is None:
+            try:
+                cg = self.cgroups.for_job(job)
+            except CgroupError:
+                return False
+        return pid in cg.pids()
+
     def cgroup_usage(self, units: bool = True) -> dict[str, JobUsage]:
         """Each job's use: live for running jobs, the last reading for ended ones. ``units=False``
         leaves out jobs whose ranks are systemd units (a ``systemctl show`` each, and no OOM count)."""
@@ -263,12 +305,14 @@ class Launcher:
         zygote = self.zygotes.get(spec.job)
         if zygote is not None and zygote.alive:
             return zygote
+        zygote_log = os.path.join(ctx.log_dir, "zygote.log")
+        self.logs.watch(spec.job, zygote_log)
         try:
             zygote = Zygote(
                 argv_prefix + [ctx.python or sys.executable, "-m", "trainguard.trainer.zygote"],
                 env,
                 cwd,
-                os.path.join(ctx.log_dir, "zygote.log"),
+                zygote_log,
             )
         except (OSError, ZygoteError):
             self.warm_failures += 1
@@ -286,6 +330,8 @@ class Launcher:
         cmd = spec.command
         if len(cmd) < 2 or not _same_interpreter(cmd[0], python or sys.executable, spec.env.get("PATH")):
             return None
+        if any(unsecure(k) for k in spec.env):
+            return None  # LD_PRELOAD and kin act when a process starts: only a fresh one has them
         if cmd[1] == "-m" and len(cmd) >= 3:
             return cmd[2], list(cmd[3:])
         if cmd[1].endswith(".py") and not cmd[1].startswith("-"):
@@ -299,6 +345,10 @@ class Launcher:
             zygote = self.zygotes.pop(job, None)
             if zygote is not None:
                 zygote.close()
+            self.logs.forget(job)
+            env_dir = self.env_dirs.pop(job, None)
+            if env_dir is not None:
+                shutil.rmtree(env_dir, ignore_errors=True)  # the job's secrets go with it
             cg = self.job_cgroups.get(job)
             if cg is not None:
                 use = cg.usage()  # read before the cgroup goes (an OOM kill at the end)
@@ -335,22 +385,27 @@ class Launcher:
             block = RankBlock(0, spec.nproc, spec.nproc, ctx.master_addr, free_port(ctx.master_addr))
         elif block.attempt > 0:
             attempt = block.attempt  # every node's ranks of a spanning job agree on the cluster's attempt
-        prefix, popen_kwargs = _privilege_wrapper(ctx.user)
+        user = RankUser.lookup(ctx.user) if ctx.user else None
+        drop, popen_kwargs = _privilege_wrapper(user)
         cg = self.job_cgroup(spec, ctx)
+        join: list[str] = []
         if cg is not None:
             # Joined before the privilege drop (the cgroup is root's) and before anything can fork.
             files = cg.procs_files()
-            prefix = ["/bin/sh", "-c", JOIN_SCRIPT, "sh", str(len(files)), *files, *prefix]
-        argv = prefix + self.rank_command(spec, ctx)
-        base_env = dict(os.environ)
-        # Ranks must not inherit the agent's systemd plumbing.
-        for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID"):
-            base_env.pop(key, None)
+            join = ["/bin/sh", "-c", JOIN_SCRIPT, "sh", str(len(files)), *files]
+            if popen_kwargs:
+                # Popen's own switch would drop before the join, which then fails (exit 126).
+                raise RuntimeError("launcher.user with job cgroups needs setpriv (util-linux) on this host")
+        base_env = agent_env_for_ranks()
+        if user is not None:
+            base_env.update(user_env(user))
         if not spec.is_command:
             # The embedded trainer is trainguard's own code: find it even from a plain checkout.
             pythonpath = base_env.get("PYTHONPATH", "")
             base_env["PYTHONPATH"] = PACKAGE_PARENT + (os.pathsep + pythonpath if pythonpath else "")
         base_env.update(ctx.extra_env)
+        # What the agent, not the job, chose: all that a root warm launcher of a launcher.user job gets.
+        agent_env = dict(base_env)
         base_env.update(spec.env)
         if block.socket_ifname:
             for key in SOCKET_IFNAME_VARS:
@@ -365,11 +420,22 @@ class Launcher:
         if spec.faults:
             base_env["TRAINGUARD_FAULTS"] = ";".join(spec.faults)
             # An injected fault fires once per job, not again in every restarted attempt.
-            base_env.setdefault("TRAINGUARD_FAULT_MARKER_DIR", os.path.join(ctx.log_dir, "faults-fired"))
+            marker = base_env.setdefault("TRAINGUARD_FAULT_MARKER_DIR", os.path.join(ctx.log_dir, "faults-fired"))
+            if user is not None and marker == os.path.join(ctx.log_dir, "faults-fired"):
+                os.makedirs(marker, mode=0o700, exist_ok=True)
+                os.chown(marker, user.uid, user.gid, follow_symlinks=False)
         zygote = None
+        rank_uid: tuple[int, int] | None = None
         warm_target = self.warm_module(spec, ctx.python)
         if self.mode == "warm" and warm_target is not None:
-            zygote = self._zygote(spec, ctx, prefix, base_env, cwd)
+            if user is not None and drop:
+                # The warm launcher stays root with CAP_SETUID/CAP_SETGID only (it writes the rank
+                # logs and exit files in the agent's tree), in a directory and environment of the
+                # agent's choosing; each rank it forks drops to the user before the job's code runs.
+                rank_uid = (user.uid, user.gid)
+                zygote = self._zygote(spec, ctx, join + drop_argv(None, keep_setuid=True), agent_env, PACKAGE_PARENT)
+            else:
+                zygote = self._zygote(spec, ctx, join + drop, base_env, cwd)
         ranks: list[RankProcess] = []
         for local in range(block.nproc):
             rank = block.rank_offset + local
@@ -396,23 +462,30 @@ class Launcher:
                 env.update(env_overrides)
             env.update(block.env)
             log_path = os.path.join(ctx.log_dir, f"rank{rank}.log")
+            self.logs.watch(spec.job, log_path)
             if zygote is not None:
                 # The rendezvous store is up before any rank's code runs (trainer/zygote.py).
                 env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
                 if rank == 0:
                     env[ENV_HOST_STORE] = "1"
                 assert warm_target is not None
-                child = zygote.spawn(rank, env, log_path, cwd, warm_target[0], warm_target[1])
+                child = zygote.spawn(rank, env, log_path, cwd, warm_target[0], warm_target[1], user=rank_uid)
                 ranks.append(RankProcess(rank, local, child, self.clock(), log_path, gpu=_nth(gpus, local)))
                 continue
             if self.units:
                 ranks.append(self._start_unit(spec, ctx, attempt, rank, local, env, cwd, log_path, gpus))
                 continue
+            argv = self.rank_command(spec, ctx)
+            popen_env = env
+            if join or drop:
+                # Root runs the join and setpriv: the job's loader variables wait until it has left.
+                popen_env, deferred = defer_unsecure(env)
+                argv = join + drop + (["/bin/sh", "-c", RESTORE_SCRIPT, "sh"] if deferred else []) + argv
             log = open(log_path, "ab")
             try:
                 popen = subprocess.Popen(  # type: ignore[call-overload]
                     argv,
-                    env=env,
+                    env=popen_env,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -423,7 +496,22 @@ class Launcher:
             finally:
                 log.close()
             ranks.append(RankProcess(rank, local, popen, self.clock(), log_path, gpu=_nth(gpus, local)))
+        self.logs.start()
         return ranks
+
+    def _env_dir(self, spec: JobSpec, ctx: LaunchContext) -> str:
+        """The job's directory of unit environment files: root's, 0700, never through a link."""
+        path = self.env_dirs.get(spec.job)
+        if path is None:
+            # The job id as is (``wire.valid_job_id``): systemd unescapes ``\x2d`` in a property value.
+            path = (os.path.join(ctx.run_dir, "env", spec.job) if ctx.run_dir
+                    else os.path.join(ctx.log_dir, ".env"))
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            if os.path.islink(path):
+                raise OSError(f"{path} is a symbolic link: refusing to write a job's environment there")
+            os.chmod(path, 0o700)
+            self.env_dirs[spec.job] = path
+        return path
 
     def _start_unit(self, spec: JobSpec, ctx: LaunchContext, attempt: int, rank: int, local: int, env: dict[str, str],
                     cwd: str, log_path: str, gpus: tuple[int, ...] | None) -> RankProcess:
@@ -432,7 +520,9 @@ class Launcher:
             set_slice_limits(spec.job, spec.cpus or ctx.cpus, spec.memory_max or ctx.memory_max)
             self.unit_jobs.add(spec.job)
         unit = unit_name(spec.job, attempt, rank)
-        argv = run_prefix(unit, spec.job, log_path=log_path, cwd=cwd, env=env, user=ctx.user,
+        env_file = os.path.join(self._env_dir(spec, ctx), f"a{attempt}-r{rank}.env")
+        write_env_file(env_file, env)
+        argv = run_prefix(unit, spec.job, log_path=log_path, cwd=cwd, env_file=env_file, user=ctx.user,
                           properties=spec.unit_properties) + self.rank_command(spec, ctx)
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -3,7 +3,9 @@ SIGKILL or a systemd restart) finds the jobs the previous one ran and adopts the
 
 One ``record.json`` per job in its directory under ``jobs/``, rewritten atomically on every state
 change and launch. A rank is named by its pid *and* its start time (``/proc/<pid>/stat`` field 22,
-clock ticks since boot), so a recycled pid is never mistaken for the rank.
+clock ticks since boot), so a recycled pid is never mistaken for the rank. A record without a start
+time (the rank had already ended when it was written) proves nothing by itself: such a pid counts as
+the rank only when the launcher proves it (the pid in the job's cgroup or slice).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +37,18 @@ class RankRecord:
     log_path: str
 
     def alive(self, proc_root: Path = Path("/proc")) -> bool:
-        """Is this very process still running (same pid, same start time)?"""
+        """Is this very process still running (same pid, same start time)? Without a recorded
+        start time a running pid may be anyone's: False (``proven`` makes such a record usable)."""
         now = process_start_ticks(self.pid, proc_root)
-        return now is not None and (self.start_ticks is None or now == self.start_ticks)
+        return now is not None and self.start_ticks is not None and now == self.start_ticks
+
+    def proven(self, owns: Callable[[int], bool], proc_root: Path = Path("/proc")) -> RankRecord | None:
+        """This record with the running process's start time when ``owns(pid)`` proves the pid is
+        the job's (a record without a start time); None when it cannot be proved."""
+        now = process_start_ticks(self.pid, proc_root)
+        if now is None or not owns(self.pid):
+            return None
+        return replace(self, start_ticks=now)
 
     def recorded_status(self) -> int | None:
         """How this very process ended as its warm launcher recorded it (None: no record of it)."""

@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard.agent import health
@@ -26,6 +26,7 @@ from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher, RankBlo
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.records import AdoptedProcess, RecordStore, SavedJob
 from trainguard.agent.lifecycle.zygote_client import ZygoteChild
+from trainguard.agent.wire import process_start_ticks
 
 
 def _set_logs_aside(log_dir: str) -> None:
@@ -284,6 +285,7 @@ class Supervisor:
                 self.events.emit("job_not_adopted", f"job {job}: its saved spec is unusable ({exc})",
                                  severity="error", job=job, cause=str(exc))
                 continue
+            old = self._prove_unnamed_ranks(old, job)
             alive = [r for r in old.ranks if r.alive()]
             # Ranks that ended while no agent ran: their warm launcher outlives the agent, reaps them
             # and records how they ended; only a rank whose end nobody recorded is lost to us.
@@ -346,6 +348,25 @@ class Supervisor:
                              cause=f"agent restart: {why}", action="restart_after_agent_restart",
                              gone=gone, killed=[r.pid for r in alive])
             threading.Thread(target=self._launch_safely, args=(record,), name=f"launch-{job}", daemon=True).start()
+
+    def _prove_unnamed_ranks(self, old: SavedJob, job: str) -> SavedJob:
+        """Ranks recorded without a start time are adopted (or killed) only when the launcher proves
+        their pid is the job's; a running pid it cannot prove is someone else's, left alone."""
+        owns = getattr(self.launcher, "owns_pid", None)
+        ranks = []
+        for r in old.ranks:
+            if r.start_ticks is None and process_start_ticks(r.pid) is not None:
+                proven = r.proven(functools.partial(owns, job)) if owns is not None else None
+                if proven is None:
+                    self.events.emit("pid_not_adopted", f"job {job}: rank {r.rank}'s recorded pid {r.pid} runs, but "
+                                     "nothing proves it is the rank (no start time recorded, not in the job's cgroup): "
+                                     "left alone", severity="warning", job=job, rank=r.rank, pid=r.pid,
+                                     cause="unproven pid")
+                    ranks.append(replace(r, pid=-1))  # the rank counts as ended; the pid is never signalled
+                    continue
+                r = proven
+            ranks.append(r)
+        return replace(old, ranks=ranks)
 
     def _adopted_status(self, record: JobRecord) -> int:
         """The exit status of an adopted rank when no exit event brought it: 0 when the job's

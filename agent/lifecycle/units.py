@@ -1,13 +1,19 @@
-"""Ranks as transient systemd units, when the agent itself runs under systemd.
+r"""Ranks as transient systemd units, when the agent itself runs under systemd.
 
 A rank the agent forks inherits the agent unit's sandbox (``ProtectSystem=strict``,
 ``ProtectHome=read-only``, its capability bounding set) and sits in the agent's cgroup: a user's
 training could not write its outputs, and stopping the agent killed its jobs. Under systemd each
 rank instead starts as a transient service, ``trainguard-<job>-a<attempt>-r<rank>.service``, made
-by PID 1 with none of the agent's sandbox (the job spec's ``unit_properties`` add its own), in the
+by PID 1 with a sandbox of its own (``RANK_SANDBOX``: no capabilities, no new privileges, kernel
+tunables and modules protected; the job spec's ``unit_properties`` may only tighten it), in the
 job's slice ``trainguard-<job>.slice`` (CPU and memory accounting and limits per job). ``systemd-run
 --wait`` stays the agent's child for the rank's lifetime, so the supervisor waits on it as on any
 process; the rank's own pid (telemetry, eBPF, signals) is the unit's ``MainPID``.
+
+Job names are escaped in unit and slice names as ``systemd-escape`` does (``-`` becomes ``\x2d``):
+systemd nests slices on ``-``, so ``trainguard-a-b.slice`` would sit inside job ``a``'s slice and
+live under its limits. The rank's environment reaches it through an ``EnvironmentFile=`` (0600,
+the agent's), never the command line, where ``ps`` would show a job's tokens to every user.
 
 systemd-run's exit status is the rank's when it exited on its own; for a rank ended by a signal
 it only says "failed", so the unit's ``ExecMainCode``/``ExecMainStatus`` (kept while it is
@@ -17,6 +23,7 @@ failed) give the signal, and ``reset-failed`` lets the name go.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -24,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 _CLD_KILLED, _CLD_DUMPED = 2, 3  # ExecMainCode values for "killed by a signal"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def under_systemd(environ: Mapping[str, str] | None = None) -> bool:
@@ -32,30 +40,74 @@ def under_systemd(environ: Mapping[str, str] | None = None) -> bool:
     return bool(env.get("INVOCATION_ID")) and os.path.isdir("/run/systemd/system") and shutil.which("systemd-run") is not None
 
 
+RANK_SANDBOX = (
+    "CapabilityBoundingSet=", "AmbientCapabilities=", "NoNewPrivileges=yes", "RestrictSUIDSGID=yes",
+    "ProtectKernelModules=yes", "ProtectKernelTunables=yes", "ProtectKernelLogs=yes",
+    "ProtectControlGroups=yes", "LockPersonality=yes", "RestrictRealtime=yes",
+)
+"""What every rank unit gets, with or without ``launcher.user``: nothing a training job needs, and
+none of what a rank running as root could use to take over the node. Nothing that sets a device
+policy (``PrivateDevices=``, ``ProtectClock=``): that would shut the ranks out of the GPUs."""
+
+
+def escape(name: str) -> str:
+    r"""``name`` as one unit-name component (``systemd-escape``): ``-`` and anything outside
+    ``[A-Za-z0-9:_.]`` as ``\xNN``, a leading ``.`` too."""
+    out = []
+    for i, ch in enumerate(name):
+        if (ch.isascii() and (ch.isalnum() or ch in ":_.")) and not (i == 0 and ch == "."):
+            out.append(ch)
+        else:
+            out.extend(f"\\x{b:02x}" for b in ch.encode())
+    return "".join(out)
+
+
 def unit_name(job: str, attempt: int, rank: int) -> str:
-    return f"trainguard-{job}-a{attempt}-r{rank}.service"
+    return f"trainguard-{escape(job)}-a{attempt}-r{rank}.service"
 
 
 def slice_name(job: str) -> str:
-    return f"trainguard-{job}.slice"
+    return f"trainguard-{escape(job)}.slice"
 
 
-def run_prefix(unit: str, job: str, *, log_path: str, cwd: str, env: Mapping[str, str], user: str = "",
+def env_file_text(env: Mapping[str, str]) -> str:
+    r"""``env`` in systemd's ``EnvironmentFile=`` syntax: each value double-quoted, with the four
+    characters systemd unescapes there (double quote, backslash, backtick, dollar) escaped; a newline stays one."""
+    lines = []
+    for key, value in env.items():
+        if not _ENV_NAME.match(key):
+            continue  # systemd ignores such an assignment, saying so in its journal
+        quoted = "".join("\\" + c if c in '"\\`$' else c for c in value)
+        lines.append(f'{key}="{quoted}"\n')
+    return "".join(lines)
+
+
+def write_env_file(path: str, env: Mapping[str, str]) -> None:
+    """A fresh 0600 file at ``path`` (an existing one, or a link planted there, is replaced, never
+    followed)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(env_file_text(env))
+
+
+def run_prefix(unit: str, job: str, *, log_path: str, cwd: str, env_file: str, user: str = "",
                properties: Sequence[str] = ()) -> list[str]:
-    """The ``systemd-run`` command line that starts ``unit`` (then ``--`` and the rank's argv)."""
+    """The ``systemd-run`` command line that starts ``unit`` (then ``--`` and the rank's argv); the
+    rank's environment is in ``env_file``, so nothing of it is on this command line."""
     argv = ["systemd-run", "--wait", "--quiet", "--no-ask-password", f"--unit={unit}", f"--slice={slice_name(job)}",
             "--service-type=exec", f"--working-directory={cwd}",
             "-p", f"StandardOutput=append:{log_path}", "-p", f"StandardError=append:{log_path}",
-            "-p", "KillMode=control-group", "-p", "SendSIGKILL=yes"]
+            "-p", "KillMode=control-group", "-p", "SendSIGKILL=yes", "-p", f"EnvironmentFile={env_file}"]
     if user:
         argv.append(f"--uid={user}")
-    else:
-        # Same user, none of its capabilities: as the launcher's setpriv does outside systemd.
-        argv += ["-p", "CapabilityBoundingSet=", "-p", "AmbientCapabilities=", "-p", "NoNewPrivileges=yes"]
+    for prop in RANK_SANDBOX:
+        argv += ["-p", prop]
     for prop in properties:
         argv += ["-p", prop]
-    for key, value in env.items():
-        argv.append(f"--setenv={key}={value}")
     return [*argv, "--"]
 
 

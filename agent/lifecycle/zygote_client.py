@@ -173,9 +173,14 @@ class Zygote:
         with self._cond:
             return {self.proc.pid, *self._spares}
 
-    def spawn(self, rank: int, env: dict[str, str], log: str, cwd: str, module: str, args: list[str]) -> ZygoteChild:
-        req = {"op": "spawn", "rank": rank, "env": env, "log": log, "cwd": cwd, "module": module, "args": args,
-               "exit_file": exit_status_path(log)}
+    def spawn(self, rank: int, env: dict[str, str], log: str, cwd: str, module: str, args: list[str],
+              user: tuple[int, int] | None = None) -> ZygoteChild:
+        """Fork one rank; ``user``: the (uid, gid) it drops to before the job's code runs (a root
+        zygote that kept only CAP_SETUID/CAP_SETGID for this)."""
+        req: dict[str, Any] = {"op": "spawn", "rank": rank, "env": env, "log": log, "cwd": cwd, "module": module,
+                               "args": args, "exit_file": exit_status_path(log)}
+        if user is not None:
+            req["uid"], req["gid"] = user
         with self._lock:
             if not self.alive or self.proc.stdin is None:
                 raise ZygoteError("warm launcher is not running")

@@ -119,6 +119,27 @@ say adopted "$(trainguard events --json 2>/dev/null | grep -c job_adopted)"
 say adopt_pids_before "$before"
 say adopt_pids_after "$(rank_pids adopt)"
 
+# --- a job's secret: to its rank through a root-only file, never a command line -------------
+secret="hf_svc_$(head -c 8 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+printf '%s\n' "$secret" > /res/secret.pat
+HF_TOKEN="$secret" trainguard run --detach --job sec-job --nproc 1 -- /bin/sh -c 'echo "token=$HF_TOKEN"; exec sleep 60' \
+    > /res/run-sec.txt 2>&1
+wait_for 60 sh -c "grep -q token= /var/lib/trainguard/jobs/sec-job/rank0.log 2>/dev/null"
+say sec_reached "$(grep -cFf /res/secret.pat /var/lib/trainguard/jobs/sec-job/rank0.log 2>/dev/null)"
+n=0
+for f in /proc/[0-9]*/cmdline; do grep -qaFf /res/secret.pat "$f" 2>/dev/null && n=$((n + 1)); done
+say sec_cmdlines "$n"
+sunit='trainguard-sec\x2djob-a1-r0.service'
+envdir='/run/trainguard/env/sec-job'
+say sec_env_prop "$(systemctl show -p Environment --value "$sunit" | grep -cFf /res/secret.pat)"
+say sec_env_file "$(stat -c '%a %U' "$envdir/a1-r0.env" 2>&1)"
+say sec_slice "$(systemctl show -p Slice --value "$sunit")"
+say sec_slice_parent "$(systemctl show -p Slice --value 'trainguard-sec\x2djob.slice')"
+"$REPO/.venv/bin/python" -c "from trainguard.agent.api.client import ApiClient
+ApiClient.local('/run/trainguard/agent.sock').stop_job('sec-job')" > /res/stop-sec.txt 2>&1
+wait_for 30 sh -c "[ ! -e '$envdir' ]"
+say sec_env_gone "$([ -e "$envdir" ] && echo no || echo yes)"
+
 # --- stop with a job running: its ranks go too ---------------------------------------------
 trainguard run --detach --job long --nproc 2 -- "$REPO/.venv/bin/python" "$REPO/examples/ddp_api.py" \
     --steps 100000 --step-sleep 0.05 > /res/run-long.txt 2>&1
