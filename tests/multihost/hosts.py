@@ -47,6 +47,40 @@ def run(*args: str, timeout: float = 20.0, check: bool = True) -> str:
     return proc.stdout
 
 
+PREFIX = "tgmh-"
+"""Namespaces and shared-memory roots are named ``tgmh-<pid of the test process>-<run id>-...``."""
+
+
+def _kill_all_in(ns: str) -> None:
+    for _ in range(50):
+        pids = [int(p) for p in run("ip", "netns", "pids", ns, check=False).split()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+
+
+def sweep_stale() -> None:
+    """Removes namespaces and shared-memory roots left by a test process that no longer exists
+    (one killed before its clean-up ran); those of live test processes are left alone."""
+    def dead(name: str) -> bool:
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        return pid.isdigit() and not os.path.exists(f"/proc/{pid}")
+
+    for line in run("ip", "netns", "list", check=False).splitlines():
+        ns = line.split()[0] if line.split() else ""
+        if ns.startswith(PREFIX) and dead(ns):
+            _kill_all_in(ns)
+            run("ip", "netns", "del", ns, check=False)
+    for path in Path("/dev/shm").glob(f"{PREFIX}*"):
+        if dead(path.name):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def require_namespaces() -> None:
     """Fails (never skips) where the set-up cannot be made: CI runs these tests as root."""
     missing = [tool for tool in ("ip", "bridge", "unshare", "etcd", "curl", "hostname") if shutil.which(tool) is None]
@@ -84,6 +118,7 @@ class Host:
     root: Path
     shm: Path
     tls: Tls
+    hosts_file: Path = Path("/etc/hosts")
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     _seq: int = 0
@@ -162,13 +197,18 @@ class Fabric:
     """The bridge namespace with etcd, the host namespaces, the CA and every certificate."""
 
     def __init__(self, root: Path, names: Iterable[str], *, far: Iterable[str] = (), ttl: int = 5,
-                 cluster_extra: dict[str, Any] | None = None, memory_every: int = 4) -> None:
+                 cluster_extra: dict[str, Any] | None = None, memory_every: int = 4,
+                 loopback_hostname: bool = False) -> None:
+        """``far``: hosts on the far side of the trunk; ``loopback_hostname``: each host's own name
+        resolves to 127.0.1.1 in its /etc/hosts, as Debian's installer writes it (peers' names
+        still resolve to their addresses)."""
         require_namespaces()
         import trustme
 
+        sweep_stale()
         self.root = root
         self.run_id = secrets.token_hex(3)
-        self.bridge_ns = f"tgmh-{self.run_id}-br"
+        self.bridge_ns = f"{PREFIX}{os.getpid()}-{self.run_id}-br"
         self.cluster = f"mh{self.run_id}"
         self.ttl = ttl
         self.memory_every = memory_every
@@ -191,11 +231,15 @@ class Fabric:
         _write_secret(self.key_file, secrets.token_hex(32) + "\n")
         for i, name in enumerate(names):
             addr = f"{SUBNET}.{11 + i}"
-            self.hosts[name] = Host(name, f"tgmh-{self.run_id}-{i}", addr, f"b{self.run_id}{i}", root / name,
-                                    Path("/dev/shm") / f"tgmh-{self.run_id}-{name}", self._issue(name, addr))
-        self.hosts_file = root / "hosts"
-        self.hosts_file.write_text("127.0.0.1 localhost\n" f"{BRIDGE_ADDR} etcd\n"
-                                   + "".join(f"{h.addr} {h.name}\n" for h in self.hosts.values()))
+            self.hosts[name] = Host(name, f"{PREFIX}{os.getpid()}-{self.run_id}-{i}", addr, f"b{self.run_id}{i}",
+                                    root / name, Path("/dev/shm") / f"{PREFIX}{os.getpid()}-{self.run_id}-{name}",
+                                    self._issue(name, addr))
+        for host in self.hosts.values():
+            own = [f"127.0.1.1 {host.name}\n"] if loopback_hostname else []
+            host.hosts_file = root / f"hosts-{host.name}"
+            host.hosts_file.write_text("127.0.0.1 localhost\n" + "".join(own) + f"{BRIDGE_ADDR} etcd\n"
+                                       + "".join(f"{h.addr} {h.name}\n" for h in self.hosts.values()
+                                                 if not (loopback_hostname and h is host)))
 
     def _issue(self, name: str, addr: str | None = None) -> Tls:
         """A certificate with the name as CN and DNS SAN and the address as IP SAN (client and server use)."""
@@ -290,7 +334,7 @@ class Fabric:
         cfg.write_text(self.agent_config(host, slots))
         script = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
         args = ["ip", "netns", "exec", host.ns, "unshare", "--uts", "--", "sh", "-c", script, "sh", host.name,
-                str(self.hosts_file), sys.executable, "-m", "trainguard", "agent", "--state-dir", str(host.state_dir),
+                str(host.hosts_file), sys.executable, "-m", "trainguard", "agent", "--state-dir", str(host.state_dir),
                 "--config", str(cfg), "--metrics-addr", "127.0.0.1:0"]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         with open(host.log_path, "ab") as log:
@@ -390,16 +434,7 @@ class Fabric:
                 except subprocess.TimeoutExpired:
                     pass
         for ns in reversed(self.namespaces):
-            for _ in range(50):
-                pids = [int(p) for p in run("ip", "netns", "pids", ns, check=False).split()]
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.1)
+            _kill_all_in(ns)
         for host in self.hosts.values():
             if host.proc is not None and host.proc.poll() is None:
                 host.proc.kill()

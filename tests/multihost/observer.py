@@ -156,17 +156,22 @@ class Observer:
                 if len(moving) > 1 and max(moving.values()) - min(moving.values()) > tolerance]
 
     def wait_training(self, hosts: Iterable[str], since: float, timeout: float, what: str,
-                      diagnose: Callable[[], str] = lambda: "") -> float:
+                      diagnose: Callable[[], str] = lambda: "", give_up: Callable[[], str | None] = lambda: None,
+                      ) -> float:
         """Waits until every host in ``hosts`` trains in one round after ``since`` (and no other
-        host does); returns that round's time, or fails with what the hosts looked like."""
+        host does); returns that round's time, or fails with what the hosts looked like, early
+        when ``give_up`` names a reason (the job failed for good)."""
         want = set(hosts)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        reason = None
+        while time.monotonic() < deadline and reason is None:
             for t, moving in self.advancing(since):
                 if set(moving) == want:
                     return t
             time.sleep(0.5)
-        raise AssertionError(f"{what}: {sorted(want)} did not train within {timeout:.0f} s\n"
+            reason = give_up()
+        raise AssertionError(f"{what}: {sorted(want)} did not train "
+                             f"{'within ' + format(timeout, '.0f') + ' s' if reason is None else 'and ' + reason}\n"
                              f"{self.describe(since)}\n{diagnose()}")
 
     def committed_floor(self, at: float, holders: Iterable[str], parts: Iterable[str]) -> int:

@@ -75,16 +75,39 @@ def _diagnose(fabric: Fabric) -> Any:
             record = json.dumps((fabric.job_record(JOB) or {}).get("gang"))
         except Exception as exc:  # noqa: BLE001 - etcd may be what is broken
             record = f"(etcd record unreadable: {exc})"
-        logs = "\n".join(f"--- {h.name} agent log ---\n{h.log(2500)}" for h in fabric.hosts.values() if h.proc)
+        logs = "\n".join(f"--- {h.name} agent log ---\n{h.log(2500)}\n--- {h.name} newest rank log ---\n{_rank_log(h)}"
+                         for h in fabric.hosts.values() if h.proc)
         recent = "\n".join(f"  {h} {e['kind']}: {e['message'][:200]}"
                            for h, e in _obs_events(fabric)[-40:])
         return f"gang record: {record}\nrecent events:\n{recent}\n{logs}"
     return text
 
 
+def _rank_log(host: Any, tail: int = 1200) -> str:
+    logs = sorted((host.state_dir / "jobs" / JOB).glob("rank*.log"), key=lambda p: p.stat().st_mtime)
+    return logs[-1].read_text(errors="replace")[-tail:] if logs else "(none)"
+
+
+def _failed(fabric: Fabric, since: float) -> Any:
+    """A ``give_up`` for waits: the job failed for good (crash loop) after ``since``."""
+    def reason() -> str | None:
+        for host in fabric.hosts.values():
+            for e in host.seen:
+                if e["kind"] in ("gang_failed", "job_failed") and float(e.get("ts", 0)) >= since:
+                    return f"the job failed on {host.name}: {e['message']}"
+        return None
+    return reason
+
+
 def _obs_events(fabric: Fabric) -> list[tuple[str, dict[str, Any]]]:
     got = [(h.name, e) for h in fabric.hosts.values() for e in h.seen if not e["kind"].startswith("checkpoint_")]
     return sorted(got, key=lambda he: float(he[1].get("ts", 0)))
+
+
+def _wait(obs: Observer, fabric: Fabric, hosts: list[str], since: float, timeout: float, what: str) -> float:
+    """Waits until exactly ``hosts`` train; fails with the record, events and logs, at once when the
+    job failed for good."""
+    return obs.wait_training(hosts, since, timeout, what, _diagnose(fabric), give_up=_failed(fabric, since))
 
 
 def _wait_floor(obs: Observer, holders: list[str], parts: list[str], above: int, timeout: float, diag: Any) -> int:
@@ -134,7 +157,7 @@ def test_three_hosts_train_one_job_over_tls(make_fabric: Any, tmp_path: Path) ->
         assert status["cluster"]["members"][name]["api"] == f"{fabric.hosts[name].addr}:7443"
     with Observer(fabric, JOB) as obs:
         submitted = _submit(fabric, "node-a", 3, tmp_path)
-        began = obs.wait_training(names, submitted, 150, "the 3-host job", diag)
+        began = _wait(obs, fabric, names, submitted, 150, "the 3-host job")
         print(f"FIGURE submit -> 3 hosts training: {began - submitted:.1f} s")
         floor = _wait_floor(obs, names, names, 0, 90, diag)
         record = fabric.job_record(JOB)
@@ -160,7 +183,7 @@ def test_killed_host_is_replaced_by_spare_and_training_resumes(make_fabric: Any,
     diag = _diagnose(fabric)
     with Observer(fabric, JOB) as obs:
         submitted = _submit(fabric, "node-a", 2, tmp_path)
-        obs.wait_training(["node-a", "node-b"], submitted, 150, "the 2-host job", diag)
+        _wait(obs, fabric, ["node-a", "node-b"], submitted, 150, "the 2-host job")
         fabric.start_agent("node-c")
         _wait_members(fabric, "node-a", 3)
         obs.mark("spare node-c joined")
@@ -169,7 +192,7 @@ def test_killed_host_is_replaced_by_spare_and_training_resumes(make_fabric: Any,
         killed = obs.mark("SIGKILL node-b", fabric.kill("node-b"))
         floor = obs.committed_floor(killed, ["node-a", "node-c"], ["node-a", "node-b"])
         assert floor > 0
-        again = obs.wait_training(["node-a", "node-c"], killed, 150, "after node-b's loss", diag)
+        again = _wait(obs, fabric, ["node-a", "node-c"], killed, 150, "after node-b's loss")
         print(f"FIGURE node loss -> training again on the survivor and the spare: {again - killed:.1f} s "
               f"(TTL {TTL} s)")
         time.sleep(4)
@@ -194,12 +217,12 @@ def test_cut_off_host_fences_rest_train_and_heal_leaves_one_copy(make_fabric: An
     diag = _diagnose(fabric)
     with Observer(fabric, JOB) as obs:
         submitted = _submit(fabric, "node-a", 3, tmp_path)
-        obs.wait_training(names, submitted, 150, "the 3-host job", diag)
+        _wait(obs, fabric, names, submitted, 150, "the 3-host job")
         _wait_floor(obs, ["node-a", "node-b"], names, 0, 90, diag)
         cut = obs.mark("node-c link down", fabric.cut("node-c"))
         floor = obs.committed_floor(cut, ["node-a", "node-b"], names)
         fenced = _ranks_gone(obs, "node-c", cut, 3 * TTL + 10)
-        again = obs.wait_training(["node-a", "node-b"], cut, 150, "after node-c was cut off", diag)
+        again = _wait(obs, fabric, ["node-a", "node-b"], cut, 150, "after node-c was cut off")
         print(f"FIGURE partition -> cut-off node's rank stopped: "
               f"{'not within ' + str(3 * TTL + 10) + ' s' if fenced is None else f'{fenced - cut:.1f} s'} (TTL {TTL} s)")
         print(f"FIGURE partition -> majority training again: {again - cut:.1f} s")
@@ -249,7 +272,7 @@ def test_pair_cut_off_from_third_never_trains_twice(make_fabric: Any, tmp_path: 
     diag = _diagnose(fabric)
     with Observer(fabric, JOB) as obs:
         submitted = _submit(fabric, "node-a", 2, tmp_path)
-        obs.wait_training(["node-a", "node-b"], submitted, 150, "the 2-host job", diag)
+        _wait(obs, fabric, ["node-a", "node-b"], submitted, 150, "the 2-host job")
         fabric.start_agent("node-c")
         _wait_members(fabric, "node-a", 3)
         _wait_floor(obs, ["node-a", "node-b", "node-c"], ["node-a", "node-b"], 0, 90, diag)
@@ -261,7 +284,7 @@ def test_pair_cut_off_from_third_never_trains_twice(make_fabric: Any, tmp_path: 
                   f"{'not within ' + str(3 * TTL + 10) + ' s' if at is None else f'{at - cut:.1f} s'} (TTL {TTL} s)")
         time.sleep(2 * TTL)
         healed = obs.mark("trunk up", fabric.heal_partition())
-        again = obs.wait_training(_job_hosts(fabric), healed, 150, "after the heal", diag)
+        again = _wait(obs, fabric, _job_hosts(fabric), healed, 150, "after the heal")
         print(f"FIGURE heal -> one copy training again: {again - healed:.1f} s")
         time.sleep(6)
     two = obs.two_copies([["node-a", "node-b"], ["node-c"]], cut)
@@ -279,3 +302,18 @@ def _job_hosts(fabric: Fabric) -> list[str]:
     record = fabric.job_record(JOB)
     assert record is not None
     return [b[0] for b in record["gang"]["blocks"]]
+
+
+def test_job_trains_where_each_hostname_resolves_to_loopback(make_fabric: Any, tmp_path: Path) -> None:
+    """Each host's own name resolves to 127.0.1.1 (Debian's default /etc/hosts): gloo must still
+    bind to the advertised address (the agent derives the interface from ``cluster.advertise``),
+    or every cross-host connect is refused and the job crash-loops."""
+    names = ["node-a", "node-b", "node-c"]
+    fabric = make_fabric(names, loopback_hostname=True)
+    _start_leader_first(fabric, names)
+    with Observer(fabric, JOB) as obs:
+        submitted = _submit(fabric, "node-a", 3, tmp_path)
+        began = _wait(obs, fabric, names, submitted, 120, "the 3-host job with loopback hostnames")
+        print(f"FIGURE submit -> 3 hosts training (hostnames on 127.0.1.1): {began - submitted:.1f} s")
+        time.sleep(4)
+    assert not obs.diverged(submitted), obs.describe()
