@@ -214,3 +214,8 @@ class Observer:
         got = [(h.name, e) for h in self.fabric.hosts.values() for e in h.seen
                if e.get("ts", 0) >= since and (not want or e["kind"] in want)]
         return sorted(got, key=lambda he: float(he[1].get("ts", 0)))
+
+    def timeline(self, since: float, skip: tuple[str, ...] = ("checkpoint_", "straggler_", "controller_")) -> str:
+        """The events every host logged after ``since``, as ``+seconds host kind: message`` lines."""
+        return "\n".join(f"  +{float(e['ts']) - since:6.1f}s {h:<7} {e['kind']}: {e['message'][:160]}"
+                         for h, e in self.events(since=since) if not e["kind"].startswith(skip))

@@ -166,8 +166,12 @@ def test_three_hosts_train_one_job_over_tls(make_fabric: Any, tmp_path: Path) ->
         placed = [e for _, e in obs.events(["gang_placed"])]
         assert placed and "node-a: ranks 0-0; node-b: ranks 1-1; node-c: ranks 2-2" in placed[0]["message"]
         # the ring: a's part on b, b's on c, c's on a
-        held = {(s.host, node) for r in obs.snapshot() for s in r for node, _ in s.parts if node != s.host}
-        assert {("node-b", "node-a"), ("node-c", "node-b"), ("node-a", "node-c")} <= held, held
+        ring = {("node-b", "node-a"), ("node-c", "node-b"), ("node-a", "node-c")}
+        deadline = time.monotonic() + 60
+        while not ring <= (held := {(s.host, node) for r in obs.snapshot() for s in r for node, _ in s.parts
+                                    if node != s.host}):
+            assert time.monotonic() < deadline, f"ring copies held (host, part): {held}\n{diag()}"
+            time.sleep(0.5)
         time.sleep(5)
     assert not obs.diverged(submitted), obs.describe()
     assert all(h.proc is not None and h.proc.poll() is None for h in fabric.hosts.values())
@@ -196,6 +200,7 @@ def test_killed_host_is_replaced_by_spare_and_training_resumes(make_fabric: Any,
         print(f"FIGURE node loss -> training again on the survivor and the spare: {again - killed:.1f} s "
               f"(TTL {TTL} s)")
         time.sleep(4)
+    print(f"events after the kill:\n{obs.timeline(killed)}")
     restored = _restore_steps(fabric, ["node-a", "node-c"], killed)
     assert set(restored) == {"node-a", "node-c"}, f"both hosts start the new attempt: {restored}\n{diag()}"
     assert all(step >= floor for step in restored.values()), \
@@ -231,6 +236,7 @@ def test_cut_off_host_fences_rest_train_and_heal_leaves_one_copy(make_fabric: An
         one = _one_copy_after(obs, healed, ["node-c"], 60)
         print(f"FIGURE heal -> one copy: {'not within 60 s' if one is None else f'{one - healed:.1f} s'}")
         time.sleep(6)
+    print(f"events after the cut:\n{obs.timeline(cut)}")
     assert fenced is not None and fenced <= again, \
         f"node-c's rank was not stopped before the job trained again elsewhere\n{obs.describe(cut)}\n{diag()}"
     assert restored and all(step >= floor for step in restored.values()), \
@@ -287,6 +293,7 @@ def test_pair_cut_off_from_third_never_trains_twice(make_fabric: Any, tmp_path: 
         again = _wait(obs, fabric, _job_hosts(fabric), healed, 150, "after the heal")
         print(f"FIGURE heal -> one copy training again: {again - healed:.1f} s")
         time.sleep(6)
+    print(f"events after the cut:\n{obs.timeline(cut)}")
     two = obs.two_copies([["node-a", "node-b"], ["node-c"]], cut)
     assert not two, f"two copies trained at once: {two}\n{obs.describe(cut)}\n{diag()}"
     assert all(at is not None for at in fenced), \
