@@ -210,6 +210,9 @@ def test_killed_host_is_replaced_by_spare_and_training_resumes(make_fabric: Any,
     assert not obs.diverged(killed), obs.describe(killed)
     lost = [e for h, e in obs.events(["node_lost"]) if h != "node-b"]
     assert lost and lost[0]["fields"]["node"] == "node-b"
+    placed = [e for _, e in obs.events(["gang_placed"], killed)]
+    assert any("node-b lost" in e["message"] and "node-c" in e["message"] for e in placed), \
+        f"no placement event names the loss and the spare: {[e['message'] for e in placed]}"
 
 
 def test_cut_off_host_fences_rest_train_and_heal_leaves_one_copy(make_fabric: Any, tmp_path: Path) -> None:
@@ -239,6 +242,8 @@ def test_cut_off_host_fences_rest_train_and_heal_leaves_one_copy(make_fabric: An
     print(f"events after the cut:\n{obs.timeline(cut)}")
     assert fenced is not None and fenced <= again, \
         f"node-c's rank was not stopped before the job trained again elsewhere\n{obs.describe(cut)}\n{diag()}"
+    assert [e for h, e in obs.events(since=cut) if h == "node-c" and "fenc" in e["kind"]], \
+        "node-c stopped its rank without an event saying it fenced"
     assert restored and all(step >= floor for step in restored.values()), \
         f"a committed step was lost: restored {restored}, newest committed step {floor}\n{diag()}"
     assert not obs.two_copies([["node-a", "node-b"], ["node-c"]], cut), obs.describe(cut)
@@ -298,6 +303,9 @@ def test_pair_cut_off_from_third_never_trains_twice(make_fabric: Any, tmp_path: 
     assert not two, f"two copies trained at once: {two}\n{obs.describe(cut)}\n{diag()}"
     assert all(at is not None for at in fenced), \
         f"the cut-off pair kept its ranks: {fenced}\n{obs.describe(cut)}\n{diag()}"
+    for name in ("node-a", "node-b"):
+        assert [e for h, e in obs.events(since=cut) if h == name and "fenc" in e["kind"]], \
+            f"{name} stopped its rank without an event saying it fenced"
     restarted = [e for _, e in obs.events(["gang_ranks_started"], cut)]
     low = [e["fields"].get("restore_step") for e in restarted if int(e["fields"].get("restore_step", -1)) < floor]
     assert not low, f"the lineage forked: restarts from {low} while step {floor} was committed\n{diag()}"
