@@ -139,14 +139,20 @@ class Observer:
                 out.append((taken[0].t, moving))
         return out
 
-    def two_copies(self, sides: Iterable[Iterable[str]], since: float = 0.0) -> list[str]:
-        """Rounds in which hosts on two sides of a partition trained at once (two copies of the job)."""
+    def two_copies(self, sides: Iterable[Iterable[str]], since: float = 0.0, lockstep: int = 3) -> list[str]:
+        """Rounds in which hosts on two sides of a partition trained at once (two copies of the job).
+        The round that closes the last steps taken before a cut shows one copy on both sides, at one
+        step; two copies either report steps more than ``lockstep`` apart or advance on both sides
+        in two rounds running."""
         groups = [set(s) for s in sides]
-        bad = []
+        bad: list[str] = []
+        both_before = False
         for t, moving in self.advancing(since):
             touched = [i for i, g in enumerate(groups) if g & moving.keys()]
-            if len(touched) > 1:
+            both = len(touched) > 1
+            if both and (both_before or max(moving.values()) - min(moving.values()) > lockstep):
                 bad.append(f"t={t:.1f}: {moving}")
+            both_before = both
         return bad
 
     def diverged(self, since: float = 0.0, tolerance: int = 40) -> list[str]:
@@ -155,16 +161,21 @@ class Observer:
         return [f"t={t:.1f}: steps {moving}" for t, moving in self.advancing(since)
                 if len(moving) > 1 and max(moving.values()) - min(moving.values()) > tolerance]
 
-    def wait_training(self, hosts: Iterable[str], since: float, timeout: float, what: str,
-                      diagnose: Callable[[], str] = lambda: "", give_up: Callable[[], str | None] = lambda: None,
-                      ) -> float:
-        """Waits until every host in ``hosts`` trains in one round after ``since`` (and no other
-        host does); returns that round's time, or fails with what the hosts looked like, early
-        when ``give_up`` names a reason (the job failed for good)."""
-        want = set(hosts)
+    def wait_training(self, hosts: Iterable[str] | Callable[[], Iterable[str]], since: float, timeout: float,
+                      what: str, diagnose: Callable[[], str] = lambda: "",
+                      give_up: Callable[[], str | None] = lambda: None) -> float:
+        """Waits until every host in ``hosts`` (or in what it returns now, for a job that may be
+        placed anew meanwhile) trains in one round after ``since`` and no other host does; returns
+        that round's time, or fails with what the hosts looked like, early when ``give_up`` names a
+        reason (the job failed for good)."""
+        def current() -> Iterable[str]:
+            return hosts() if callable(hosts) else hosts
+
         deadline = time.monotonic() + timeout
         reason = None
+        want: set[str] = set()
         while time.monotonic() < deadline and reason is None:
+            want = set(current())
             for t, moving in self.advancing(since):
                 if set(moving) == want:
                     return t
