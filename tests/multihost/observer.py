@@ -139,15 +139,18 @@ class Observer:
                 out.append((taken[0].t, moving))
         return out
 
-    def two_copies(self, sides: Iterable[Iterable[str]], since: float = 0.0, lockstep: int = 3) -> list[str]:
-        """Rounds in which hosts on two sides of a partition trained at once (two copies of the job).
-        The round that closes the last steps taken before a cut shows one copy on both sides, at one
-        step; two copies either report steps more than ``lockstep`` apart or advance on both sides
-        in two rounds running."""
+    def two_copies(self, sides: Iterable[Iterable[str]], since: float, until: float, lockstep: int = 3) -> list[str]:
+        """Rounds between a cut (``since``) and its heal (``until``) in which hosts on two sides trained
+        at once (two copies of the job). The round that closes the last steps taken before the cut
+        shows one copy on both sides, at one step; two copies either report steps more than
+        ``lockstep`` apart or advance on both sides in two rounds running. (After the heal one copy
+        may span both sides again: ``diverged`` judges that time.)"""
         groups = [set(s) for s in sides]
         bad: list[str] = []
         both_before = False
         for t, moving in self.advancing(since):
+            if t > until:
+                break
             touched = [i for i, g in enumerate(groups) if g & moving.keys()]
             both = len(touched) > 1
             if both and (both_before or max(moving.values()) - min(moving.values()) > lockstep):

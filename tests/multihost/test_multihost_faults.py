@@ -247,7 +247,7 @@ def test_cut_off_host_fences_rest_train_and_heal_leaves_one_copy(make_fabric: An
         "node-c stopped its rank without an event saying it fenced"
     assert restored and all(step >= floor for step in restored.values()), \
         f"a committed step was lost: restored {restored}, newest committed step {floor}\n{diag()}"
-    assert not obs.two_copies([["node-a", "node-b"], ["node-c"]], cut), obs.describe(cut)
+    assert not obs.two_copies([["node-a", "node-b"], ["node-c"]], cut, healed), obs.describe(cut)
     assert not obs.diverged(cut), obs.describe(cut)
     assert one is not None, f"two copies after the heal\n{obs.describe(healed)}\n{diag()}"
     record = fabric.job_record(JOB)
@@ -300,7 +300,7 @@ def test_pair_cut_off_from_third_never_trains_twice(make_fabric: Any, tmp_path: 
         print(f"FIGURE heal -> one copy training again: {again - healed:.1f} s")
         time.sleep(6)
     print(f"events after the cut:\n{obs.timeline(cut)}")
-    two = obs.two_copies([["node-a", "node-b"], ["node-c"]], cut)
+    two = obs.two_copies([["node-a", "node-b"], ["node-c"]], cut, healed)
     assert not two, f"two copies trained at once: {two}\n{obs.describe(cut)}\n{diag()}"
     assert all(at is not None for at in fenced), \
         f"the cut-off pair kept its ranks: {fenced}\n{obs.describe(cut)}\n{diag()}"
