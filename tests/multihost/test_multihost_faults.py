@@ -9,6 +9,7 @@ Run with ``-s`` to see the measured figures (``FIGURE ...`` lines); docs/cluster
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +23,8 @@ from tests.multihost.observer import Observer
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 JOB = "mh"
-TTL = 5
+TTL = int(os.environ.get("TRAINGUARD_MULTIHOST_TTL", "5"))
+"""Lease TTL of the agents (s); set TRAINGUARD_MULTIHOST_TTL=10 to measure the default's figures."""
 
 
 @pytest.fixture
