@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from trainguard.agent.cluster.config import ClusterConfig
 
@@ -53,7 +54,9 @@ def test_cluster_doc_certificate_recipe_gives_certificates_mutual_tls_accepts(tm
                 conn, _ = listener.accept()
                 try:
                     with server.wrap_socket(conn, server_side=True) as tls:
-                        seen.append(dict(x[0] for x in tls.getpeercert()["subject"])["commonName"])
+                        peer: Any = tls.getpeercert() or {}
+                        seen.extend(value for rdn in peer.get("subject", ()) for key, value in rdn
+                                    if key == "commonName")
                 except (ssl.SSLError, OSError):
                     pass
 
