@@ -221,3 +221,18 @@ def test_job_subtrees_are_given_to_the_jobs_user(tmp_path: Path) -> None:
         assert os.lstat(mgr.memory.root / ".snapshots").st_uid == os.geteuid()
     finally:
         mgr.stop()
+
+
+def test_agent_state_dirs_owned_by_another_uid_or_symlinked_are_refused(tmp_path: Path) -> None:
+    from trainguard.agent.paths import AgentPaths
+
+    paths = AgentPaths.for_state_dir(str(tmp_path / "state"))
+    assert {c.action for c in paths.ensure()} == {"created"}
+    assert {c.action for c in paths.ensure()} == {"ok"}
+    os.chown(paths.events_dir, ATTACKER_UID, ATTACKER_UID)  # as if that user had made it first
+    with pytest.raises(UnsafeTreeError, match="owned by uid 54321"):
+        paths.ensure()
+    shutil.rmtree(paths.events_dir)
+    os.symlink(tmp_path, paths.events_dir)
+    with pytest.raises(UnsafeTreeError, match="symlink"):
+        paths.ensure()
