@@ -34,6 +34,7 @@ from trainguard.agent.checkpoint.manifest import (
     CHUNK_BYTES,
     DEFAULT_ALGORITHM,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
     VerifyResult,
@@ -193,6 +194,15 @@ class LocalDirTier(Tier):
             uids.add(owner[0])
         return uids
 
+    def _read_manifest(self, step_dir: Path) -> Manifest:
+        """A committed checkpoint's manifest, read below the root without following a symlink and
+        never from a FIFO or device a rank put in its place (its open would block the agent)."""
+        fd = open_beneath(self.root, step_dir / MANIFEST_NAME, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise ManifestError(f"{step_dir / MANIFEST_NAME} is not a regular file")
+            return Manifest.from_json(fh.read(MAX_MANIFEST_BYTES + 1))
+
     def _rmtree(self, path: Path) -> None:
         rmtree_beneath(self.root, path)
 
@@ -322,7 +332,7 @@ class LocalDirTier(Tier):
                 continue  # .tmp-* and anything else is not a committed checkpoint
             path = jd / name
             try:
-                manifest = read_manifest(path)
+                manifest = self._read_manifest(path)
             except FileNotFoundError:
                 continue
             except (ManifestError, OSError):
@@ -437,7 +447,7 @@ class LocalDirTier(Tier):
         if unsafe is not None:
             return VerifyResult(error=f"tier {self.name}: {job} step {step}: {unsafe}")
         try:
-            manifest = read_manifest(path)
+            manifest = self._read_manifest(path)
         except FileNotFoundError:
             return VerifyResult(error=f"tier {self.name}: no manifest for {job} step {step}")
         except (ManifestError, OSError) as exc:

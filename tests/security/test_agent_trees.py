@@ -236,3 +236,23 @@ def test_agent_state_dirs_owned_by_another_uid_or_symlinked_are_refused(tmp_path
     os.symlink(tmp_path, paths.events_dir)
     with pytest.raises(UnsafeTreeError, match="symlink"):
         paths.ensure()
+
+
+def test_a_fifo_in_place_of_a_manifest_does_not_block_listing_or_restore(tmp_path: Path) -> None:
+    mgr = CheckpointManager(CheckpointSettings(memory_root=str(tmp_path / "shm")))
+    mgr.start()
+    try:
+        _commit(mgr.memory, 10)
+        planted = mgr.memory.job_dir("job") / "step_40"
+        planted.mkdir()
+        os.mkfifo(planted / "manifest.json")  # as a rank in its own job directory could
+        result: list[object] = []
+        t = threading.Thread(target=lambda: result.append(mgr.restore("job")), daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive()
+        restored = result[0]
+        assert restored is not None and restored.info.step == 10  # type: ignore[attr-defined]
+        restored.release()  # type: ignore[attr-defined]
+    finally:
+        mgr.stop()
