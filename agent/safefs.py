@@ -344,3 +344,38 @@ def chown_tree(root: str | os.PathLike[str], path: str | os.PathLike[str], uid: 
                         os.close(sub)
 
         walk(top)
+
+
+def copy_tree_beneath(src_root: str | os.PathLike[str], src: str | os.PathLike[str],
+                      dst_root: str | os.PathLike[str], dst: str | os.PathLike[str], *,
+                      uids: Iterable[int] | None = None) -> int:
+    """Copy the regular files under ``src`` (below trusted ``src_root``) into a new tree ``dst``
+    (below trusted ``dst_root``); no symlink followed on either side, and a source holding a link,
+    a special file or (with ``uids``) another owner's entry is refused before anything is copied.
+    Returns the bytes copied."""
+    files = walk_files(src_root, src, uids=uids)
+    copied = 0
+    with dir_fd(src_root, src) as sfd, dir_fd(dst_root, dst, create=True) as dfd:
+        for rel, _ in files:
+            parts = rel.split("/")
+            sub_src = open_dir_at(sfd, parts[:-1])
+            sub_dst = open_dir_at(dfd, parts[:-1], create=True)
+            try:
+                fin = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sub_src)
+                try:
+                    fout = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                   0o640, dir_fd=sub_dst)
+                    try:
+                        while chunk := os.read(fin, 1 << 20):
+                            view = memoryview(chunk)
+                            while view:
+                                view = view[os.write(fout, view):]
+                            copied += len(chunk)
+                    finally:
+                        os.close(fout)
+                finally:
+                    os.close(fin)
+            finally:
+                os.close(sub_src)
+                os.close(sub_dst)
+    return copied

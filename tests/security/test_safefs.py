@@ -11,6 +11,7 @@ import pytest
 from trainguard.agent.safefs import (
     UnsafeTreeError,
     chown_tree,
+    copy_tree_beneath,
     ensure_agent_dir,
     open_beneath,
     relparts,
@@ -96,3 +97,16 @@ def test_chown_tree_gives_a_subtree_without_following_links(tmp_path: Path) -> N
     chown_tree(root, root / "job", 54_321, 54_321)
     assert os.lstat(root / "job" / "d" / "f").st_uid == 54_321
     assert os.lstat(outside).st_uid == os.geteuid()
+
+
+def test_copy_tree_beneath_copies_files_and_refuses_a_tree_with_a_link(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f").write_bytes(b"abc")
+    (src / "g").write_bytes(b"12345")
+    assert copy_tree_beneath(tmp_path, src, tmp_path, tmp_path / "out" / "copy") == 8
+    assert (tmp_path / "out" / "copy" / "d" / "f").read_bytes() == b"abc"
+    os.symlink("/etc/shadow", src / "d" / "leak")
+    with pytest.raises(UnsafeTreeError):
+        copy_tree_beneath(tmp_path, src, tmp_path, tmp_path / "out" / "again")
+    assert not (tmp_path / "out" / "again").exists()
