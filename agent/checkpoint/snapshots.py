@@ -46,6 +46,9 @@ SLOTS = ("a", "b")
 MAX_SKELETON_BYTES = 256 << 20
 """A skeleton is the state's structure and small values (kilobytes): anything past this is forged."""
 
+VERIFY_MAX_BYTES = 1 << 30
+"""The most tensor bytes (all ranks' slots of a step) the agent sums itself before a restart."""
+
 EMPTY, WRITING, DONE = 0, 1, 2
 
 REJECTED: Counter[str] = Counter()
@@ -226,6 +229,7 @@ class SnapshotSet:
         self.dir = snapshot_dir(memory_root, job)
         self.problems: list[str] = []
         """Slots skipped as forged or damaged since this set was made (for the agent's events)."""
+        self.verify_max_bytes = VERIFY_MAX_BYTES
 
     def done_steps(self, rank: int, world_size: int) -> set[int]:
         steps = set()
@@ -264,19 +268,26 @@ class SnapshotSet:
 
     def verify_step(self, step: int, world_size: int) -> bool:
         """Whether every rank's ``done`` slot of ``step`` holds the tensor bytes its writer summed;
-        a damaged slot is emptied (never restored) and told in ``problems``."""
-        ok = True
+        a damaged slot is emptied (never restored) and told in ``problems``. Above
+        ``VERIFY_MAX_BYTES`` in all, the agent leaves the check to the ranks' loaders (each checks
+        its own slots as it reads them, in parallel, and all fall back to the checkpoint together):
+        a restart would otherwise wait for one core to sum every rank's state."""
+        slots: list[tuple[int, str, Path, SlotHeader]] = []
         for rank in range(world_size):
             for slot in SLOTS:
                 path = slot_path(self.dir, rank, slot)
                 found = read_done(path, self.root)
-                if found is None or found[0].step != step:
-                    continue
-                problem = payload_problem(path, found[0], self.root)
-                if problem is not None:
-                    self.problems.append(f"rank {rank} slot {slot} of step {step}: {problem}")
-                    mark_empty(path, self.root)
-                    ok = False
+                if found is not None and found[0].step == step:
+                    slots.append((rank, slot, path, found[0]))
+        if sum(h.payload_bytes for *_, h in slots) > self.verify_max_bytes:
+            return True
+        ok = True
+        for rank, slot, path, header in slots:
+            problem = payload_problem(path, header, self.root)
+            if problem is not None:
+                self.problems.append(f"rank {rank} slot {slot} of step {step}: {problem}")
+                mark_empty(path, self.root)
+                ok = False
         return ok
 
     def settle(self, dead: Iterable[int], alive: Iterable[int], world_size: int, within_s: float, *,

@@ -121,3 +121,18 @@ def test_without_verify_the_damage_is_not_looked_for(tmp_path: Path) -> None:
         fh.write(b"\xff\xff")
     assert SnapshotSet(tmp_path, "job").common_step(1) == 2
     assert os.path.exists(path)
+
+
+def test_above_the_agents_limit_the_rank_loader_is_the_check(tmp_path: Path) -> None:
+    directory, _ = _snapshots(tmp_path, [1, 2])
+    path = next(slot_path(directory, 0, s) for s in ("a", "b")
+                if (h := read_header(slot_path(directory, 0, s))) and h.step == 2)
+    with open(path, "r+b") as fh:
+        fh.seek(HEADER_BYTES + 9)
+        fh.write(b"\xaa")
+    snaps = SnapshotSet(tmp_path, "job")
+    snaps.verify_max_bytes = 16  # a state too large for the agent to sum before a restart
+    assert snaps.common_step(1, verify=True) == 2 and snaps.problems == []
+    fresh, opt = _model()
+    with pytest.raises(SnapshotError, match="damaged"):
+        load_snapshot(str(directory), 0, 1, 2, {"model": fresh, "optim": opt})
