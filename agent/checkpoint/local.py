@@ -169,7 +169,15 @@ class LocalDirTier(Tier):
     # -- the tree's safety -------------------------------------------------------------------------
     def secure_root(self, *, takeover: bool = True, mode: int = 0o755) -> DirCheck:
         """Make the root a directory of the agent's own (created, or an unsafe one moved aside and
-        made anew): called at start, before anything in it is trusted."""
+        made anew): called at start, before anything in it is trusted. A root that is a symlink
+        root or the agent made (an admin pointing the disk tier at an NVMe mount) is followed once,
+        here, and its target secured and used from then on; anyone else's symlink is moved aside."""
+        try:
+            st = os.lstat(self.root)
+        except FileNotFoundError:
+            st = None
+        if st is not None and stat.S_ISLNK(st.st_mode) and st.st_uid in (0, os.geteuid()):
+            self.root = Path(os.path.realpath(self.root))
         return ensure_agent_dir(self.root, mode=mode, takeover=takeover)
 
     def check_root(self) -> None:

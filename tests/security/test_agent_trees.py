@@ -256,3 +256,19 @@ def test_a_fifo_in_place_of_a_manifest_does_not_block_listing_or_restore(tmp_pat
         restored.release()  # type: ignore[attr-defined]
     finally:
         mgr.stop()
+
+
+def test_a_disk_root_symlinked_by_root_is_followed_once_and_secured(tmp_path: Path, shm_root: Path) -> None:
+    """An admin's link to an NVMe mount stays in use; a link another uid made does not (above)."""
+    from trainguard.agent.checkpoint import DiskTier
+
+    target = tmp_path / "nvme"
+    target.mkdir()
+    os.symlink(target, tmp_path / "checkpoints")
+    disk = DiskTier(tmp_path / "checkpoints")
+    assert disk.secure_root().action == "ok" and disk.root == target
+    as_attacker(os.symlink, str(target), str(shm_root))  # in world-writable /dev/shm
+    memory = MemoryTier(shm_root)
+    check = memory.secure_root()
+    assert check.action == "taken_over" and "symlink" in check.reason and memory.root == shm_root
+    assert not os.path.islink(shm_root)
