@@ -9,6 +9,7 @@ the newest verified checkpoint across tiers; ``status``/``metrics``/``catalog`` 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -158,6 +159,9 @@ class CheckpointManager:
                 self.emit("agent_dir_refused", {"tier": tier.name, "path": str(tier.root), "error": describe(exc)})
                 continue
             self._report_dir(tier.name, check)
+            if tier is self.memory and str(tier.root) != self.settings.memory_root:
+                # A root's symlink was followed: ranks and snapshots use the real directory too.
+                self.settings = dataclasses.replace(self.settings, memory_root=str(tier.root))
             if tier is self.memory:
                 try:
                     snaps = ensure_agent_dir(os.path.join(tier.root, SNAPSHOT_DIRNAME))
