@@ -170,6 +170,11 @@ class CheckpointManager:
                                                     "error": describe(exc)})
                     continue
                 self._report_dir("snapshots", snaps)
+        try:  # where checkpoints of non-local tiers are fetched for a restore
+            self._report_dir("scratch", ensure_agent_dir(self.settings.scratch, mode=0o755))
+        except OSError as exc:
+            self.emit("agent_dir_refused", {"tier": "scratch", "path": str(self.settings.scratch),
+                                            "error": describe(exc)})
 
     def _report_dir(self, tier: str, check: DirCheck) -> None:
         if check.action == "taken_over":
