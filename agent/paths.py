@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from trainguard.agent.config import DEFAULT_RUN_DIR, DEFAULT_STATE_DIR
+from trainguard.agent.safefs import DirCheck, ensure_agent_dir
 
 
 def agent_tag(state_dir: str) -> str:
@@ -64,6 +65,10 @@ class AgentPaths:
         """The bound metrics address, so clients and tests find an agent started on port 0."""
         return os.path.join(self.run_dir, "metrics.addr")
 
-    def ensure(self) -> None:
-        for d in (self.state_dir, self.run_dir, self.plans_dir, self.events_dir, self.jobs_dir):
-            os.makedirs(d, mode=0o750, exist_ok=True)
+    def ensure(self) -> list[DirCheck]:
+        """Create the agent's directories, or check the ones there: each a real directory (not a
+        symlink) of the agent's own uid that no group or other may write (a loose mode on its own
+        directory is tightened). One another identity owns is refused (UnsafeTreeError, an
+        OSError): it holds the event log, job records and the disk tier, so it is never moved."""
+        return [ensure_agent_dir(d, mode=0o750, takeover=False)
+                for d in (self.state_dir, self.run_dir, self.plans_dir, self.events_dir, self.jobs_dir)]

@@ -163,11 +163,11 @@ def test_disk_tier_write_error_leaves_nothing_half_written(tmp_path: Path, shm_r
     memory.commit("job", 200)
     real, calls = local.copy_checked, []
 
-    def fill_up(src: Path, dst: Path, algorithm: str, *, durable: bool) -> tuple[int, str]:
+    def fill_up(src: Path, dst: Path, algorithm: str, *, durable: bool, src_root: Path | None = None) -> tuple[int, str]:
         calls.append(dst)
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device", str(dst))
-        return real(src, dst, algorithm, durable=durable)
+        return real(src, dst, algorithm, durable=durable, src_root=src_root)
 
     monkeypatch.setattr(local, "copy_checked", fill_up)
     with pytest.raises(CheckpointWriteError) as ei:

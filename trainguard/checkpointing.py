@@ -59,6 +59,7 @@ from trainguard.agent.checkpoint.memory import MemoryTier, open_for_overwrite
 from trainguard.agent.checkpoint.tier import step_dirname
 from trainguard.agent.wire import CKPT_FAILED_ELSEWHERE, part_key
 from trainguard.dcpreplay import ReplaySaver, object_bytes
+from trainguard.dcpsafe import SafeFileSystemReader, SafeLoadPlanner
 from trainguard.environment import RunEnvironment
 from trainguard.savewriter import SaveJob, SaveResult, SaveWriter, SaveWriterError, WriteFailed
 from trainguard.snapshot import rng_states, set_rng_states
@@ -711,7 +712,8 @@ def load(path: str, state: MutableMapping[str, Any] | Mapping[str, Any], *, rank
     with open(os.path.join(path, META)) as fh:
         meta: dict[str, Any] = json.load(fh)
     target = _dcp_state(state)
-    dcp.load(target, checkpoint_id=path)
+    # Ranks may run as root: nothing in the checkpoint is unpickled beyond DCP metadata and plain values.
+    dcp.load(target, checkpoint_id=path, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
     if isinstance(state, MutableMapping):
         for key, value in target.items():
             if not isinstance(value, Stateful) and not isinstance(state[key], Stateful):

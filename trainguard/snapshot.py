@@ -64,6 +64,7 @@ from trainguard.agent.checkpoint.snapshots import (
     read_done,
     read_header,
     slot_path,
+    write_payload_crc,
 )
 from trainguard.agent.lifecycle.cgroups import cpu_limit
 from trainguard.replicas import holders, replicated_ids
@@ -629,6 +630,19 @@ def _crc32(data: bytes | bytearray, value: int = 0) -> int:
     return value
 
 
+def _sum_payload(slot: _Slot, step: int) -> None:
+    """Record the crc32 of a ``done`` slot's tensor bytes in its header, from the slot itself, on
+    the summing thread: a restore checks them before it uses them. One ``zlib.crc32`` call (it lets
+    go of the GIL for the whole sum)."""
+    mm = slot.mm
+    if mm is None or slot.step != step:
+        return
+    with memoryview(mm) as view:
+        crc = zlib.crc32(view[HEADER_BYTES:HEADER_BYTES + slot.payload_bytes])
+        if slot.step == step and slot.mm is mm:
+            write_payload_crc(view, crc)
+
+
 def _data_ptrs(tensors: list[torch.Tensor]) -> list[int]:
     """Where each tensor's bytes are: a tensor given new storage (``.data = ...``) moves."""
     return list(map(torch.Tensor.data_ptr, tensors))
@@ -693,6 +707,7 @@ class _LateCopy:
         slot.finish(self.plan.static_bytes, dynamic, header)
         writer._last_skeleton = slot.skeleton_bytes
         self.done = True
+        writer._sum(slot, header.step)
 
 
 class _Copier:
@@ -700,13 +715,13 @@ class _Copier:
     lock rather than a condition variable: each hand-off is a snapshot's cost, and
     ``Condition.wait`` makes a lock of its own every time in Python."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "trainguard-snapshot-copy") -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._running = threading.Lock()
         """Held from a job's submission until it is done."""
         self.busy = False
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="trainguard-snapshot-copy", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: Callable[[], None]) -> None:
@@ -737,7 +752,7 @@ _AT_FORK: list[bool] = []
 def _wait_all_before_fork() -> None:
     # A child forked in the middle of a copy would inherit whatever the helper thread held.
     for writer in list(_WRITERS):
-        writer.wait()
+        writer.wait_summed()
 
 
 class SnapshotWriter:
@@ -745,8 +760,12 @@ class SnapshotWriter:
     the tensors they hold alike (data-parallel replicas on one node: ``trainguard.replicas``)."""
 
     def __init__(self, directory: str, rank: int, world_size: int, attempt: int, *, share: bool = False,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, checksum: bool = True) -> None:
+        """``checksum``: record each slot's payload crc32 (a thread of its own sums it after the slot
+        is complete, off the training thread and off the copy a step waits for)."""
         self.directory = directory
+        self.checksum = checksum
+        self._summer: _Copier | None = None
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self.share = share and world_size > 1
         self.overlap = overlap
@@ -782,6 +801,8 @@ class SnapshotWriter:
             error, self._copier.error = self._copier.error, None
             raise SnapshotError(f"the copy of the previous snapshot failed: {type(error).__name__}: {error}")
         t0 = time.perf_counter()
+        if self._summer is not None and self._summer.busy:
+            self._summer.wait()  # the slot written now may be the one still being summed
         view = snapshot_view(state)
         plan = self._plan
         # With the copy deferred, the helper checks the plan's tensors (identity, data pointers)
@@ -852,11 +873,30 @@ class SnapshotWriter:
         assert header is not None
         slot.finish(plan.static_bytes, dynamic, header)
         self._last_skeleton = slot.skeleton_bytes
+        self._sum(slot, step)
         stall = time.perf_counter() - t0
         st.last_step, st.last_stall_s = step, stall
         st.last_cost_s = stall
         st.total_stall_s += stall
         return stall
+
+    def _sum(self, slot: _Slot, step: int) -> None:
+        """Hand the complete slot's payload to the summing thread (``checksum``)."""
+        if not self.checksum:
+            return
+        if self._summer is None:
+            self._summer = _Copier("trainguard-snapshot-sum")
+            _WRITERS.add(self)
+            if not _AT_FORK:
+                os.register_at_fork(before=_wait_all_before_fork)
+                _AT_FORK.append(True)
+        self._summer.submit(lambda: _sum_payload(slot, step))
+
+    def wait_summed(self) -> None:
+        """Wait until the newest complete slot's crc32 is recorded (before it may be restored)."""
+        self.wait()
+        if self._summer is not None:
+            self._summer.wait()
 
     def _header(self, step: int) -> SlotHeader:
         """The header of a slot being written with ``step``."""
@@ -948,7 +988,7 @@ class SnapshotWriter:
     def check_restorable(self) -> None:
         """Raise SnapshotError when the newest snapshot's skeleton could not be read back (the
         state holds values other than tensors and plain Python data)."""
-        self.wait()
+        self.wait_summed()
         newest = max(self._slots, key=lambda s: s.step)
         found = read_done(newest.path)
         if found is None:
@@ -959,7 +999,7 @@ class SnapshotWriter:
             raise SnapshotError(f"the state holds something snapshots cannot carry: {exc}") from exc
 
     def close(self) -> None:
-        self.wait()
+        self.wait_summed()
         self._unhook()
         _WRITERS.discard(self)
         # What the plan found (the script's modules and optimizers) is the script's to let go.

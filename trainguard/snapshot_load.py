@@ -10,7 +10,9 @@ that admits plain values and tensor placeholders only.
 
 from __future__ import annotations
 
+import os
 import pickle
+import zlib
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainguard.agent.checkpoint.snapshots import HEADER_BYTES, SLOTS, read_done, slot_path
+from trainguard.agent.checkpoint.snapshots import HEADER_BYTES, SLOTS, open_slot, read_done, slot_path
 from trainguard.snapshot import (
     SnapshotError,
     TensorRef,
@@ -129,10 +131,15 @@ def _read_slot(directory: str, rank: int, world_size: int, step: int) -> _SlotRe
     except (pickle.UnpicklingError, AttributeError, ImportError, EOFError) as exc:
         raise SnapshotError(f"snapshot skeleton unreadable: {exc}") from exc
     payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
-    with open(path, "rb") as fh:
+    with os.fdopen(open_slot(path), "rb") as fh:
         fh.seek(HEADER_BYTES)
         if fh.readinto(payload.numpy().data) != header.payload_bytes:
             raise SnapshotError(f"snapshot of step {step} is short")
+    # The bytes as the writer summed them when the slot was complete: damage in the slot since (a
+    # flipped bit in shared memory, a stray write) makes the rank restore the checkpoint instead.
+    if header.payload_summed and zlib.crc32(payload.numpy().data) != header.payload_crc:
+        raise SnapshotError(f"rank {rank}'s snapshot of step {step} is damaged: its tensor bytes do not "
+                            "match their crc32")
     return _SlotRead(specs, parts, payload)
 
 

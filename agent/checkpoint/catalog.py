@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,9 +27,11 @@ def _noop(kind: str, fields: dict[str, object]) -> None:
 
 
 def candidates(
-    job: str, tiers: Sequence[Tier], *, max_step: int | None = None, emit: EmitFn = _noop
+    job: str, tiers: Sequence[Tier], *, max_step: int | None = None, emit: EmitFn = _noop,
+    exclude: Collection[int] = (),
 ) -> list[tuple[Tier, CheckpointInfo]]:
-    """Every committed checkpoint of ``job`` (at most ``max_step``), best restore choice first."""
+    """Every committed checkpoint of ``job`` (at most ``max_step``, none of the steps in
+    ``exclude``: those a rollback came from), best restore choice first."""
     check_job(job)
     out: list[tuple[Tier, CheckpointInfo]] = []
     for tier in tiers:
@@ -38,7 +40,7 @@ def candidates(
         except Exception as exc:
             emit("checkpoint_tier_unavailable", {"tier": tier.name, "job": job, "error": describe(exc)})
             continue
-        out += [(tier, i) for i in infos if max_step is None or i.step <= max_step]
+        out += [(tier, i) for i in infos if (max_step is None or i.step <= max_step) and i.step not in exclude]
     out.sort(key=lambda ti: (-ti[1].step, ti[0].rank))
     return out
 
@@ -58,9 +60,10 @@ def newest_restorable(
     max_step: int | None = None,
     emit: EmitFn = _noop,
     status: CheckpointStatus | None = None,
+    exclude: Collection[int] = (),
 ) -> tuple[Tier, CheckpointInfo] | None:
     """The newest checkpoint that verifies (fastest tier on equal steps), or None."""
-    for tier, info in candidates(job, tiers, max_step=max_step, emit=emit):
+    for tier, info in candidates(job, tiers, max_step=max_step, emit=emit, exclude=exclude):
         try:
             result = tier.verify(job, info.step)
         except Exception as exc:
@@ -101,6 +104,7 @@ def restore(
     max_step: int | None = None,
     emit: EmitFn = _noop,
     status: CheckpointStatus | None = None,
+    exclude: Collection[int] = (),
 ) -> Restored | None:
     """Materialize the newest verified checkpoint of ``job`` locally, or None if none verifies.
 
@@ -108,7 +112,7 @@ def restore(
     into ``scratch_root/<job>/`` with checksum verification on the way. ``max_step`` restricts the
     choice to checkpoints at or before a step (rollback to before a loss spike).
     """
-    for tier, info in candidates(job, tiers, max_step=max_step, emit=emit):
+    for tier, info in candidates(job, tiers, max_step=max_step, emit=emit, exclude=exclude):
         local = tier.open(job, info.step)
         if local is not None:
             release: Callable[[], None] = (

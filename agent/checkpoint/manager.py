@@ -9,9 +9,10 @@ the newest verified checkpoint across tiers; ``status``/``metrics``/``catalog`` 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,14 @@ from prometheus_client.metrics_core import Metric
 from trainguard.agent.checkpoint.catalog import Restored, newest_restorable, restore
 from trainguard.agent.checkpoint.disk import DiskTier
 from trainguard.agent.checkpoint.errors import CheckpointError, CheckpointWriteError, describe
+from trainguard.agent.checkpoint.local import LocalDirTier
 from trainguard.agent.checkpoint.memory import DEFAULT_MEMORY_ROOT, MemoryTier
 from trainguard.agent.checkpoint.objectstore import ObjectStoreConfig, ObjectTier
 from trainguard.agent.checkpoint.replicator import TierReplicator
+from trainguard.agent.checkpoint.snapshots import SNAPSHOT_DIRNAME, SnapshotSet
 from trainguard.agent.checkpoint.status import CheckpointStatus
 from trainguard.agent.checkpoint.tier import CheckpointInfo, Tier
+from trainguard.agent.safefs import DirCheck, JobOwner, dir_fd, ensure_agent_dir
 
 _STAMP_SETTLED_S = 0.05
 
@@ -122,7 +126,9 @@ class CheckpointManager:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        """Clean crash leftovers, learn what the tiers already hold, start replication."""
+        """Make the local tiers' roots the agent's own, clean crash leftovers, learn what the tiers
+        already hold, start replication."""
+        self.secure_roots()
         for tier in self.tiers:
             try:
                 removed = tier.cleanup_tmp()
@@ -138,6 +144,61 @@ class CheckpointManager:
             if newest is not None:
                 self._seen[job] = newest.step
         self.replicator.start()
+
+    def secure_roots(self) -> None:
+        """Each local tier's root (and the snapshots' directory) is created by the agent, owned by
+        it and writable by no one else; one that another identity made first, a symlink or a
+        group/other-writable one, is moved aside and made anew (``agent_dir_taken_over``), so
+        nothing planted in it is ever restored. One that cannot be made safe is refused
+        (``agent_dir_refused``) and its tier fails every use."""
+        local = [t for t in self.tiers if isinstance(t, LocalDirTier)]
+        for tier in local:
+            try:
+                check = tier.secure_root()
+            except OSError as exc:
+                self.emit("agent_dir_refused", {"tier": tier.name, "path": str(tier.root), "error": describe(exc)})
+                continue
+            self._report_dir(tier.name, check)
+            if tier is self.memory and str(tier.root) != self.settings.memory_root:
+                # A root's symlink was followed: ranks and snapshots use the real directory too.
+                self.settings = dataclasses.replace(self.settings, memory_root=str(tier.root))
+            if tier is self.memory:
+                try:
+                    snaps = ensure_agent_dir(os.path.join(tier.root, SNAPSHOT_DIRNAME))
+                except OSError as exc:
+                    self.emit("agent_dir_refused", {"tier": "snapshots", "path": str(tier.root),
+                                                    "error": describe(exc)})
+                    continue
+                self._report_dir("snapshots", snaps)
+        try:  # where checkpoints of non-local tiers are fetched for a restore
+            self._report_dir("scratch", ensure_agent_dir(self.settings.scratch, mode=0o755))
+        except OSError as exc:
+            self.emit("agent_dir_refused", {"tier": "scratch", "path": str(self.settings.scratch),
+                                            "error": describe(exc)})
+
+    def _report_dir(self, tier: str, check: DirCheck) -> None:
+        if check.action == "taken_over":
+            self.emit("agent_dir_taken_over", {"tier": tier, "path": check.path, "reason": check.reason,
+                                               "moved_to": check.moved_to})
+        elif check.action == "tightened":
+            self.emit("agent_dir_tightened", {"tier": tier, "path": check.path, "reason": check.reason})
+
+    def set_job_owner(self, owner: JobOwner | None) -> None:
+        """Who a job's ranks run as (the launcher's ``user``): their job directories are made theirs
+        and checkpoints they wrote are trusted at restore (see ``LocalDirTier.job_owner``)."""
+        for tier in self.tiers:
+            if isinstance(tier, LocalDirTier):
+                tier.job_owner = owner
+
+    def prepare_job(self, job: str) -> None:
+        """Before a job's ranks start: its memory-tier directory and its snapshots' directory exist,
+        made by the agent and given to the job's user (``set_job_owner``), so that ranks that do
+        not run as the agent's user can write there and nowhere else in the memory root."""
+        self.memory.check_root()
+        owner = self.memory.job_owner(job) if self.memory.job_owner is not None else None
+        with dir_fd(self.memory.root, self.memory.job_dir(job), create=True, owner=owner):
+            pass
+        SnapshotSet(self.memory.root, job).prepare(owner)
 
     def seed_job(self, job: str) -> None:
         """Fill the status of ``job`` from real listings (e.g. when the agent adopts a job)."""
@@ -214,10 +275,11 @@ class CheckpointManager:
     def newest_restorable(self, job: str, max_step: int | None = None) -> tuple[Tier, CheckpointInfo] | None:
         return newest_restorable(job, self.tiers, max_step=max_step, emit=self.emit, status=self.status)
 
-    def restore(self, job: str, max_step: int | None = None) -> Restored | None:
-        """Newest verified checkpoint as a local directory; call ``release()`` once ranks loaded it."""
+    def restore(self, job: str, max_step: int | None = None, exclude: Collection[int] = ()) -> Restored | None:
+        """Newest verified checkpoint as a local directory; call ``release()`` once ranks loaded it.
+        ``exclude``: steps not to pick (those a rollback came from)."""
         restored = restore(job, self.tiers, self.settings.scratch, max_step=max_step, emit=self.emit,
-                           status=self.status)
+                           status=self.status, exclude=exclude)
         if restored is not None:
             self.emit("checkpoint_restore_selected", {"tier": restored.tier, "job": job,
                                                       "step": restored.info.step, "path": str(restored.path),

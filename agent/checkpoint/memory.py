@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import threading
 import time
 import uuid
@@ -28,6 +29,7 @@ from trainguard.agent.checkpoint.errors import CheckpointError, CheckpointWriteE
 from trainguard.agent.checkpoint.local import LocalDirTier, rmtree_quiet
 from trainguard.agent.checkpoint.manifest import MANIFEST_NAME
 from trainguard.agent.checkpoint.tier import RANK_MEMORY, TMP_PREFIX, CheckpointInfo, check_job, check_step
+from trainguard.agent.safefs import rename_beneath, unlink_beneath
 
 DEFAULT_MEMORY_ROOT = Path("/dev/shm/trainguard")
 REUSE_DIRNAME = ".reuse"
@@ -102,16 +104,12 @@ class MemoryTier(LocalDirTier):
     # -- spare pool ------------------------------------------------------------------------------
     def _spares(self, job: str) -> list[Path]:
         jd = self.job_dir(job)
-        spares: list[tuple[float, Path]] = []
         try:
-            for p in jd.iterdir():
-                if p.name.startswith(SPARE_PREFIX):
-                    try:
-                        spares.append((p.stat().st_mtime, p))
-                    except OSError:
-                        continue  # taken by a concurrent stage() in another process
-        except FileNotFoundError:
+            entries = self._entries(jd)
+        except OSError:
             return []
+        # Real directories only: a spare a rank swapped for a symlink is not handed out.
+        spares = [(st.st_mtime, jd / n) for n, st in entries if n.startswith(SPARE_PREFIX) and stat.S_ISDIR(st.st_mode)]
         return [p for _, p in sorted(spares)]
 
     def _retire(self, path: Path) -> None:
@@ -119,12 +117,12 @@ class MemoryTier(LocalDirTier):
         with self._lock:
             if len(self._spares(job)) < self.spare_buffers:
                 try:
-                    (path / MANIFEST_NAME).unlink(missing_ok=True)
-                    os.rename(path, path.parent / f"{SPARE_PREFIX}{uuid.uuid4().hex}")
+                    unlink_beneath(self.root, path / MANIFEST_NAME)
+                    rename_beneath(self.root, path, path.parent / f"{SPARE_PREFIX}{uuid.uuid4().hex}")
                     return
                 except OSError:
                     pass
-        rmtree_quiet(path)
+        self._rmtree(path)
 
     # -- staging ---------------------------------------------------------------------------------
     def stage(self, job: str, step: int) -> Path:
@@ -134,7 +132,7 @@ class MemoryTier(LocalDirTier):
         with self._stage_lock:
             old = self._staged.pop((job, step), None)
         if old is not None:
-            rmtree_quiet(old)  # a save of the same step restarted: its half-written files go
+            self._rmtree(old)  # a save of the same step restarted: its half-written files go
         try:
             tmp = self._new_tmp(job, step)
         except OSError as exc:
@@ -143,7 +141,7 @@ class MemoryTier(LocalDirTier):
             spares = self._spares(job)
             if spares:
                 try:
-                    os.rename(spares[0], tmp / REUSE_DIRNAME)
+                    rename_beneath(self.root, spares[0], tmp / REUSE_DIRNAME)
                     self.reused_stages += 1
                 except OSError:
                     pass
@@ -177,11 +175,11 @@ class MemoryTier(LocalDirTier):
             tmp = self._check_staged(job, step, Path(staged))
         if tmp is None or not tmp.is_dir():
             raise CheckpointError(f"tier {self.name}: {job} step {step} was not staged")
-        rmtree_quiet(tmp / REUSE_DIRNAME)  # spares no rank rewrote (smaller world, fewer files)
+        self._rmtree(tmp / REUSE_DIRNAME)  # spares no rank rewrote (smaller world, fewer files)
         try:
             info = self.commit_dir(tmp, job, step, extra=extra)
         except (OSError, CheckpointError) as exc:
-            rmtree_quiet(tmp)
+            self._rmtree(tmp)
             raise CheckpointWriteError(self.name, job, step, exc) from exc
         if prune:
             self.prune(job, self.keep)
@@ -194,7 +192,7 @@ class MemoryTier(LocalDirTier):
         path = staged.resolve()
         if path.parent != jd or not path.name.startswith(f"{TMP_PREFIX}step_{step}-"):
             raise CheckpointError(f"tier {self.name}: {staged} is not a staging directory of {job} step {step}")
-        return path
+        return self.job_dir(job) / path.name  # below the root as configured: walked without symlinks
 
     def hand_over(self, job: str, step: int) -> None:
         """Forget a staged checkpoint that another process commits or drops (a background writer)."""
@@ -206,7 +204,7 @@ class MemoryTier(LocalDirTier):
         with self._stage_lock:
             tmp = self._staged.pop((job, step), None)
         if tmp is not None:
-            rmtree_quiet(tmp)
+            self._rmtree(tmp)
 
     def cleanup_tmp(self) -> int:
         """Remove crash leftovers and spares beyond ``spare_buffers`` (the setting may have shrunk)."""
@@ -215,7 +213,7 @@ class MemoryTier(LocalDirTier):
         removed = super().cleanup_tmp()
         for job in self.jobs():
             for extra in self._spares(job)[self.spare_buffers:]:
-                rmtree_quiet(extra)
+                self._rmtree(extra)
                 removed += 1
         return removed
 

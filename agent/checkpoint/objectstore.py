@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -186,32 +187,71 @@ class ObjectTier(Tier):
     def write_from(self, src_dir: Path, job: str, step: int) -> CheckpointInfo:
         src = Path(src_dir)
         sp = self._step(job, step)
+        data: str | None = None
         try:
             try:
                 manifest = read_manifest(src)
             except FileNotFoundError:
                 manifest = build_manifest(src, job, step, created=self._clock())
+            # Replace, then delete: a step saved again gets its objects under a generation of their
+            # own, the manifest naming it is the one-object commit, and only then does the older
+            # copy go. A failure or crash at any point leaves the older copy listed whole.
             manifest = Manifest(job, step, manifest.created, manifest.algorithm, manifest.files, manifest.extra)
-            # An older copy of the same step stops being listed first, then goes entirely: its
-            # files must not mix with the new ones.
-            self._uncommit(job, step)
-            self._remove_prefix(sp)
+            old = self._committed_or_none(job, step)
+            if old is None:
+                self._remove_prefix(sp)  # an upload that never committed: nothing listed is lost
+                data = sp
+            else:
+                generation = f"g{uuid.uuid4().hex[:12]}"
+                manifest = Manifest(job, step, manifest.created, manifest.algorithm, manifest.files,
+                                    {**manifest.extra, GENERATION_KEY: generation})
+                data = f"{sp}/{generation}"
             bad: list[str] = []
             for entry in manifest.files:
-                if not self._upload(src / safe_relpath(entry.path), f"{sp}/{entry.path}", entry,
+                if not self._upload(src / safe_relpath(entry.path), f"{data}/{entry.path}", entry,
                                     manifest.algorithm):
                     bad.append(f"checksum mismatch: {entry.path}")
             if bad:
                 raise CheckpointCorrupt(f"source {src} does not match its manifest", bad)
             self.fs.pipe_file(f"{sp}/{MANIFEST_NAME}", manifest.to_json())  # the commit
         except CheckpointCorrupt:
-            self._remove_prefix(sp)
+            if data is not None:
+                self._remove_prefix(data)
             raise
         except Exception as exc:
-            self._remove_prefix(sp)
+            if data is not None:
+                self._remove_prefix(data)
             raise CheckpointWriteError(self.name, job, step, exc) from exc
+        if old is not None:
+            self._remove_data(sp, old)
         self._invalidate(self._job(job))
         return CheckpointInfo(self.name, job, step, self.url_of(job, step), manifest.total_bytes, manifest.created)
+
+    def _committed_or_none(self, job: str, step: int) -> Manifest | None:
+        """The manifest of a committed copy of (job, step) that a new copy replaces, if any."""
+        try:
+            return self._read_manifest(job, step)
+        except FileNotFoundError:
+            return None
+        except Exception:  # noqa: BLE001 - unreadable: its objects stay for cleanup_tmp's age rule
+            return None
+
+    def _remove_data(self, sp: str, old: Manifest) -> None:
+        """Delete a replaced copy's objects: its generation, or (a copy written before
+        generations) exactly the files its manifest names."""
+        generation = _generation(old)
+        if generation is not None:
+            self._remove_prefix(f"{sp}/{generation}")
+            return
+        for entry in old.files:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(f"{sp}/{safe_relpath(entry.path)}")
+        self._invalidate(sp)
+
+    def _data(self, sp: str, manifest: Manifest) -> str:
+        """Where a committed copy's data objects are."""
+        generation = _generation(manifest)
+        return f"{sp}/{generation}" if generation is not None else sp
 
     def _upload(self, local: Path, remote: str, entry: FileEntry, algorithm: str) -> bool:
         hasher = new_hasher(algorithm)
@@ -255,7 +295,7 @@ class ObjectTier(Tier):
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.parent / f"{TMP_PREFIX}fetch-{dest.name}-{uuid.uuid4().hex}"
         tmp.mkdir()
-        sp = self._step(job, step)
+        sp = self._data(self._step(job, step), manifest)
         try:
             bad: list[str] = []
             for entry in manifest.files:
@@ -290,8 +330,9 @@ class ObjectTier(Tier):
             return VerifyResult(error=f"invalid manifest: {exc}")
         except Exception as exc:
             return VerifyResult(error=f"cannot read manifest: {exc}")
-        sp = self._step(job, step)
-        self._invalidate(sp)
+        step_prefix = self._step(job, step)
+        sp = self._data(step_prefix, manifest)
+        self._invalidate(step_prefix)
         try:
             listed = self.fs.find(sp, detail=True)
         except Exception as exc:
@@ -303,8 +344,8 @@ class ObjectTier(Tier):
                 extra.append(repr(key))
                 continue
             rel = str(key)[len(sp) + 1:]
-            if rel == MANIFEST_NAME:
-                continue
+            if rel == MANIFEST_NAME or (sp == step_prefix and _GENERATION_RE.match(rel.split("/", 1)[0])):
+                continue  # the manifest; another generation (a newer copy being uploaded)
             try:
                 present[safe_relpath(rel)] = int(info.get("size") or 0)
             except UnsafePathError:
@@ -357,7 +398,10 @@ class ObjectTier(Tier):
                 continue
             for entry in entries:
                 step = parse_step_dirname(str(entry).rstrip("/").rsplit("/", 1)[-1])
-                if step is None or self.fs.exists(f"{self._step(job, step)}/{MANIFEST_NAME}"):
+                if step is None:
+                    continue
+                if self.fs.exists(f"{self._step(job, step)}/{MANIFEST_NAME}"):
+                    removed += self._remove_stale_generations(job, step, now - age)
                     continue
                 listed = self.fs.find(self._step(job, step), detail=True)
                 newest = max((_mtime(info) for info in listed.values()), default=0.0)
@@ -365,6 +409,37 @@ class ObjectTier(Tier):
                     self._remove_prefix(self._step(job, step))
                     removed += 1
         return removed
+
+    def _remove_stale_generations(self, job: str, step: int, before: float) -> int:
+        """Generations of a committed step that its manifest does not name (a re-save that never
+        committed, or whose older copy a crash left behind), once nothing in them is newer than
+        ``before``."""
+        sp = self._step(job, step)
+        try:
+            current = _generation(self._read_manifest(job, step))
+            entries = self.fs.ls(sp, detail=False)
+        except Exception:  # noqa: BLE001 - unreadable now: left for the next start
+            return 0
+        removed = 0
+        for entry in entries:
+            name = str(entry).rstrip("/").rsplit("/", 1)[-1]
+            if not _GENERATION_RE.match(name) or name == current:
+                continue
+            listed = self.fs.find(f"{sp}/{name}", detail=True)
+            if max((_mtime(info) for info in listed.values()), default=0.0) <= before:
+                self._remove_prefix(f"{sp}/{name}")
+                removed += 1
+        return removed
+
+
+GENERATION_KEY = "object_generation"
+"""Manifest ``extra`` key naming the prefix under the step that holds this copy's data objects."""
+_GENERATION_RE = re.compile(r"^g[0-9a-f]{12}$")
+
+
+def _generation(manifest: Manifest) -> str | None:
+    value = manifest.extra.get(GENERATION_KEY)
+    return value if isinstance(value, str) and _GENERATION_RE.match(value) else None
 
 
 def _mtime(info: Mapping[str, Any]) -> float:

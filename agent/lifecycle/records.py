@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from trainguard.agent.safefs import write_atomic
 from trainguard.agent.wire import exit_status_path, process_start_ticks, read_exit_status
 
 log = logging.getLogger(__name__)
@@ -100,14 +100,11 @@ class RecordStore:
             ],
         }
         path = self.path(job["job"])
-        tmp = path.with_name(RECORD_FILE + ".tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            # No fsync: the rename is atomic for an agent that crashes; after a power loss the ranks
-            # are gone anyway. A restart writes the record three times, on the recovery path.
-            with open(tmp, "w") as fh:
-                json.dump(doc, fh)
-            os.replace(tmp, path)
+            # Through a temp file and a rename, fsync'd with its directory: after a crash or a power
+            # loss the record is the old one or the new one, never empty.
+            write_atomic(path, json.dumps(doc).encode(), durable=True, root=self.jobs_dir)
         except OSError as exc:
             self.errors += 1
             log.warning("job %s: could not write its record (%s); a restarted agent will not adopt it", job["job"], exc)

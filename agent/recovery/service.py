@@ -151,6 +151,8 @@ class RecoveryService:
         """The kernel's time of the first rank death of a failure the supervisor has not seen yet,
         or of the one its clock runs for (``note_death``)."""
         self._launch_at: dict[str, float] = {}
+        self._rolled_back_from: dict[str, set[int]] = {}
+        """Steps each job diverged after restoring: no later start of the job picks them again."""
         self.last_recovery_s: dict[str, float] = {}
         self._settled_s: dict[str, float] = {}
 
@@ -176,6 +178,11 @@ class RecoveryService:
         if old is not None:
             old.release()
         self._clean_staging(job)
+        try:
+            self.checkpoints.prepare_job(job)
+        except OSError as exc:
+            self.agent.events.emit("agent_dir_refused", f"job {job}: cannot prepare its memory-tier directories: "
+                                   f"{exc}", severity="error", job=job, error=str(exc))
         env = {
             "TRAINGUARD_CKPT_MEMORY_ROOT": self.checkpoints.settings.memory_root,
             "TRAINGUARD_CKPT_MEMORY_EVERY": str(self.checkpoints.settings.memory_interval),
@@ -196,14 +203,18 @@ class RecoveryService:
             return env
         snapshots = SnapshotSet(self.checkpoints.settings.memory_root, job)
         snap_step = None
+        excluded = self._rolled_back_from.get(job, set())
         if self.agent.cfg.checkpoint.snapshots:
             every = self.agent.cfg.checkpoint.snapshot_every
             env[ENV_SNAPSHOT_DIR] = str(snapshots.dir)
             env[ENV_SNAPSHOT_EVERY] = str(every) if every > 0 else "auto"
-            # The same world size only: a snapshot is one rank's own state, not reshardable.
-            snap_step = snapshots.common_step(record.spec.nproc, max_step=record.restore_max_step)
+            # The same world size only: a snapshot is one rank's own state, not reshardable. Its
+            # tensor bytes are checked against their crc32 first: a damaged slot falls back.
+            snap_step = snapshots.common_step(record.spec.nproc, max_step=record.restore_max_step,
+                                              exclude=excluded, verify=True)
+            self._tell_snapshot_problems(job, snapshots)
         try:
-            restored = self.checkpoints.restore(job, max_step=record.restore_max_step)
+            restored = self.checkpoints.restore(job, max_step=record.restore_max_step, exclude=excluded)
         except Exception as exc:  # noqa: BLE001 - no checkpoint is better than no job
             self.agent.events.emit("checkpoint_restore_failed", f"job {job}: cannot restore: {exc}", severity="error", job=job)
             restored = None
@@ -240,6 +251,13 @@ class RecoveryService:
             step=restored.info.step,
         )
         return env
+
+    def _tell_snapshot_problems(self, job: str, snapshots: SnapshotSet) -> None:
+        """Slots skipped as forged or damaged: one event each (the count is ``REJECTED``)."""
+        for problem in snapshots.problems[:16]:
+            self.agent.events.emit("snapshot_corrupt", f"job {job}: snapshot slot skipped: {problem}",
+                                   severity="error", job=job, tier="snapshot", problem=problem)
+        snapshots.problems.clear()
 
     def _clean_staging(self, job: str) -> None:
         """Saves that ranks of the previous attempt left half-written (they died during one): no rank
@@ -414,6 +432,7 @@ class RecoveryService:
 
     def _finish(self, job: str) -> None:
         self._failure_at.pop(job, None)  # a job submitted again under this name starts with no failure
+        self._rolled_back_from.pop(job, None)
         self._died_at.pop(job, None)
         restored = self._restored.pop(job, None)
         if restored is not None:
@@ -471,17 +490,24 @@ class RecoveryService:
         if record is None:
             return
         record.restore_max_step = before_step - 1 if before_step is not None else None
+        # The checkpoint this attempt started from led here: never pick it again (a damaged copy
+        # would diverge the same way every round until the crash-loop guard ends the job).
+        came_from = (record.restored_from or {}).get("step")
+        if isinstance(came_from, int):
+            self._rolled_back_from.setdefault(job, set()).add(came_from)
         plan = self.agent.plans.get(job)
         new_scale = max(plan.lr_scale * self.cfg.rollback_lr_factor, 1e-6)
         self.agent.plans.update(job, {"lr_scale": new_scale, "reason": f"rollback: {reason}"})
         self.agent.events.emit(
             "rollback",
-            f"job {job}: rolling back to a checkpoint before step {before_step} and scaling LR to {new_scale:.3g}",
+            f"job {job}: rolling back to a checkpoint before step {before_step} and scaling LR to {new_scale:.3g}"
+            + (f" (not step {came_from}, which this attempt started from)" if isinstance(came_from, int) else ""),
             severity="warning",
             job=job,
             cause=reason,
             action="rollback",
             lr_scale=new_scale,
+            excluded_steps=sorted(self._rolled_back_from.get(job, ())),
         )
         self._count(job, "rollback", "loss_divergence")
         self.agent.supervisor.restart(job, cause=f"rollback: {reason}")
