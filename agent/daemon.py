@@ -26,6 +26,7 @@ from trainguard.agent.health import ThreadHealth, Watch
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
 from trainguard.agent.lifecycle.plans import PlanStore
+from trainguard.agent.lifecycle.rankenv import RankUser, RankUserError
 from trainguard.agent.lifecycle.records import RecordStore
 from trainguard.agent.lifecycle.supervisor import Supervisor
 from trainguard.agent.paths import AgentPaths, agent_tag
@@ -282,6 +283,13 @@ class Agent:
             extra_keep=self.cluster.keep,
         )
         self.checkpoints.start()
+        if self.cfg.launcher.user:
+            # The ranks' own job directories become theirs, and what they wrote is theirs to restore.
+            try:
+                owner = RankUser.lookup(self.cfg.launcher.user)
+            except RankUserError as exc:
+                raise ConfigError("launcher.user", str(exc).split(": ", 1)[-1]) from None
+            self.checkpoints.set_job_owner(lambda _job: (owner.uid, owner.gid))
         if self.cluster.gangs is not None and self.checkpoints.object is not None:
             self.cluster.gangs.shared_tiers = [self.checkpoints.object]
         self.recovery = RecoveryService(self, self.checkpoints)
@@ -343,7 +351,8 @@ class Agent:
             self.recovery.note_failure(event.job, event.kind, event.ts)
 
     def _on_checkpoint_event(self, kind: str, fields: dict[str, Any]) -> None:
-        severity = "error" if ("failed" in kind or "corrupt" in kind) else "info"
+        severity = "error" if ("failed" in kind or "corrupt" in kind or kind == "agent_dir_refused") else (
+            "warning" if kind in ("agent_dir_taken_over", "agent_dir_tightened") else "info")
         job = fields.pop("job", None)
         self.events.emit(kind, f"{kind.replace('_', ' ')}: {fields}", severity=severity, job=job if isinstance(job, str) else None, **_safe_fields(fields))
         gangs = getattr(getattr(self, "cluster", None), "gangs", None)

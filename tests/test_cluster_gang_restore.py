@@ -137,3 +137,22 @@ def test_a_node_that_cannot_start_its_ranks_asks_for_a_restart_instead_of_going_
     assert [k for k, _ in survivor["events"]] == ["gang_start_failed"]
     req = gang._requests["job"]
     assert req["attempt"] == 2 and "could not start its ranks" in req["cause"] and req["bad_step"] is None
+
+
+def test_assemble_never_follows_a_symlink_planted_in_its_scratch_tree(survivor: dict[str, Any], tmp_path: Path) -> None:
+    """Whoever can write the scratch tree plants ``<scratch>/job`` as a link to a directory of
+    someone else's: assemble removes the link itself, never the files behind it, and a job id
+    that is a path is refused before anything is touched."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
+    scratch = Path(survivor["gang"].scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
+    (scratch / "job").symlink_to(victim)
+    step, sources = _find(survivor["gang"])
+    path, used = survivor["gang"].assemble("job", step, sources)
+    assert (victim / "keep.txt").read_text() == "precious" and sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
+    assert not (scratch / "job").is_symlink() and path.is_relative_to(scratch / "job")
+    with pytest.raises(CheckpointError, match="not a valid name"):
+        survivor["gang"].assemble("../victim", step, sources)
+    assert (victim / "keep.txt").exists()

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import threading
 import time
 from collections import deque
@@ -62,7 +60,15 @@ from trainguard.agent.cluster.lineage import CommitRecord, CommitTable
 from trainguard.agent.cluster.peertier import ClientFactory, PeerRef, fetch_remote_copy
 from trainguard.agent.cluster.survey import TIER_HOLDER, Survey, take_survey
 from trainguard.agent.controller.batch_rule import follow_batch
-from trainguard.agent.wire import Telemetry, WireError, decode_telemetry, part_key
+from trainguard.agent.safefs import (
+    copy_tree_beneath,
+    dir_fd,
+    ensure_agent_dir,
+    rename_beneath,
+    rmtree_beneath,
+    walk_files,
+)
+from trainguard.agent.wire import Telemetry, WireError, decode_telemetry, part_key, valid_job_id
 
 if TYPE_CHECKING:
     from trainguard.agent.cluster.membership import EmitFn, LeaderClaim, NodeInfo
@@ -579,11 +585,12 @@ class GangCoordinator:
             manifest = shared._read_manifest(key, step)  # the manifest alone, not the whole step
         elif shared is not None:
             probe = self.scratch / ".probe" / f"{key}-{step}"
-            shutil.rmtree(probe, ignore_errors=True)
+            ensure_agent_dir(self.scratch)
+            rmtree_beneath(self.scratch, probe)
             try:
                 manifest = read_manifest(shared.fetch(key, step, probe))
             finally:
-                shutil.rmtree(probe, ignore_errors=True)
+                rmtree_beneath(self.scratch, probe)
         elif holder == self.node:
             manifest = read_manifest(self.store.held(origin).step_path(key, step))
         else:
@@ -618,14 +625,24 @@ class GangCoordinator:
         return self.survey(rec, g, apis).find_restore(max_step, g.abandoned)
 
     def assemble(self, job: str, step: int, sources: dict[str, list[str]]) -> tuple[Path, dict[str, str]]:
-        """Every part of ``step`` into one local directory (verified); returns (path, part -> holder)."""
-        dest = self.scratch / job / step_dirname(step)
-        shutil.rmtree(self.scratch / job, ignore_errors=True)
-        staging = self.scratch / job / ".parts"
-        staging.mkdir(parents=True)
+        """Every part of ``step`` into one local directory (verified); returns (path, part -> holder).
+
+        The scratch tree is the agent's; every delete, copy and move in it goes through directory
+        fds without following a symlink (``agent.safefs``), whatever a rank or peer left there."""
+        if not valid_job_id(job):
+            raise CheckpointError(f"job id {job[:80]!r} is not a valid name")
+        ensure_agent_dir(self.scratch)
+        top = self.scratch / job
+        dest = top / step_dirname(step)
+        rmtree_beneath(self.scratch, top)
+        staging = top / ".parts"
+        with dir_fd(self.scratch, staging, create=True):
+            pass
         apis = {n: i.api for n, i in self.members().items()}
         used: dict[str, str] = {}
         for part, holders in sorted(sources.items()):
+            if not valid_node_name(part):
+                raise CheckpointError(f"part {part[:80]!r} is not a node name")
             key = part_key(job, part)
             problems = []
             for holder in holders:
@@ -634,11 +651,11 @@ class GangCoordinator:
                     if holder.startswith(TIER_HOLDER):
                         self._shared(holder).fetch(key, step, target)
                     elif holder == self.node:
-                        src = self.store.held(part).step_path(key, step)
-                        result = self.store.held(part).verify(key, step)
+                        held = self.store.held(part)
+                        result = held.verify(key, step)
                         if not result.ok:
                             raise CheckpointError(f"local copy corrupt: {result.error}")
-                        shutil.copytree(src, target)
+                        copy_tree_beneath(held.root, held.step_path(key, step), self.scratch, target)
                     elif holder in apis:
                         fetch_remote_copy(self.client_for(PeerRef(holder, apis[holder])), holder, part, key, step,
                                           target, key=self.cluster_key, label=f"part {part}")
@@ -646,7 +663,7 @@ class GangCoordinator:
                         raise CheckpointError(f"{holder} is not a member any more")
                 except (CheckpointError, OSError) as exc:
                     problems.append(f"{holder}: {exc}")
-                    shutil.rmtree(target, ignore_errors=True)
+                    rmtree_beneath(self.scratch, target)
                     self.emit("checkpoint_part_unusable", f"job {job} step {step}: part {part} from {holder} "
                               f"unusable ({exc}); trying the next holder",
                               {"job": job, "step": step, "part": part, "holder": holder, "severity": "warning"})
@@ -655,16 +672,16 @@ class GangCoordinator:
                 break
             if part not in used:
                 raise CheckpointError(f"no usable copy of part {part}: " + "; ".join(problems or ["no holder"]))
-        dest.mkdir()
+        with dir_fd(self.scratch, dest, create=True):
+            pass
         for part in used:
             root = staging / part
-            for dirpath, _dirs, files in os.walk(root):
-                for name in files:
-                    if name == MANIFEST_NAME:
-                        continue
-                    src = Path(dirpath) / name
-                    out = dest / src.relative_to(root)
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(src, out)
-        shutil.rmtree(staging, ignore_errors=True)
+            for rel, _ in walk_files(self.scratch, root):
+                if rel == MANIFEST_NAME:
+                    continue
+                out = dest / rel
+                with dir_fd(self.scratch, out.parent, create=True):
+                    pass
+                rename_beneath(self.scratch, root / rel, out)
+        rmtree_beneath(self.scratch, staging)
         return dest, used
