@@ -50,7 +50,7 @@ def service(tmp_path: Path) -> tuple[RecoveryService, Any]:
     agent = SimpleNamespace(cfg=AgentConfig(), events=Events(), table=Table(), supervisor=SimpleNamespace(jobs={}))
     checkpoints = SimpleNamespace(memory=SimpleNamespace(jobs=lambda: [], cleanup_job_tmp=lambda key: 0),
                                   settings=SimpleNamespace(memory_root=str(tmp_path), memory_interval=100),
-                                  poll=lambda: None)
+                                  poll=lambda: None, prepare_job=lambda job: None)
     return RecoveryService(agent, checkpoints), agent  # type: ignore[arg-type]
 
 
