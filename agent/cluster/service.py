@@ -396,6 +396,10 @@ class ClusterService:
             # Once etcd answers, the leader learns the block is gone and orders a new attempt.
             self.gangs.on_local_failure(job, f"{self.node} fenced its ranks: {cause}")
 
+    def epoch_of(self, job: str) -> int:
+        """The epoch under which this node runs ``job`` (0: not claimed through etcd)."""
+        return self._epochs.get(job, 0)
+
     def submit_spanning(self, spec: dict[str, Any]) -> None:
         """A job over several nodes: recorded in etcd; the leader places it (ValueError: refused)."""
         if self.gangs is None:
