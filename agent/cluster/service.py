@@ -76,10 +76,13 @@ LINEAGE_GIVEN_UP = MetricSpec("trainguard_cluster_lineage_given_up_total", "coun
                               "(event lineage_steps_given_up).")
 RECORDS_REFUSED = MetricSpec("trainguard_cluster_job_records_refused_total", "counter", "", (),
                              "Job records in etcd not acted on (unsigned, bad signature, invalid), once per revision.")
+COMMITS_REFUSED = MetricSpec("trainguard_cluster_commit_records_refused_total", "counter", "", (),
+                             "Lineage commit records in etcd not used (unsigned, bad signature, invalid), once per revision.")
 UPLOADS_REFUSED = MetricSpec("trainguard_cluster_peer_uploads_refused_total", "counter", "", (),
                              "Peer-copy uploads refused here (byte quota, free space, missing origin signature).")
 METRICS = (MEMBERS, IS_LEADER, ETCD_UP, REFRESH_FAILURES, MOVES, ADOPTIONS, HELD_BYTES, GANG_DECISIONS, FORWARDED,
-           FORWARD_DROPPED, UNREACHABLE, LINEAGE_WAITS, LINEAGE_GIVEN_UP, RECORDS_REFUSED, UPLOADS_REFUSED)
+           FORWARD_DROPPED, UNREACHABLE, LINEAGE_WAITS, LINEAGE_GIVEN_UP, RECORDS_REFUSED, COMMITS_REFUSED,
+           UPLOADS_REFUSED)
 
 
 def _noop(kind: str, message: str, fields: dict[str, Any]) -> None:
@@ -129,7 +132,8 @@ class ClusterService:
                 is_leader=lambda: self.is_leader, members=self.members, wake=self._wake, on_restart=on_adopt,
                 clock=clock, rejoin=cfg.rejoin,
                 quick_client_for=token_client_factory(token, min(cfg.peer_timeout_s, cfg.decision_timeout), tls),
-                commits=CommitTable(self.client, f"/trainguard/{cfg.name}/") if self.client is not None else None,
+                commits=CommitTable(self.client, f"/trainguard/{cfg.name}/", key=self.key,
+                                    on_drop=self._on_commit_dropped) if self.client is not None else None,
                 decision_timeout_s=cfg.decision_timeout, fence_grace_s=cfg.fence_grace_s,
                 lineage_wait_s=cfg.lineage_wait)
             self.gangs.cluster_key = self.key
@@ -162,6 +166,10 @@ class ClusterService:
 
     def _on_record_dropped(self, key: str, revision: int, reason: str) -> None:
         self.emit("job_record_refused", f"job record {key} (revision {revision}) not used: {reason}",
+                  {"key": key, "revision": revision, "reason": reason, "severity": "error"})
+
+    def _on_commit_dropped(self, key: str, revision: int, reason: str) -> None:
+        self.emit("commit_record_refused", f"commit record {key} (revision {revision}) not used: {reason}",
                   {"key": key, "revision": revision, "reason": reason, "severity": "error"})
 
     def _wake(self) -> None:
@@ -285,6 +293,7 @@ class ClusterService:
                             (LINEAGE_GIVEN_UP, gangs.lineage_given_up if gangs else 0),
 
                             (RECORDS_REFUSED, self.jobs.dropped if self.jobs is not None else 0),
+                            (COMMITS_REFUSED, gangs.commits.dropped if gangs and gangs.commits else 0),
                             (UPLOADS_REFUSED, self.store.refused)):
             c = spec.counter()
             c.add_metric([], value)
