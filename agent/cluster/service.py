@@ -362,10 +362,16 @@ class ClusterService:
         ``cluster.fence_after_s``: the lease may expire on the server before the next refresh, and
         the leader then places the job on other nodes. Needs no etcd. Returns the jobs fenced."""
         m = self.membership
-        if m is None or m.solo or self.supervisor is None:
+        if m is None or m.solo:
             return []
         age = m.refresh_age()
         if age is None or age < self.cfg.fence_after_s:
+            return []
+        if m.leader == self.node:
+            # A leader fenced on its own clock may lose its key any moment: it hands leadership on
+            # at once instead of leaving the others leaderless until the key's lease expires.
+            m.resign(f"lease not refreshed for {age:.1f} s")
+        if self.supervisor is None:
             return []
         out = []
         for job, record in list(self.supervisor.jobs.items()):
