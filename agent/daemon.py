@@ -258,6 +258,14 @@ class Agent:
         cause = str(fields.pop("cause_", ""))
         self.events.emit(kind, message, severity=severity, job=job if isinstance(job, str) else None, cause=cause, **_safe_fields(fields))
 
+    def _peer_node_of(self, address: str) -> str | None:
+        """The cluster member whose advertised API host (or node name) is ``address``."""
+        for name, info in self.cluster.members().items():
+            host = info.api.rsplit(":", 1)[0].strip("[]") if info.api else ""
+            if address in (host, name):
+                return name
+        return None
+
     def _object_scope(self, key: str) -> ObjectScope | None:
         """The object-tier scope of a checkpoint key (a job, or a spanning job's part
         ``<job>.part-<node>``): the job's submission uid and this node's fencing epoch for it
@@ -313,6 +321,7 @@ class Agent:
             self.cluster.gangs.shared_tiers = [self.checkpoints.object]
         self.recovery = RecoveryService(self, self.checkpoints)
         self.supervisor.launch_env = self.recovery.launch_env
+        self.supervisor.peer_node_of = self._peer_node_of
         self.supervisor.before_survivors_stop = self.recovery.before_survivors_stop
         self.tick_hooks.append(self.recovery.tick)
         self.checkpoint_catalog = self.checkpoints.catalog
