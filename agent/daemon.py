@@ -275,7 +275,10 @@ class Agent:
         job = key.split(".part-", 1)[0]
         record = self.supervisor.jobs.get(job)
         if record is None or not record.spec.uid:
-            return None
+            # Not run here (yet): the leader choosing a restore step, a node about to join the job.
+            # It reads by the uid of the signed record; epoch 0 never outranks a writer.
+            uid = self.cluster.job_uid(job)
+            return ObjectScope(uid, 0) if uid else None
         if record.block is not None:
             return ObjectScope(record.spec.uid, record.block.attempt)
         return ObjectScope(record.spec.uid, self.cluster.epoch_of(job))

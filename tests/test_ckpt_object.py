@@ -244,3 +244,20 @@ def test_job_uid_is_drawn_per_submission_and_kept_by_its_records() -> None:
     assert JobSpec.from_dict(first.to_dict()).uid == first.uid
     with pytest.raises(JobSpecError, match="uid"):
         JobSpec.from_dict({"job": "train", "nproc": 1, "uid": "../other-job"})
+
+
+def test_the_agent_scopes_a_key_by_its_jobs_uid_and_epoch_or_attempt() -> None:
+    from types import SimpleNamespace
+
+    from trainguard.agent.daemon import Agent
+
+    single = SimpleNamespace(spec=SimpleNamespace(uid=UID_OLD), block=None)
+    span = SimpleNamespace(spec=SimpleNamespace(uid=UID_NEW), block=SimpleNamespace(attempt=7))
+    cluster = SimpleNamespace(epoch_of={"train": 3}.get, job_uid={"elsewhere": "c3" * 8}.get)
+    fake = SimpleNamespace(supervisor=SimpleNamespace(jobs={"train": single, "big": span}),
+                           cluster=SimpleNamespace(epoch_of=lambda j: cluster.epoch_of(j, 0),
+                                                   job_uid=lambda j: cluster.job_uid(j, "")))
+    assert Agent._object_scope(fake, "train") == ObjectScope(UID_OLD, 3)  # type: ignore[arg-type]
+    assert Agent._object_scope(fake, "big.part-node-b") == ObjectScope(UID_NEW, 7)  # type: ignore[arg-type]
+    assert Agent._object_scope(fake, "elsewhere") == ObjectScope("c3" * 8, 0)  # type: ignore[arg-type]
+    assert Agent._object_scope(fake, "unknown") is None  # type: ignore[arg-type]

@@ -142,6 +142,7 @@ class ClusterService:
         self.supervisor: Supervisor | None = None
         self.plans: PlanStore | None = None
         self._epochs: dict[str, int] = {}
+        self._uids: dict[str, str] = {}
         self._conflicts: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -337,6 +338,7 @@ class ClusterService:
         if not self.membership.etcd_reachable or self.membership.refused:
             return  # a frozen view must not drive decisions; a refused name owns no jobs
         records = self.jobs.read()
+        self._uids = {j: uid for j, (rec, _) in records.items() if isinstance(uid := rec.spec.get("uid"), str)}
         single = {j: r for j, r in records.items() if not r[0].gang}
         self._publish(single, set(records) - set(single))
         self._adopt(single)
@@ -410,6 +412,11 @@ class ClusterService:
         if spanning and self.gangs is not None:
             # Once etcd answers, the leader learns the block is gone and orders a new attempt.
             self.gangs.on_local_failure(job, f"{self.node} fenced its ranks: {cause}")
+
+    def job_uid(self, job: str) -> str:
+        """The submission uid of ``job`` by its signed etcd record at the last read ("": unknown),
+        for a node that reads the job's object-tier checkpoints before it runs the job."""
+        return self._uids.get(job, "")
 
     def epoch_of(self, job: str) -> int:
         """The epoch under which this node runs ``job`` (0: not claimed through etcd)."""
