@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.agent.cluster.etcd import EtcdClient
+from trainguard.agent.cluster.jobs import valid_node_name
 from trainguard.agent.cluster.signing import sign, verify
 
 log = logging.getLogger("trainguard.cluster.lineage")
@@ -85,8 +86,9 @@ class CommitRecord:
             raise CommitRecordError("step must be a non-negative integer")
         if isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt < 1 << 62:
             raise CommitRecordError("attempt must be a non-negative integer")
-        if (not isinstance(parts, list) or len(parts) > MAX_PARTS
-                or not all(isinstance(p, str) and 0 < len(p) <= 128 for p in parts)):
+        if not valid_node_name(node):
+            raise CommitRecordError(f"stored under {node[:80]!r}, not a node name")
+        if not isinstance(parts, list) or len(parts) > MAX_PARTS or not all(valid_node_name(p) for p in parts):
             raise CommitRecordError("parts must be a list of node names")
         if isinstance(at, bool) or not isinstance(at, int | float):
             raise CommitRecordError("at must be a number")

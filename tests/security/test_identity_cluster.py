@@ -370,14 +370,16 @@ def test_only_signed_commit_records_count_so_a_forged_newer_step_makes_nobody_wa
     etcd.put(prefix + "d", signed_for_other_job)
     etcd.put(prefix + "e", b"\xff not json")
     etcd.put(prefix + "f", b"[" * 70_000)
+    # Signed by an agent's key but naming a path as a part: validated, not trusted.
+    etcd.put(prefix + "g", CommitRecord("g", 99, 1, ("g", "../..")).to_json("big", KEY))
     records = table.read("big")
     assert records == {}
     reasons = {key.rsplit("/", 1)[-1]: why for key, _, why in drops}
-    assert set(reasons) == {"a", "b", "c", "d", "e", "f"}
+    assert set(reasons) == {"a", "b", "c", "d", "e", "f", "g"} and "parts" in reasons["g"]
     assert "not signed" in reasons["a"] and all("bad signature" in reasons[n] for n in "bcd")
     assert newer_elsewhere(10, records, reachable={"a"}) is None  # nothing to wait for
     table.read("big")
-    assert table.dropped == 6  # once per revision
+    assert table.dropped == 7  # once per revision
     table.write("big", CommitRecord("a", 14, 2, ("a",), 2.0))
     assert table.read("big")["a"].step == 14
     # Without a key (a cluster of one) records are read as before; a signed one is still parsed.
