@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard.agent import __version__
 from trainguard.agent.collectors.base import Collector, CollectorUnavailable, TrackedProcess
@@ -32,6 +32,9 @@ from trainguard.agent.lifecycle.supervisor import Supervisor
 from trainguard.agent.paths import AgentPaths, agent_tag
 from trainguard.agent.recovery.activity import descends_from
 from trainguard.agent.sdnotify import Notifier
+
+if TYPE_CHECKING:
+    from trainguard.agent.checkpoint.objectstore import ObjectScope
 
 log = logging.getLogger("trainguard.agent")
 EXTERNAL_SILENCE_S = 60.0
@@ -255,6 +258,31 @@ class Agent:
         cause = str(fields.pop("cause_", ""))
         self.events.emit(kind, message, severity=severity, job=job if isinstance(job, str) else None, cause=cause, **_safe_fields(fields))
 
+    def _peer_node_of(self, address: str) -> str | None:
+        """The cluster member whose advertised API host (or node name) is ``address``."""
+        for name, info in self.cluster.members().items():
+            host = info.api.rsplit(":", 1)[0].strip("[]") if info.api else ""
+            if address in (host, name):
+                return name
+        return None
+
+    def _object_scope(self, key: str) -> ObjectScope | None:
+        """The object-tier scope of a checkpoint key (a job, or a spanning job's part
+        ``<job>.part-<node>``): the job's submission uid and this node's fencing epoch for it
+        (the record's epoch; for a spanning job the attempt its ranks run)."""
+        from trainguard.agent.checkpoint.objectstore import ObjectScope
+
+        job = key.split(".part-", 1)[0]
+        record = self.supervisor.jobs.get(job)
+        if record is None or not record.spec.uid:
+            # Not run here (yet): the leader choosing a restore step, a node about to join the job.
+            # It reads by the uid of the signed record; epoch 0 never outranks a writer.
+            uid = self.cluster.job_uid(job)
+            return ObjectScope(uid, 0) if uid else None
+        if record.block is not None:
+            return ObjectScope(record.spec.uid, record.block.attempt)
+        return ObjectScope(record.spec.uid, self.cluster.epoch_of(job))
+
     def _start_recovery(self) -> None:
         from trainguard.agent.checkpoint import CheckpointManager
         from trainguard.agent.cluster.service import ClusterService
@@ -281,6 +309,8 @@ class Agent:
             extra_tiers=self.cluster.tiers,
             extra_intervals=self.cluster.intervals,
             extra_keep=self.cluster.keep,
+            cluster=self.cfg.cluster.name,
+            object_scope=self._object_scope,
         )
         self.checkpoints.start()
         if self.cfg.launcher.user:
@@ -294,6 +324,7 @@ class Agent:
             self.cluster.gangs.shared_tiers = [self.checkpoints.object]
         self.recovery = RecoveryService(self, self.checkpoints)
         self.supervisor.launch_env = self.recovery.launch_env
+        self.supervisor.peer_node_of = self._peer_node_of
         self.supervisor.before_survivors_stop = self.recovery.before_survivors_stop
         self.tick_hooks.append(self.recovery.tick)
         self.checkpoint_catalog = self.checkpoints.catalog

@@ -13,7 +13,7 @@ import pytest
 
 from trainguard.agent.checkpoint.errors import CheckpointCorrupt, CheckpointWriteError, UnsafePathError
 from trainguard.agent.checkpoint.manifest import MANIFEST_NAME, build_manifest, write_manifest
-from trainguard.agent.checkpoint.objectstore import ObjectStoreConfig, ObjectTier
+from trainguard.agent.checkpoint.objectstore import ObjectScope, ObjectStoreConfig, ObjectTier, StaleEpoch
 
 
 def fake_dcp(d: Path, ranks: int = 2, size: int = 30_000) -> dict[str, bytes]:
@@ -55,7 +55,7 @@ def test_write_list_verify_fetch(tier: ObjectTier, tmp_path: Path) -> None:
     files = fake_dcp(tmp_path / "src")
     info = tier.write_from(tmp_path / "src", "job", 2000)
     assert info.step == 2000 and info.size == sum(len(v) for v in files.values())
-    assert info.location.endswith("/ckpts/job/step_2000")
+    assert info.location.endswith("/ckpts/default/unscoped/job/step_2000")
     assert [i.step for i in tier.list("job")] == [2000]
     assert tier.verify("job", 2000).ok
     dest = tier.fetch("job", 2000, tmp_path / "scratch" / "restore")
@@ -68,15 +68,15 @@ def test_data_without_manifest_is_not_listed(tier: ObjectTier, tmp_path: Path) -
     fake_dcp(tmp_path / "src")
     tier.write_from(tmp_path / "src", "job", 10)
     # An upload that died before its manifest: data objects only.
-    tier.fs.pipe_file(f"{tier.base}/job/step_20/__0_0.distcp", b"half")
-    tier.fs.pipe_file(f"{tier.base}/job/.tmp-x/__0_0.distcp", b"junk")
+    tier.fs.pipe_file(f"{tier.job_prefix('job')}/step_20/__0_0.distcp", b"half")
+    tier.fs.pipe_file(f"{tier.job_prefix('job')}/.tmp-x/__0_0.distcp", b"junk")
     assert [i.step for i in tier.list("job")] == [10]
 
 
 def test_corrupt_object_fails_verify_and_fetch(tier: ObjectTier, tmp_path: Path) -> None:
     files = fake_dcp(tmp_path / "src")
     tier.write_from(tmp_path / "src", "job", 30)
-    key = f"{tier.base}/job/step_30/__1_0.distcp"
+    key = f"{tier.job_prefix('job')}/step_30/__1_0.distcp"
     bad = bytearray(files["__1_0.distcp"])
     bad[7] ^= 0xFF
     tier.fs.pipe_file(key, bytes(bad))
@@ -94,7 +94,7 @@ def test_corrupt_object_fails_verify_and_fetch(tier: ObjectTier, tmp_path: Path)
 def test_traversal_in_stored_manifest_is_rejected(tier: ObjectTier, tmp_path: Path) -> None:
     fake_dcp(tmp_path / "src")
     tier.write_from(tmp_path / "src", "job", 40)
-    mkey = f"{tier.base}/job/step_40/{MANIFEST_NAME}"
+    mkey = f"{tier.job_prefix('job')}/step_40/{MANIFEST_NAME}"
     doc = json.loads(tier.fs.cat_file(mkey))
     doc["files"][0]["path"] = "../../../escape.txt"
     tier.fs.pipe_file(mkey, json.dumps(doc).encode())
@@ -112,7 +112,7 @@ def test_corrupt_source_is_not_uploaded(tier: ObjectTier, tmp_path: Path) -> Non
     with pytest.raises(CheckpointCorrupt):
         tier.write_from(tmp_path / "src", "job", 50)
     assert tier.list("job") == []
-    assert not tier.fs.exists(f"{tier.base}/job/step_50/__1_0.distcp")
+    assert not tier.fs.exists(f"{tier.job_prefix('job')}/step_50/__1_0.distcp")
 
 
 def test_prune_and_overwrite(tier: ObjectTier, tmp_path: Path) -> None:
@@ -121,7 +121,7 @@ def test_prune_and_overwrite(tier: ObjectTier, tmp_path: Path) -> None:
         tier.write_from(tmp_path / "src", "job", step)
     assert tier.prune("job", 2) == [1]
     assert [i.step for i in tier.list("job")] == [2, 3]
-    assert not tier.fs.exists(f"{tier.base}/job/step_1/__0_0.distcp")
+    assert not tier.fs.exists(f"{tier.job_prefix('job')}/step_1/__0_0.distcp")
     files = fake_dcp(tmp_path / "src2", ranks=1)
     tier.write_from(tmp_path / "src2", "job", 3)
     r = tier.verify("job", 3)
@@ -157,9 +157,107 @@ def test_config_hides_secret() -> None:
 def test_orphaned_uploads_are_cleaned_only_when_old(tier: ObjectTier, tmp_path: Path) -> None:
     fake_dcp(tmp_path / "src")
     tier.write_from(tmp_path / "src", "job", 1)
-    tier.fs.pipe_file(f"{tier.base}/job/step_2/__0_0.distcp", b"orphan of a crashed upload")
+    tier.fs.pipe_file(f"{tier.job_prefix('job')}/step_2/__0_0.distcp", b"orphan of a crashed upload")
     assert tier.cleanup_tmp() == 0  # young: maybe another agent is still uploading
-    assert tier.fs.exists(f"{tier.base}/job/step_2/__0_0.distcp")
+    assert tier.fs.exists(f"{tier.job_prefix('job')}/step_2/__0_0.distcp")
     assert tier.cleanup_tmp(min_age_s=0) == 1
-    assert not tier.fs.exists(f"{tier.base}/job/step_2/__0_0.distcp")
+    assert not tier.fs.exists(f"{tier.job_prefix('job')}/step_2/__0_0.distcp")
     assert [i.step for i in tier.list("job")] == [1] and tier.verify("job", 1).ok
+
+
+# -- scoping by cluster and job uid, fencing by epoch ------------------------------------------------
+
+UID_OLD, UID_NEW = "a1" * 8, "b2" * 8
+
+
+def _scoped(tier: ObjectTier, cluster: str, uid: str, epoch: int) -> ObjectTier:
+    """Another agent's view of the same store: its own cluster name, job uid and writer epoch."""
+    return ObjectTier(tier.config, cluster=cluster, scope=lambda _job: ObjectScope(uid, epoch))
+
+
+def test_older_epoch_neither_commits_nor_prunes_newer_steps(tier: ObjectTier, tmp_path: Path) -> None:
+    fake_dcp(tmp_path / "src")
+    fenced = _scoped(tier, "prod", UID_OLD, 3)  # the copy cut off from etcd, still running
+    owner = _scoped(tier, "prod", UID_OLD, 4)   # the copy the leader moved the job to
+    fenced.write_from(tmp_path / "src", "train", 100)
+    owner.write_from(tmp_path / "src", "train", 110)
+    owner.write_from(tmp_path / "src", "train", 120)
+    with pytest.raises(StaleEpoch):
+        fenced.write_from(tmp_path / "src", "train", 130)
+    with pytest.raises(StaleEpoch):
+        fenced.write_from(tmp_path / "src", "train", 120)  # nor replace one of the owner's steps
+    assert [i.step for i in owner.list("train")] == [100, 110, 120]
+    assert not tier.fs.exists(f"{owner.job_prefix('train')}/step_130")  # its upload was removed
+    assert fenced.prune("train", 1) == []
+    assert [i.step for i in owner.list("train")] == [100, 110, 120]
+    assert owner.verify("train", 120).ok and owner.verify("train", 110).ok
+    assert owner.prune("train", 2) == [100]  # the current owner prunes as before
+
+
+def test_delete_hook_spares_a_step_committed_by_a_newer_epoch(tier: ObjectTier, tmp_path: Path) -> None:
+    fake_dcp(tmp_path / "src")
+    old = _scoped(tier, "prod", UID_OLD, 1)
+    old.write_from(tmp_path / "src", "train", 10)
+    old.write_from(tmp_path / "src", "train", 20)
+    listed = old.list("train")  # the old writer's listing, taken before the new owner commits
+    _scoped(tier, "prod", UID_OLD, 2).write_from(tmp_path / "src", "train", 30)
+    assert old.prune("train", 1, listed=listed) == []
+    assert [i.step for i in old.list("train")] == [10, 20, 30]
+
+
+def test_two_clusters_and_two_submissions_do_not_see_each_others_steps(tier: ObjectTier, tmp_path: Path) -> None:
+    fake_dcp(tmp_path / "src")
+    a = _scoped(tier, "east", UID_OLD, 0)
+    b = _scoped(tier, "west", UID_OLD, 9)  # same uid, other cluster: still apart
+    again = _scoped(tier, "east", UID_NEW, 0)  # `train` submitted again in the same cluster
+    a.write_from(tmp_path / "src", "train", 5)
+    b.write_from(tmp_path / "src", "train", 7)
+    again.write_from(tmp_path / "src", "train", 9)
+    assert [i.step for i in a.list("train")] == [5]
+    assert [i.step for i in b.list("train")] == [7]
+    assert [i.step for i in again.list("train")] == [9]
+    assert b.prune("train", 1) == [] and a.prune("train", 1) == []
+    a.write_from(tmp_path / "src", "train", 6)  # west's epoch 9 does not fence east's epoch 0
+    assert a.prune("train", 1) == [5]
+    assert [i.step for i in b.list("train")] == [7] and [i.step for i in again.list("train")] == [9]
+    assert a.cleanup_tmp(min_age_s=0) == 0
+
+
+def test_scope_rejects_bad_uid_and_resolver_failure_is_unscoped(tier: ObjectTier) -> None:
+    with pytest.raises(ValueError, match="uid"):
+        ObjectScope("../../etc", 0)
+    with pytest.raises(ValueError, match="cluster"):
+        ObjectTier(tier.config, cluster="../x")
+
+    def boom(_job: str) -> ObjectScope:
+        raise KeyError(_job)
+
+    assert ObjectTier(tier.config, scope=boom).scope("train").uid == "unscoped"
+
+
+def test_job_uid_is_drawn_per_submission_and_kept_by_its_records() -> None:
+    from trainguard.agent.lifecycle.jobs import JobSpec, JobSpecError
+
+    first, second = JobSpec.from_dict({"job": "train", "nproc": 1}), JobSpec.from_dict({"job": "train", "nproc": 1})
+    assert first.uid != second.uid and ObjectScope(first.uid).uid == first.uid
+    # What the disk record and the etcd record hold is parsed again on adoption or a move: same uid.
+    assert JobSpec.from_dict(first.to_dict()).uid == first.uid
+    with pytest.raises(JobSpecError, match="uid"):
+        JobSpec.from_dict({"job": "train", "nproc": 1, "uid": "../other-job"})
+
+
+def test_the_agent_scopes_a_key_by_its_jobs_uid_and_epoch_or_attempt() -> None:
+    from types import SimpleNamespace
+
+    from trainguard.agent.daemon import Agent
+
+    single = SimpleNamespace(spec=SimpleNamespace(uid=UID_OLD), block=None)
+    span = SimpleNamespace(spec=SimpleNamespace(uid=UID_NEW), block=SimpleNamespace(attempt=7))
+    cluster = SimpleNamespace(epoch_of={"train": 3}.get, job_uid={"elsewhere": "c3" * 8}.get)
+    fake = SimpleNamespace(supervisor=SimpleNamespace(jobs={"train": single, "big": span}),
+                           cluster=SimpleNamespace(epoch_of=lambda j: cluster.epoch_of(j, 0),
+                                                   job_uid=lambda j: cluster.job_uid(j, "")))
+    assert Agent._object_scope(fake, "train") == ObjectScope(UID_OLD, 3)  # type: ignore[arg-type]
+    assert Agent._object_scope(fake, "big.part-node-b") == ObjectScope(UID_NEW, 7)  # type: ignore[arg-type]
+    assert Agent._object_scope(fake, "elsewhere") == ObjectScope("c3" * 8, 0)  # type: ignore[arg-type]
+    assert Agent._object_scope(fake, "unknown") is None  # type: ignore[arg-type]

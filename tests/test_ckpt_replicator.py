@@ -223,7 +223,7 @@ def test_newest_restorable_prefers_fastest_tier_and_skips_corrupt(memory: Memory
     r.release()
     assert not r.path.exists()
 
-    flip_byte(Path(obj.fs._strip_protocol(f"{obj.base}/job/step_10/.metadata")))
+    flip_byte(Path(obj.fs._strip_protocol(f"{obj.job_prefix('job')}/step_10/.metadata")))
     r = restore("job", tiers, tmp_path / "scratch", emit=events, status=status)
     assert r is not None and r.tier == "memory" and r.info.step == 5 and not r.fetched
     assert r.path == memory.step_path("job", 5)

@@ -303,3 +303,44 @@ def test_a_deposed_leaders_heal_moves_nothing(etcd: LocalEtcd, tmp_path: Path) -
     finally:
         for svc in services:
             svc.stop(leave=False)
+
+
+def test_a_fenced_leader_resigns_so_another_is_elected_before_its_lease_expires(
+        etcd: LocalEtcd, tmp_path: Path) -> None:
+    """The leader is cut off past the fence but less than a TTL: etcd keeps its lease and its key,
+    so without resigning it would lead on (and b never would). It stops acting as leader at the
+    fence and deletes the key once etcd answers; b is elected while a's lease is still alive."""
+    ttl = 6
+    rec, rb = Recorder(), Recorder()
+    cfg = ClusterConfig(name="resign", etcd_endpoints=etcd.endpoints, etcd_plaintext=True, key_file=KEY(tmp_path),
+                        lease_ttl_s=ttl, poll_s=0.1, etcd_timeout_s=0.5)
+    sup = make_supervisor(tmp_path)
+    svc = ClusterService(cfg, node="a", memory_root=str(tmp_path / "shm"), emit=rec)
+    svc.start("127.0.0.1:1", sup, PlanStore(str(tmp_path / "plans")))
+    b = Membership(EtcdClient(etcd.endpoints, timeout_s=0.5, plaintext=True), "resign", NodeInfo("b", "127.0.0.1:2", 1),
+                   ttl=ttl, poll_s=0.1, emit=rb)
+    try:
+        m = svc.membership
+        assert m is not None
+        wait_for(lambda: svc.is_leader and m.leader == "a", 10, "a leads")
+        b.start()
+        wait_for(lambda: b.leader == "a" and "b" in m.members(), 10, "b sees a lead")
+        lease = m.claim().lease
+        wait_for(lambda: (age := m.refresh_age()) is not None and age < 0.3, 10, "a fresh refresh")
+        etcd.members[0].pause()
+        try:
+            wait_for(lambda: rec.of("leader_resigning"), 10, "the fence fires on the leader")
+            assert not svc.is_leader and m.leader == "a"  # its view still names it; it acts no more
+            assert (m.refresh_age() or 0.0) < ttl - 1
+        finally:
+            etcd.members[0].resume()
+        wait_for(lambda: b.is_leader and m.leader == "b", 10, "b elected after a resigned")
+        (_, fields), = rec.of("leader_resigned")
+        assert fields["deleted"] is True and m.resignations == 1
+        # Resignation, not expiry: a kept its lease and its membership the whole time.
+        assert m.claim().lease == lease and "a" in b.members() and not rb.of("node_lost")
+        assert not svc.is_leader
+    finally:
+        b.stop()
+        svc.stop(leave=False)
+        sup.close()

@@ -24,7 +24,7 @@ from trainguard.agent.checkpoint.disk import DiskTier
 from trainguard.agent.checkpoint.errors import CheckpointError, CheckpointWriteError, describe
 from trainguard.agent.checkpoint.local import LocalDirTier
 from trainguard.agent.checkpoint.memory import DEFAULT_MEMORY_ROOT, MemoryTier
-from trainguard.agent.checkpoint.objectstore import ObjectStoreConfig, ObjectTier
+from trainguard.agent.checkpoint.objectstore import ObjectScope, ObjectStoreConfig, ObjectTier
 from trainguard.agent.checkpoint.replicator import TierReplicator
 from trainguard.agent.checkpoint.snapshots import SNAPSHOT_DIRNAME, SnapshotSet
 from trainguard.agent.checkpoint.status import CheckpointStatus
@@ -98,6 +98,8 @@ class CheckpointManager:
         extra_tiers: Sequence[Tier] = (),
         extra_intervals: Mapping[str, int] | None = None,
         extra_keep: Mapping[str, int] | None = None,
+        cluster: str = "default",
+        object_scope: Callable[[str], ObjectScope | None] | None = None,
     ) -> None:
         self.settings = settings
         self.emit = emit
@@ -111,7 +113,8 @@ class CheckpointManager:
         if self.disk is not None:
             targets.append(self.disk)
             intervals["disk"], keep["disk"] = settings.disk_interval, settings.disk_keep
-        self.object = ObjectTier(settings.object_store, clock=clock) if settings.object_store else None
+        self.object = ObjectTier(settings.object_store, clock=clock, cluster=cluster,
+                                 scope=object_scope) if settings.object_store else None
         if self.object is not None:
             targets.append(self.object)
             intervals["object"], keep["object"] = settings.object_interval, settings.object_keep

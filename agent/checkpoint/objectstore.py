@@ -5,10 +5,17 @@ are uploaded first and the manifest LAST; ``list`` only reports checkpoints whos
 and ``delete`` removes the manifest first. Uploads are streamed and hashed on the way (one read of
 the source), and checked against the source's manifest; downloads are hashed on the way and
 compared with the stored manifest before the local directory is renamed into place.
+
+Checkpoints are keyed ``<base>/<cluster>/<job uid>/<job>/step_N``: the uid is unique per
+submission, so two clusters' jobs named ``train`` (or a job submitted again under an old name)
+never list, restore or prune each other's steps. Every manifest carries the writer's epoch; a
+writer older than the newest committed epoch of the same job (a fenced copy still running) does
+not commit and prunes nothing.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import re
@@ -54,6 +61,33 @@ from trainguard.agent.checkpoint.tier import (
 )
 
 _SCHEMES = ("s3", "file", "memory")
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_UID = re.compile(r"^[0-9a-f]{8,64}$")
+UNSCOPED_UID = "unscoped"
+"""The uid segment of a job this agent knows no uid for (a record written before uids)."""
+EPOCH_KEY = "writer_epoch"
+UID_KEY = "job_uid"
+
+
+@dataclass(frozen=True)
+class ObjectScope:
+    """Which submission of a job a checkpoint belongs to, and the fencing epoch of its writer."""
+
+    uid: str
+    epoch: int = 0
+
+    def __post_init__(self) -> None:
+        if self.uid != UNSCOPED_UID and not _UID.match(self.uid):
+            raise ValueError(f"job uid {self.uid[:80]!r} is not 8-64 lowercase hex digits")
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or not 0 <= self.epoch < 1 << 62:
+            raise ValueError(f"epoch {self.epoch!r} is not a non-negative integer")
+
+
+_UNSCOPED = ObjectScope(UNSCOPED_UID, 0)
+
+
+class StaleEpoch(CheckpointError):
+    """A writer whose epoch is older than one already committed for the job: it is fenced."""
 
 
 @dataclass(frozen=True)
@@ -125,8 +159,14 @@ class ObjectTier(Tier):
         name: str = "object",
         orphan_age_s: float = 3600.0,
         clock: Callable[[], float] = time.time,
+        cluster: str = "default",
+        scope: Callable[[str], ObjectScope | None] | None = None,
     ) -> None:
+        if not _SEGMENT.match(cluster):
+            raise ValueError(f"cluster name {cluster[:80]!r} is not one path segment")
         self.name = name
+        self.cluster = cluster
+        self._scope_fn = scope
         self.orphan_age_s = orphan_age_s
         self.rank = RANK_OBJECT
         self.config = config
@@ -135,9 +175,28 @@ class ObjectTier(Tier):
         self.fs = fs
         self.base = str(base).rstrip("/")
 
+    # -- scope -----------------------------------------------------------------------------------
+    def scope(self, job: str) -> ObjectScope:
+        """The uid and writer epoch of ``job`` (a part key ``<job>.part-<node>`` is its job's);
+        a job the resolver does not know, or a resolver that fails, is unscoped."""
+        if self._scope_fn is None:
+            return _UNSCOPED
+        try:
+            found = self._scope_fn(job)
+        except Exception:  # noqa: BLE001 - the resolver reads live agent state; never fail a tier call on it
+            return _UNSCOPED
+        return found if isinstance(found, ObjectScope) else _UNSCOPED
+
+    def _cluster_root(self) -> str:
+        return f"{self.base}/{self.cluster}"
+
     # -- paths -----------------------------------------------------------------------------------
     def _job(self, job: str) -> str:
-        return f"{self.base}/{check_job(job)}"
+        return f"{self._cluster_root()}/{self.scope(job).uid}/{check_job(job)}"
+
+    def job_prefix(self, job: str) -> str:
+        """Where ``job``'s checkpoints are stored (this cluster, the job's current uid)."""
+        return self._job(job)
 
     def _step(self, job: str, step: int) -> str:
         return f"{self._job(job)}/{step_dirname(step)}"
@@ -196,7 +255,10 @@ class ObjectTier(Tier):
             # Replace, then delete: a step saved again gets its objects under a generation of their
             # own, the manifest naming it is the one-object commit, and only then does the older
             # copy go. A failure or crash at any point leaves the older copy listed whole.
-            manifest = Manifest(job, step, manifest.created, manifest.algorithm, manifest.files, manifest.extra)
+            scope = self.scope(job)
+            manifest = Manifest(job, step, manifest.created, manifest.algorithm, manifest.files,
+                                {**manifest.extra, EPOCH_KEY: scope.epoch, UID_KEY: scope.uid})
+            self._check_epoch(job, scope.epoch)
             old = self._committed_or_none(job, step)
             if old is None:
                 self._remove_prefix(sp)  # an upload that never committed: nothing listed is lost
@@ -213,8 +275,11 @@ class ObjectTier(Tier):
                     bad.append(f"checksum mismatch: {entry.path}")
             if bad:
                 raise CheckpointCorrupt(f"source {src} does not match its manifest", bad)
+            # Conditional commit: checked again right before the one-object commit, so a copy
+            # fenced during its upload does not commit over the newer owner's lineage.
+            self._check_epoch(job, scope.epoch)
             self.fs.pipe_file(f"{sp}/{MANIFEST_NAME}", manifest.to_json())  # the commit
-        except CheckpointCorrupt:
+        except (CheckpointCorrupt, StaleEpoch):
             if data is not None:
                 self._remove_prefix(data)
             raise
@@ -226,6 +291,53 @@ class ObjectTier(Tier):
             self._remove_data(sp, old)
         self._invalidate(self._job(job))
         return CheckpointInfo(self.name, job, step, self.url_of(job, step), manifest.total_bytes, manifest.created)
+
+    def committed_epoch(self, job: str) -> int | None:
+        """The newest writer epoch among ``job``'s committed manifests (None: none committed)."""
+        jp = self._job(job)
+        self._invalidate(jp)
+        try:
+            names = self.fs.ls(jp, detail=False)
+        except FileNotFoundError:
+            return None
+        newest: int | None = None
+        for entry in names:
+            step = parse_step_dirname(str(entry).rstrip("/").rsplit("/", 1)[-1])
+            if step is None:
+                continue
+            epoch = self._epoch_of(job, step)
+            if epoch is not None and (newest is None or epoch > newest):
+                newest = epoch
+        return newest
+
+    def _epoch_of(self, job: str, step: int) -> int | None:
+        try:
+            manifest = self._read_manifest(job, step)
+        except Exception:  # noqa: BLE001 - uncommitted or unreadable: no epoch to respect
+            return None
+        return manifest_epoch(manifest)
+
+    def _check_epoch(self, job: str, epoch: int) -> None:
+        newest = self.committed_epoch(job)
+        if newest is not None and newest > epoch:
+            raise StaleEpoch(f"tier {self.name}: {job} has steps committed at epoch {newest}; "
+                             f"this writer's epoch {epoch} is fenced")
+
+    def prune(self, job: str, keep: int,
+              listed: builtins.list[CheckpointInfo] | None = None) -> builtins.list[int]:
+        """The base prune, but a writer older than the job's newest committed epoch prunes
+        nothing: its idea of "the newest ``keep``" misses the newer owner's steps."""
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        newest = self.committed_epoch(job)
+        if newest is not None and newest > self.scope(job).epoch:
+            return []
+        return super().prune(job, keep, listed)
+
+    def _may_delete(self, job: str, step: int) -> bool:
+        """Never a step a newer epoch committed (it may have been committed since the listing)."""
+        epoch = self._epoch_of(job, step)
+        return epoch is None or epoch <= self.scope(job).epoch
 
     def _committed_or_none(self, job: str, step: int) -> Manifest | None:
         """The manifest of a committed copy of (job, step) that a new copy replaces, if any."""
@@ -384,39 +496,50 @@ class ObjectTier(Tier):
         age = self.orphan_age_s if min_age_s is None else min_age_s
         now = self._clock()
         removed = 0
-        self._invalidate(self.base)
+        root = self._cluster_root()
+        self._invalidate(root)
         try:
-            jobs = self.fs.ls(self.base, detail=False)
-        except FileNotFoundError:
+            uids = self.fs.ls(root, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
             return 0
-        for job_path in jobs:
-            job = str(job_path).rstrip("/").rsplit("/", 1)[-1]
-            try:
-                check_job(job)
-                entries = self.fs.ls(self._job(job), detail=False)
-            except (ValueError, FileNotFoundError, NotADirectoryError):
+        for uid_path in uids:
+            uid = str(uid_path).rstrip("/").rsplit("/", 1)[-1]
+            if uid != UNSCOPED_UID and not _UID.match(uid):
                 continue
-            for entry in entries:
-                step = parse_step_dirname(str(entry).rstrip("/").rsplit("/", 1)[-1])
-                if step is None:
+            try:
+                jobs = self.fs.ls(f"{root}/{uid}", detail=False)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for job_path in jobs:
+                job = str(job_path).rstrip("/").rsplit("/", 1)[-1]
+                try:
+                    check_job(job)
+                    jp = f"{root}/{uid}/{job}"
+                    entries = self.fs.ls(jp, detail=False)
+                except (ValueError, FileNotFoundError, NotADirectoryError):
                     continue
-                if self.fs.exists(f"{self._step(job, step)}/{MANIFEST_NAME}"):
-                    removed += self._remove_stale_generations(job, step, now - age)
-                    continue
-                listed = self.fs.find(self._step(job, step), detail=True)
-                newest = max((_mtime(info) for info in listed.values()), default=0.0)
-                if now - newest >= age:
-                    self._remove_prefix(self._step(job, step))
-                    removed += 1
+                for entry in entries:
+                    step = parse_step_dirname(str(entry).rstrip("/").rsplit("/", 1)[-1])
+                    if step is None:
+                        continue
+                    sp = f"{jp}/{step_dirname(step)}"
+                    if self.fs.exists(f"{sp}/{MANIFEST_NAME}"):
+                        removed += self._remove_stale_generations(sp, now - age)
+                        continue
+                    listed = self.fs.find(sp, detail=True)
+                    newest = max((_mtime(info) for info in listed.values()), default=0.0)
+                    if now - newest >= age:
+                        self._remove_prefix(sp)
+                        removed += 1
         return removed
 
-    def _remove_stale_generations(self, job: str, step: int, before: float) -> int:
-        """Generations of a committed step that its manifest does not name (a re-save that never
-        committed, or whose older copy a crash left behind), once nothing in them is newer than
-        ``before``."""
-        sp = self._step(job, step)
+    def _remove_stale_generations(self, sp: str, before: float) -> int:
+        """Generations of a committed step (at ``sp``) that its manifest does not name (a re-save
+        that never committed, or whose older copy a crash left behind), once nothing in them is
+        newer than ``before``."""
         try:
-            current = _generation(self._read_manifest(job, step))
+            with self.fs.open(f"{sp}/{MANIFEST_NAME}", "rb") as f:
+                current = _generation(Manifest.from_json(f.read(MAX_MANIFEST_BYTES + 1)))
             entries = self.fs.ls(sp, detail=False)
         except Exception:  # noqa: BLE001 - unreadable now: left for the next start
             return 0
@@ -440,6 +563,12 @@ _GENERATION_RE = re.compile(r"^g[0-9a-f]{12}$")
 def _generation(manifest: Manifest) -> str | None:
     value = manifest.extra.get(GENERATION_KEY)
     return value if isinstance(value, str) and _GENERATION_RE.match(value) else None
+
+
+def manifest_epoch(manifest: Manifest) -> int:
+    """The writer epoch a manifest carries (0: written before epochs, or malformed)."""
+    value = manifest.extra.get(EPOCH_KEY, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62 else 0
 
 
 def _mtime(info: Mapping[str, Any]) -> float:

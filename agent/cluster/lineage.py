@@ -9,18 +9,41 @@ When the leader restarts the job it restores the newest step it can assemble fro
 answer. If the records say a newer step was committed in full and a part of it lies only with a
 node it cannot reach, it waits (bounded by ``cluster.lineage_wait_s``) for that node to come back,
 then goes on from what it has and says which steps it gave up (``newer_elsewhere`` decides).
+
+With the cluster key every record carries ``sig``, an HMAC over the record with its job and node,
+so a record is used only under the key it was written for; one without a valid signature (an etcd
+writer without the key making the leader wait on a step nobody committed) is a counted drop,
+reported once per revision.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.agent.cluster.etcd import EtcdClient
+from trainguard.agent.cluster.jobs import valid_node_name
+from trainguard.agent.cluster.signing import sign, verify
 
 log = logging.getLogger("trainguard.cluster.lineage")
+
+COMMIT_DOMAIN = "commit-record"
+MAX_COMMIT_BYTES = 64 << 10
+MAX_PARTS = 4096
+_SEEN_DROPS_MAX = 4096
+DropFn = Callable[[str, int, str], None]
+
+
+class CommitRecordError(ValueError):
+    """A commit record that is not used: malformed, out of bounds, or not signed by an agent."""
+
+
+def _payload(job: str, node: str, doc: dict[str, Any]) -> bytes:
+    body = {k: v for k, v in doc.items() if k != "sig"}
+    return json.dumps({"job": job, "node": node, "record": body}, sort_keys=True, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)
@@ -32,50 +55,94 @@ class CommitRecord:
     """The parts (nodes) the checkpoint of ``step`` consists of; empty: the node's own only."""
     at: float = 0.0
 
-    def to_json(self) -> bytes:
-        return json.dumps({"step": self.step, "attempt": self.attempt, "parts": list(self.parts),
-                           "at": self.at}, sort_keys=True).encode()
+    def to_json(self, job: str = "", key: bytes = b"") -> bytes:
+        """The record as stored; with the cluster ``key`` signed for ``job`` and this node."""
+        doc: dict[str, Any] = {"step": self.step, "attempt": self.attempt, "parts": list(self.parts), "at": self.at}
+        if key:
+            doc["sig"] = sign(key, COMMIT_DOMAIN, _payload(job, self.node, doc))
+        return json.dumps(doc, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, node: str, data: bytes) -> CommitRecord | None:
-        """The record, or None when it is not one (a bad record is dropped, never trusted)."""
+    def parse(cls, node: str, data: bytes, job: str = "", key: bytes = b"") -> CommitRecord:
+        """Validate a stored record of ``job`` under ``node``'s key; with ``key`` its signature must
+        check. Raises CommitRecordError (one line) for anything the leader must not act on."""
+        if len(data) > MAX_COMMIT_BYTES:
+            raise CommitRecordError(f"record of {len(data)} bytes is larger than {MAX_COMMIT_BYTES}")
         try:
             doc = json.loads(data)
-            step, attempt = doc["step"], doc["attempt"]
-            parts = doc.get("parts") or []
-            if (isinstance(step, bool) or not isinstance(step, int) or step < 0
-                    or isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0
-                    or not isinstance(parts, list) or not all(isinstance(p, str) and p for p in parts)):
-                return None
-            return cls(node, step, attempt, tuple(parts), float(doc.get("at", 0.0)))
-        except (ValueError, KeyError, TypeError):
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise CommitRecordError(f"not JSON: {str(exc)[:80]}") from None
+        if not isinstance(doc, dict):
+            raise CommitRecordError("not a JSON object")
+        if key:
+            sig = doc.get("sig")
+            if sig is None:
+                raise CommitRecordError("not signed with the cluster key (written by something other than an agent)")
+            if not verify(key, COMMIT_DOMAIN, _payload(job, node, doc), sig):
+                raise CommitRecordError("bad signature (not written with this cluster's key for this job and "
+                                        "node, or altered since)")
+        step, attempt, parts, at = doc.get("step"), doc.get("attempt"), doc.get("parts") or [], doc.get("at", 0.0)
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 62:
+            raise CommitRecordError("step must be a non-negative integer")
+        if isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt < 1 << 62:
+            raise CommitRecordError("attempt must be a non-negative integer")
+        if not valid_node_name(node):
+            raise CommitRecordError(f"stored under {node[:80]!r}, not a node name")
+        if not isinstance(parts, list) or len(parts) > MAX_PARTS or not all(valid_node_name(p) for p in parts):
+            raise CommitRecordError("parts must be a list of node names")
+        if isinstance(at, bool) or not isinstance(at, int | float):
+            raise CommitRecordError("at must be a number")
+        return cls(node, step, attempt, tuple(parts), float(at))
+
+    @classmethod
+    def from_json(cls, node: str, data: bytes, job: str = "", key: bytes = b"") -> CommitRecord | None:
+        """``parse``, or None when it is not a usable record (dropped, never trusted)."""
+        try:
+            return cls.parse(node, data, job, key)
+        except CommitRecordError:
             return None
 
 
 class CommitTable:
-    """Reads and writes commit records under ``<prefix>commits/``."""
+    """Reads and writes commit records under ``<prefix>commits/``; with the cluster ``key`` they
+    are signed on write and checked on read (a failing one is counted in ``dropped`` and reported
+    to ``on_drop`` once per revision)."""
 
-    def __init__(self, client: EtcdClient, prefix: str) -> None:
+    def __init__(self, client: EtcdClient, prefix: str, *, key: bytes = b"", on_drop: DropFn | None = None) -> None:
         self.client = client
         self.prefix = f"{prefix}commits/"
+        self.key = key
+        self.on_drop = on_drop
         self.dropped = 0
-        """Records that did not parse (counted, ignored)."""
+        """Records not used (unsigned, bad signature, malformed), once per key revision."""
+        self._seen_drops: set[tuple[str, int]] = set()
 
     def read(self, job: str) -> dict[str, CommitRecord]:
         kvs, _ = self.client.get_prefix(f"{self.prefix}{job}/")
         out = {}
         for kv in kvs:
             node = kv.key.rsplit("/", 1)[-1]
-            rec = CommitRecord.from_json(node, kv.value)
-            if rec is None:
-                self.dropped += 1
-                log.warning("commit record %s unreadable; ignored", kv.key)
+            try:
+                rec = CommitRecord.parse(node, kv.value, job, self.key)
+            except CommitRecordError as exc:
+                self._drop(kv.key, kv.mod_revision, str(exc))
                 continue
             out[node] = rec
         return out
 
+    def _drop(self, key: str, revision: int, reason: str) -> None:
+        if (key, revision) in self._seen_drops:
+            return
+        if len(self._seen_drops) >= _SEEN_DROPS_MAX:
+            self._seen_drops.clear()
+        self._seen_drops.add((key, revision))
+        self.dropped += 1
+        log.warning("cluster: commit record %s (revision %d) not used: %s", key[:200], revision, reason)
+        if self.on_drop is not None:
+            self.on_drop(key[:200], revision, reason)
+
     def write(self, job: str, rec: CommitRecord) -> None:
-        self.client.put(f"{self.prefix}{job}/{rec.node}", rec.to_json())
+        self.client.put(f"{self.prefix}{job}/{rec.node}", rec.to_json(job, self.key))
 
     def clear(self, job: str) -> None:
         """Forget a job's records (a new submission under the same name starts a new lineage)."""

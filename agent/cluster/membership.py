@@ -150,6 +150,12 @@ class Membership:
         self._last_ok_before: float | None = None  # the last good refresh of a lease replaced since
         self.refused = ""
         """Why this agent may not join ("": it may): its node name is held by another live agent."""
+        self._resign_cause = ""
+        """Set by ``resign`` (a fenced leader): the leader key is to be deleted at the next poll
+        that reaches etcd; meanwhile this agent does not act as leader."""
+        self._resign_done = False
+        self._no_campaign_until = 0.0
+        self.resignations = 0
         self.waited_for_name = False
         """Registration found our name under another lease and waited it out: the leader may have
         moved this node's jobs meanwhile (its previous run's lease expired)."""
@@ -181,7 +187,23 @@ class Membership:
         if self.solo:
             return True
         keeper = self._keeper
-        return self.view.leader == self.me.node and keeper is not None and keeper.healthy
+        return (self.view.leader == self.me.node and keeper is not None and keeper.healthy
+                and not self._resign_cause)
+
+    def resign(self, cause: str) -> bool:
+        """Give leadership up (a leader whose lease went unrefreshed past the fence): stop acting
+        as leader now and delete the leader key as soon as etcd answers, so that another agent is
+        elected without waiting for the key's lease to expire. This agent then stays out of the
+        election for one TTL. Returns whether a resignation was started (it leads by its view)."""
+        if self.solo or self._resign_cause or self.view.leader != self.me.node:
+            return False
+        self._resign_cause = cause or "fenced"
+        self.emit("leader_resigning", f"node {self.me.node} gives up leadership ({self._resign_cause}); "
+                  "the leader key is deleted as soon as etcd answers", {"node": self.me.node,
+                                                                         "cause_": self._resign_cause,
+                                                                         "severity": "warning"})
+        self._bump()
+        return True
 
     def claim(self) -> LeaderClaim:
         """This agent's claim to lead, for guarded writes (lease 0 while it has none: refused)."""
@@ -363,8 +385,29 @@ class Membership:
             self.emit("cluster_lease_renewed", f"node {self.me.node}: lease had expired on the etcd server; "
                       "registered again with a new lease", {"node": self.me.node, "severity": "warning"})
 
+    def _drop_leader_key(self) -> bool:
+        """The resignation's etcd half: delete the leader key while it names this node. False
+        while etcd does not answer (retried at the next poll)."""
+        assert self.client is not None
+        if self._resign_done:
+            return True  # deleted at an earlier poll whose read then failed
+        try:
+            deleted = self.client.delete_if(self.leader_key, self.me.node)
+        except _ETCD_ERRORS as exc:
+            log.info("resigning: etcd does not answer yet (%s); retrying", exc)
+            return False
+        self._resign_done = True
+        self._no_campaign_until = self._clock() + self.ttl
+        self.resignations += 1
+        self.emit("leader_resigned", f"node {self.me.node} resigned as leader ({self._resign_cause}); "
+                  + ("leader key deleted, the others elect a new leader now" if deleted
+                     else "the leader key was already gone"),
+                  {"node": self.me.node, "deleted": deleted, "cause_": self._resign_cause, "severity": "warning"})
+        return True
+
     def _poll_once(self) -> None:
         assert self.client is not None
+        resigned = bool(self._resign_cause) and self._drop_leader_key()
         try:
             kvs, revision = self.client.get_prefix(self.prefix)
         except _ETCD_ERRORS as exc:
@@ -392,9 +435,13 @@ class Membership:
         if self.me.node not in members and keeper is not None and not self._lease_lost.is_set():
             # Our key is gone although the keeper has not noticed yet: the lease expired.
             self._lease_lost.set()
-        if leader is None and keeper is not None and not self._lease_lost.is_set() and keeper.healthy:
+        if (leader is None and keeper is not None and not self._lease_lost.is_set() and keeper.healthy
+                and self._clock() >= self._no_campaign_until):
             leader = self._campaign(keeper.lease) or leader
         self._apply(ClusterView(members, leader, revision), left)
+        if resigned:
+            self._resign_done = False
+            self._resign_cause = ""  # the view read after the delete decides from here on
 
     def _campaign(self, lease: int) -> str | None:
         assert self.client is not None

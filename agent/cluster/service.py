@@ -76,10 +76,13 @@ LINEAGE_GIVEN_UP = MetricSpec("trainguard_cluster_lineage_given_up_total", "coun
                               "(event lineage_steps_given_up).")
 RECORDS_REFUSED = MetricSpec("trainguard_cluster_job_records_refused_total", "counter", "", (),
                              "Job records in etcd not acted on (unsigned, bad signature, invalid), once per revision.")
+COMMITS_REFUSED = MetricSpec("trainguard_cluster_commit_records_refused_total", "counter", "", (),
+                             "Lineage commit records in etcd not used (unsigned, bad signature, invalid), once per revision.")
 UPLOADS_REFUSED = MetricSpec("trainguard_cluster_peer_uploads_refused_total", "counter", "", (),
                              "Peer-copy uploads refused here (byte quota, free space, missing origin signature).")
 METRICS = (MEMBERS, IS_LEADER, ETCD_UP, REFRESH_FAILURES, MOVES, ADOPTIONS, HELD_BYTES, GANG_DECISIONS, FORWARDED,
-           FORWARD_DROPPED, UNREACHABLE, LINEAGE_WAITS, LINEAGE_GIVEN_UP, RECORDS_REFUSED, UPLOADS_REFUSED)
+           FORWARD_DROPPED, UNREACHABLE, LINEAGE_WAITS, LINEAGE_GIVEN_UP, RECORDS_REFUSED, COMMITS_REFUSED,
+           UPLOADS_REFUSED)
 
 
 def _noop(kind: str, message: str, fields: dict[str, Any]) -> None:
@@ -129,7 +132,8 @@ class ClusterService:
                 is_leader=lambda: self.is_leader, members=self.members, wake=self._wake, on_restart=on_adopt,
                 clock=clock, rejoin=cfg.rejoin,
                 quick_client_for=token_client_factory(token, min(cfg.peer_timeout_s, cfg.decision_timeout), tls),
-                commits=CommitTable(self.client, f"/trainguard/{cfg.name}/") if self.client is not None else None,
+                commits=CommitTable(self.client, f"/trainguard/{cfg.name}/", key=self.key,
+                                    on_drop=self._on_commit_dropped) if self.client is not None else None,
                 decision_timeout_s=cfg.decision_timeout, fence_grace_s=cfg.fence_grace_s,
                 lineage_wait_s=cfg.lineage_wait)
             self.gangs.cluster_key = self.key
@@ -138,6 +142,7 @@ class ClusterService:
         self.supervisor: Supervisor | None = None
         self.plans: PlanStore | None = None
         self._epochs: dict[str, int] = {}
+        self._uids: dict[str, str] = {}
         self._conflicts: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -162,6 +167,10 @@ class ClusterService:
 
     def _on_record_dropped(self, key: str, revision: int, reason: str) -> None:
         self.emit("job_record_refused", f"job record {key} (revision {revision}) not used: {reason}",
+                  {"key": key, "revision": revision, "reason": reason, "severity": "error"})
+
+    def _on_commit_dropped(self, key: str, revision: int, reason: str) -> None:
+        self.emit("commit_record_refused", f"commit record {key} (revision {revision}) not used: {reason}",
                   {"key": key, "revision": revision, "reason": reason, "severity": "error"})
 
     def _wake(self) -> None:
@@ -285,6 +294,7 @@ class ClusterService:
                             (LINEAGE_GIVEN_UP, gangs.lineage_given_up if gangs else 0),
 
                             (RECORDS_REFUSED, self.jobs.dropped if self.jobs is not None else 0),
+                            (COMMITS_REFUSED, gangs.commits.dropped if gangs and gangs.commits else 0),
                             (UPLOADS_REFUSED, self.store.refused)):
             c = spec.counter()
             c.add_metric([], value)
@@ -328,6 +338,7 @@ class ClusterService:
         if not self.membership.etcd_reachable or self.membership.refused:
             return  # a frozen view must not drive decisions; a refused name owns no jobs
         records = self.jobs.read()
+        self._uids = {j: uid for j, (rec, _) in records.items() if isinstance(uid := rec.spec.get("uid"), str)}
         single = {j: r for j, r in records.items() if not r[0].gang}
         self._publish(single, set(records) - set(single))
         self._adopt(single)
@@ -353,10 +364,16 @@ class ClusterService:
         ``cluster.fence_after_s``: the lease may expire on the server before the next refresh, and
         the leader then places the job on other nodes. Needs no etcd. Returns the jobs fenced."""
         m = self.membership
-        if m is None or m.solo or self.supervisor is None:
+        if m is None or m.solo:
             return []
         age = m.refresh_age()
         if age is None or age < self.cfg.fence_after_s:
+            return []
+        if m.leader == self.node:
+            # A leader fenced on its own clock may lose its key any moment: it hands leadership on
+            # at once instead of leaving the others leaderless until the key's lease expires.
+            m.resign(f"lease not refreshed for {age:.1f} s")
+        if self.supervisor is None:
             return []
         out = []
         for job, record in list(self.supervisor.jobs.items()):
@@ -395,6 +412,15 @@ class ClusterService:
         if spanning and self.gangs is not None:
             # Once etcd answers, the leader learns the block is gone and orders a new attempt.
             self.gangs.on_local_failure(job, f"{self.node} fenced its ranks: {cause}")
+
+    def job_uid(self, job: str) -> str:
+        """The submission uid of ``job`` by its signed etcd record at the last read ("": unknown),
+        for a node that reads the job's object-tier checkpoints before it runs the job."""
+        return self._uids.get(job, "")
+
+    def epoch_of(self, job: str) -> int:
+        """The epoch under which this node runs ``job`` (0: not claimed through etcd)."""
+        return self._epochs.get(job, 0)
 
     def submit_spanning(self, spec: dict[str, Any]) -> None:
         """A job over several nodes: recorded in etcd; the leader places it (ValueError: refused)."""

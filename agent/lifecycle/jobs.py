@@ -7,6 +7,7 @@ trainer, which imports torch); the agent only needs the process layout.
 from __future__ import annotations
 
 import enum
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from typing import Any
 
 from trainguard.agent.lifecycle.unitprops import check_unit_property
 from trainguard.agent.wire import valid_job_id
+
+_UID = re.compile(r"^[0-9a-f]{8,64}$")
 
 
 class JobSpecError(ValueError):
@@ -49,6 +52,10 @@ class JobSpec:
     """When ranks run as systemd units: properties of their units that tighten the sandbox or
     limit resources (``["ProtectHome=read-only", "MemoryHigh=8G"]``; ``agent.lifecycle.unitprops``
     says which); none by default."""
+    uid: str = ""
+    """Unique per submission (32 hex digits, drawn at submit and kept in the job's records on disk
+    and in etcd): the object tier keys the job's checkpoints by it, so a job submitted again under
+    the same name, or another cluster's job of that name, never restores or prunes these."""
 
     @property
     def is_command(self) -> bool:
@@ -60,7 +67,7 @@ class JobSpec:
         if not isinstance(body, dict):
             raise JobSpecError("job", "spec must be an object")
         known = {"job", "nproc", "trainer", "command", "env", "faults", "max_restarts", "nodes", "cwd",
-                 "hang_timeout_s", "cpus", "memory_max", "unit_properties"}
+                 "hang_timeout_s", "cpus", "memory_max", "unit_properties", "uid"}
         for key in body:
             if key not in known:
                 raise JobSpecError(key, "unknown key")
@@ -115,8 +122,11 @@ class JobSpec:
             why = check_unit_property(prop)
             if why is not None:
                 raise JobSpecError("unit_properties", why)
+        uid = body.get("uid") or secrets.token_hex(16)
+        if not isinstance(uid, str) or not _UID.match(uid):
+            raise JobSpecError("uid", "8-64 lowercase hex digits (left out: drawn at submit)")
         return cls(job, nproc, trainer, command, env, faults, max_restarts, nodes, cwd, float(hang),
-                   float(cpus), memory_max, list(props))
+                   float(cpus), memory_max, list(props), uid)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -133,6 +143,7 @@ class JobSpec:
             "cpus": self.cpus,
             "memory_max": self.memory_max,
             "unit_properties": self.unit_properties,
+            "uid": self.uid,
         }
 
 

@@ -26,6 +26,7 @@ from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher, RankBlo
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.records import AdoptedProcess, RecordStore, SavedJob
 from trainguard.agent.lifecycle.zygote_client import ZygoteChild
+from trainguard.agent.recovery.peerdiag import diagnose, read_tail
 from trainguard.agent.wire import process_start_ticks
 
 
@@ -151,6 +152,10 @@ def _close_pidfd(rank: RankProcess) -> None:
         rank._pidfd = -1  # type: ignore[attr-defined]
 
 
+MAX_DIAGNOSED_RANKS = 4
+"""Dead ranks of one failure whose logs are read for an unreachable peer (bounded work)."""
+
+
 class Supervisor:
     def __init__(
         self,
@@ -178,6 +183,9 @@ class Supervisor:
         """Called with the job id before its ranks start (the telemetry table registers the job)."""
         self.records = records
         """Where every job's record is kept for a restarted agent (None: not kept)."""
+        self.peer_node_of: Callable[[str], str | None] | None = None
+        """The cluster node an address or host name belongs to (set by the daemon in a cluster):
+        names the node a failed rank could not reach."""
         self.jobs: dict[str, JobRecord] = {}
         self._by_pid: dict[int, tuple[JobRecord, RankProcess]] = {}
         """Every job's ranks by pid (``find_rank``)."""
@@ -606,12 +614,30 @@ class Supervisor:
             first = next((r for r in dead if r.exit_code != 1), dead[0])
             record.failure_code = first.exit_code
             dead = [first, *[r for r in dead if r is not first]]
+            self._diagnose_unreachable(record, dead)
             self.restart(record.job, cause=f"rank {dead[0].rank} died")
         elif all(not r.alive for r in record.ranks) and all(r.exit_code == 0 for r in record.ranks):
             # The event first: a reader that sees SUCCEEDED must also find it.
             self.events.emit("job_succeeded", f"job {record.job} finished", job=record.job)
             self._set_state(record, JobState.SUCCEEDED)
             self._ranks_changed()
+
+    def _diagnose_unreachable(self, record: JobRecord, dead: list[RankProcess]) -> None:
+        """Name the peer a failed rank could not reach (from its log's last lines), once per
+        address and failure, for the first few dead ranks: the usual reason a job spanning nodes
+        crash-loops at its process-group set-up."""
+        seen: set[tuple[str, int | None]] = set()
+        for r in dead[:MAX_DIAGNOSED_RANKS]:
+            try:
+                found = diagnose(read_tail(r.log_path), self.peer_node_of)
+            except Exception:  # noqa: BLE001 - a diagnosis must never stop the restart
+                continue
+            if found is None or (found.address, found.port) in seen:
+                continue
+            seen.add((found.address, found.port))
+            self.events.emit("rank_peer_unreachable", found.message(record.job, r.rank), severity="error",
+                             job=record.job, rank=r.rank, cause="peer_unreachable",
+                             attempt=record.block.attempt if record.block is not None else 0, **found.fields())
 
     def _monitor(self) -> None:
         while not self._stopping.is_set():

@@ -346,3 +346,42 @@ def test_plaintext_etcd_warns_at_start_and_refusals_are_metrics(tmp_path: Path) 
     samples = {m.name: m.samples[0].value for m in svc.metrics()}
     assert samples["trainguard_cluster_job_records_refused"] == 0
     assert samples["trainguard_cluster_peer_uploads_refused"] == 0
+
+
+# -- lineage commit records -------------------------------------------------------------------------
+
+
+def test_only_signed_commit_records_count_so_a_forged_newer_step_makes_nobody_wait() -> None:
+    from trainguard.agent.cluster.lineage import CommitRecord, CommitTable, newer_elsewhere
+
+    etcd = FakeEtcd()
+    drops: list[tuple[str, int, str]] = []
+    table = CommitTable(etcd, "/trainguard/c/", key=KEY, on_drop=lambda *a: drops.append(a))  # type: ignore[arg-type]
+    table.write("big", CommitRecord("a", 12, 1, ("a", "b"), 1.0))
+    table.write("big", CommitRecord("b", 12, 1, ("a", "b"), 1.0))
+    prefix = "/trainguard/c/commits/big/"
+    assert json.loads(etcd.kvs[prefix + "a"][0])["sig"]
+    # An etcd writer without the key claims both nodes committed step 99: unsigned, guessed key.
+    etcd.put(prefix + "a", CommitRecord("a", 99, 1, ("a", "b")).to_json())
+    etcd.put(prefix + "b", CommitRecord("b", 99, 1, ("a", "b")).to_json("big", b"x" * 64))
+    # A genuine signed record replayed under another node's key, and another job's key.
+    etcd.put(prefix + "c", etcd.kvs["/trainguard/c/commits/big/b"][0])
+    signed_for_other_job = CommitRecord("d", 99, 1, ("d",)).to_json("small", KEY)
+    etcd.put(prefix + "d", signed_for_other_job)
+    etcd.put(prefix + "e", b"\xff not json")
+    etcd.put(prefix + "f", b"[" * 70_000)
+    # Signed by an agent's key but naming a path as a part: validated, not trusted.
+    etcd.put(prefix + "g", CommitRecord("g", 99, 1, ("g", "../..")).to_json("big", KEY))
+    records = table.read("big")
+    assert records == {}
+    reasons = {key.rsplit("/", 1)[-1]: why for key, _, why in drops}
+    assert set(reasons) == {"a", "b", "c", "d", "e", "f", "g"} and "parts" in reasons["g"]
+    assert "not signed" in reasons["a"] and all("bad signature" in reasons[n] for n in "bcd")
+    assert newer_elsewhere(10, records, reachable={"a"}) is None  # nothing to wait for
+    table.read("big")
+    assert table.dropped == 7  # once per revision
+    table.write("big", CommitRecord("a", 14, 2, ("a",), 2.0))
+    assert table.read("big")["a"].step == 14
+    # Without a key (a cluster of one) records are read as before; a signed one is still parsed.
+    plain = CommitTable(etcd, "/trainguard/c/")  # type: ignore[arg-type]
+    assert plain.read("big")["a"].step == 14

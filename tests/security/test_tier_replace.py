@@ -88,7 +88,7 @@ def test_object_resave_replaces_then_deletes_the_old_copy(tmp_path: Path) -> Non
     tier.write_from(_source(tmp_path, "two", b"second" * 1000), "job", 7)
     tier.write_from(_source(tmp_path, "three", b"third" * 1000), "job", 7)
     assert tier.verify("job", 7).ok
-    step_dir = tmp_path / "object" / "job" / "step_7"
+    step_dir = tmp_path / "object" / "default" / "unscoped" / "job" / "step_7"
     generations = [p.name for p in step_dir.iterdir() if p.is_dir()]
     assert len(generations) == 1 and not (step_dir / "__0_0.distcp").exists()  # older copies gone
     out = tier.fetch("job", 7, tmp_path / "back")
