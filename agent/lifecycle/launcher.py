@@ -143,9 +143,10 @@ class RankBlock:
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-def torchrun_env(spec: JobSpec, block: RankBlock, attempt: int) -> dict[str, str]:
+def torchrun_env(spec: JobSpec, block: RankBlock, attempt: int, rank: int) -> dict[str, str]:
     """torchrun's environment contract beyond RANK/WORLD_SIZE/MASTER_*: what scripts written for
-    torchrun (and the frameworks that detect it) read."""
+    torchrun (and the frameworks that detect it) read. ``rank`` is the global rank: with one role,
+    torchrun's ROLE_RANK is the RANK."""
     return {
         "TORCHELASTIC_RESTART_COUNT": str(max(0, attempt - 1)),
         "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
@@ -153,7 +154,7 @@ def torchrun_env(spec: JobSpec, block: RankBlock, attempt: int) -> dict[str, str
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "GROUP_WORLD_SIZE": str(max(1, block.world_size // max(1, block.nproc))),
         "ROLE_NAME": "default",
-        "ROLE_RANK": str(block.rank_offset),
+        "ROLE_RANK": str(rank),
         "ROLE_WORLD_SIZE": str(block.world_size),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     }
@@ -457,7 +458,7 @@ class Launcher:
                 }
             )
             if spec.is_command:
-                env.update(torchrun_env(spec, block, attempt))
+                env.update(torchrun_env(spec, block, attempt, rank))
             if env_overrides:
                 env.update(env_overrides)
             env.update(block.env)
