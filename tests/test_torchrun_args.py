@@ -32,8 +32,7 @@ def script(tmp_path: Path) -> Path:
 def test_every_spelling_of_nproc(spelling: str, script: Path) -> None:
     got = launch([spelling, "3", str(script), "--lr", "0.1"])
     assert got.nproc == 3
-    assert got.command == [sys.executable, str(script), "--lr", "0.1"]
-    assert got.env == {"PYTHONUNBUFFERED": "1"}  # torchrun's `python -u`
+    assert got.command == [sys.executable, "-u", str(script), "--lr", "0.1"]  # torchrun's `python -u`
 
 
 @pytest.mark.parametrize(("argv", "attr", "want"), [
@@ -63,27 +62,26 @@ def test_master_addr_and_port_are_accepted_with_a_note(script: Path) -> None:
 
 
 def test_script_forms_as_torchrun_has_them(tmp_path: Path, script: Path) -> None:
-    assert launch(["-m", "pkg.train", "--x"]).command == [sys.executable, "-m", "pkg.train", "--x"]
-    assert launch(["--module", "pkg.train"]).command == [sys.executable, "-m", "pkg.train"]
-    assert launch(["--run-path", str(script)]).command == [sys.executable, str(script)]
-    plain = launch(["--no-python", "bash", "-c", "true"])
-    assert plain.command == ["bash", "-c", "true"] and plain.env == {}
+    assert launch(["-m", "pkg.train", "--x"]).command == [sys.executable, "-u", "-m", "pkg.train", "--x"]
+    assert launch(["--module", "pkg.train"]).command == [sys.executable, "-u", "-m", "pkg.train"]
+    assert launch(["--run-path", str(script)]).command == [sys.executable, "-u", str(script)]
+    assert launch(["--no-python", "bash", "-c", "true"]).command == ["bash", "-c", "true"]
     assert launch(["--no_python", "echo"]).command == ["echo"]
     # PYTHON_EXEC picks the interpreter, as in torchrun.
-    assert launch([str(script)], {"PYTHON_EXEC": "/opt/py"}).command == ["/opt/py", str(script)]
+    assert launch([str(script)], {"PYTHON_EXEC": "/opt/py"}).command == ["/opt/py", "-u", str(script)]
     # A relative script is looked for where the ranks run.
-    assert launch(["train.py", "a"], cwd=tmp_path).command == [sys.executable, "train.py", "a"]
+    assert launch(["train.py", "a"], cwd=tmp_path).command == [sys.executable, "-u", "train.py", "a"]
 
 
 def test_a_command_after_double_dash_runs_as_given(script: Path) -> None:
     got = launch(["--nproc", "2", "--", "python", str(script), "--lr", "1"])
-    assert got.command == ["python", str(script), "--lr", "1"] and got.env == {}
+    assert got.command == ["python", str(script), "--lr", "1"]
 
 
 def test_script_args_that_look_like_our_flags_stay_the_scripts(script: Path) -> None:
     got = launch(["--nproc-per-node", "2", str(script), "--nproc", "5", "--standalone", "-m"])
     assert got.nproc == 2 and not got.standalone
-    assert got.command[1:] == [str(script), "--nproc", "5", "--standalone", "-m"]
+    assert got.command[2:] == [str(script), "--nproc", "5", "--standalone", "-m"]
 
 
 def test_pet_environment_gives_the_defaults(script: Path) -> None:
@@ -94,7 +92,7 @@ def test_pet_environment_gives_the_defaults(script: Path) -> None:
     assert (got.nproc, got.job, got.max_restarts, got.standalone) == (4, "slurm-77", 2, True)
     with pytest.raises(UsageError, match="--no-python cannot be used with -m"):
         launch(["--no-python", "echo"], {"PET_MODULE": "1"})
-    assert launch(["pkg.mod"], {"PET_MODULE": "1"}).command == [sys.executable, "-m", "pkg.mod"]
+    assert launch(["pkg.mod"], {"PET_MODULE": "1"}).command == [sys.executable, "-u", "-m", "pkg.mod"]
     assert launch(["echo"], {"PET_NO_PYTHON": "1"}).command == ["echo"]
     assert launch([str(script)], {"PET_STANDALONE": "0"}).standalone is False
     assert launch([str(script)], {"PET_RDZV_ID": "none"}).job is None  # torchrun's "no id"
@@ -203,11 +201,24 @@ def test_run_finds_the_agent_through_trainguard_state_dir(tmp_path: Path) -> Non
 def test_standalone_without_an_agent_runs_the_ranks_itself_and_says_so(tmp_path: Path) -> None:
     script = tmp_path / "show.py"
     script.write_text("import os, sys\nprint(os.environ['RANK'], os.environ['WORLD_SIZE'], "
-                      "os.environ['PYTHONUNBUFFERED'], sys.argv[1:])\n")
+                      "sys.stdout.write_through, sys.argv[1:])\n")
     res = subprocess.run([sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
                           "show.py", "--arg", "x"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO), "TRAINGUARD_STATE_DIR": str(tmp_path / "none")})
     assert res.returncode == 0, res.stderr
     notes = [line for line in res.stderr.splitlines() if line.startswith("trainguard: ")]
     assert len(notes) == 1 and "--standalone runs the ranks from this process" in notes[0], res.stderr
-    assert sorted(res.stdout.splitlines()) == ["[rank0]:0 2 1 ['--arg', 'x']", "[rank1]:1 2 1 ['--arg', 'x']"]
+    assert sorted(res.stdout.splitlines()) == ["[rank0]:0 2 True ['--arg', 'x']", "[rank1]:1 2 True ['--arg', 'x']"]
+
+
+def test_the_agents_warm_launcher_takes_torchruns_unbuffered_python(tmp_path: Path) -> None:
+    """``python -u SCRIPT`` and ``python -u -m MODULE`` (the commands above) start warm, as without -u."""
+    from trainguard.agent.lifecycle.jobs import JobSpec
+    from trainguard.agent.lifecycle.launcher import Launcher
+
+    def warm(command: list[str]) -> tuple[str, list[str]] | None:
+        return Launcher.warm_module(JobSpec("j", 1, command=command, cwd=str(tmp_path)), sys.executable)
+
+    assert warm([sys.executable, "-u", "train.py", "a"]) == (f"path:{tmp_path / 'train.py'}", ["a"])
+    assert warm([sys.executable, "-u", "-m", "pkg.mod", "b"]) == ("pkg.mod", ["b"])
+    assert warm([sys.executable, "-u"]) is None and warm([sys.executable, "-u", "-c", "pass"]) is None

@@ -321,7 +321,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _fail("--nodes must be >= 1", EXIT_USAGE)
     for note in launch.notes:
         print(f"trainguard: {note}", file=sys.stderr)
-    environ = {**os.environ, **launch.env}
+    environ = dict(os.environ)
     if launch.no_agent:
         return _run_agentless(launch, args, environ)
     if not args.state_dir and not args.agent:

@@ -49,8 +49,6 @@ class Launch:
     standalone: bool = False
     """torchrun's --standalone: one node, its own rendezvous on a free port."""
     no_agent: bool = False
-    env: dict[str, str] = field(default_factory=dict)
-    """Variables the ranks get beyond the caller's environment (``PYTHONUNBUFFERED`` for torchrun's ``-u``)."""
     notes: list[str] = field(default_factory=list)
     """One-line remarks for the user (flags accepted but without effect on one node)."""
 
@@ -166,7 +164,7 @@ def _endpoint(text: str, what: str) -> None:
 
 def rank_command(cmd: list[str], *, module: bool, no_python: bool, run_path: bool, environ: Mapping[str, str],
                  cwd: str | None = None) -> list[str]:
-    """What each rank runs: ``-- CMD ARGS`` as given, else torchrun's SCRIPT forms."""
+    """What each rank runs: ``-- CMD ARGS`` as given, else torchrun's SCRIPT forms (``python -u``)."""
     if cmd and cmd[0] == "--":
         if module or no_python or run_path:
             raise UsageError("-m, --no-python and --run-path take a SCRIPT, not -- CMD")
@@ -183,10 +181,10 @@ def rank_command(cmd: list[str], *, module: bool, no_python: bool, run_path: boo
         return [script, *args]
     python = environ.get("PYTHON_EXEC") or sys.executable
     if module:
-        return [python, "-m", script, *args]
+        return [python, "-u", "-m", script, *args]
     if not os.path.isfile(os.path.join(cwd or os.getcwd(), script)):
         raise UsageError(f"{script}: no such file (a command goes after --: trainguard run [OPTIONS] -- CMD [ARGS...])")
-    return [python, script, *args]
+    return [python, "-u", script, *args]
 
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str], cwd: str | None = None) -> Launch:
@@ -240,6 +238,5 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str], cwd: str | Non
     module, no_python, run_path = explicit
     command = rank_command(list(args.cmd), module=module, no_python=no_python, run_path=run_path, environ=environ,
                            cwd=cwd)
-    env = {} if command_mode or no_python else {"PYTHONUNBUFFERED": "1"}  # torchrun runs `python -u`
     return Launch(command, nproc, job=job, max_restarts=max_restarts, standalone=standalone,
-                  no_agent=bool(args.no_agent), env=env, notes=notes)
+                  no_agent=bool(args.no_agent), notes=notes)

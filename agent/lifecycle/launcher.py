@@ -333,9 +333,11 @@ class Launcher:
             return None
         if any(unsecure(k) for k in spec.env):
             return None  # LD_PRELOAD and kin act when a process starts: only a fresh one has them
-        if cmd[1] == "-m" and len(cmd) >= 3:
+        if cmd[1] == "-u":  # torchrun's unbuffered python: the warm launcher's rank output is line-buffered
+            cmd = [cmd[0], *cmd[2:]]
+        if len(cmd) >= 3 and cmd[1] == "-m":
             return cmd[2], list(cmd[3:])
-        if cmd[1].endswith(".py") and not cmd[1].startswith("-"):
+        if len(cmd) >= 2 and cmd[1].endswith(".py") and not cmd[1].startswith("-"):
             script = cmd[1] if os.path.isabs(cmd[1]) else os.path.join(spec.cwd or os.getcwd(), cmd[1])
             return f"path:{script}", list(cmd[2:])
         return None
