@@ -222,3 +222,20 @@ def test_the_agents_warm_launcher_takes_torchruns_unbuffered_python(tmp_path: Pa
     assert warm([sys.executable, "-u", "train.py", "a"]) == (f"path:{tmp_path / 'train.py'}", ["a"])
     assert warm([sys.executable, "-u", "-m", "pkg.mod", "b"]) == ("pkg.mod", ["b"])
     assert warm([sys.executable, "-u"]) is None and warm([sys.executable, "-u", "-c", "pass"]) is None
+
+
+def test_torchrun_flags_without_effect_here_are_accepted_with_a_note(script: Path) -> None:
+    got = launch(["--rdzv-conf", "timeout=900", "--rdzv_conf", "join_timeout=9", "--monitor-interval", "1",
+                  "--start-method", "fork", "--role", "trainer", "--log-dir", "/tmp/x", "-r", "3", "--tee", "3",
+                  "--local-ranks-filter", "0", "--local_addr", "n0", str(script)])
+    assert got.nproc == 1 and len(got.notes) == 9, got.notes
+    assert got.notes[0] == ("--rdzv-conf join_timeout=9: no effect here (rendezvous options apply to multi-node "
+                            "rendezvous)")
+    assert launch([str(script)], {"PET_RDZV_CONF": "timeout=1"}).notes == []
+
+
+def test_detach_without_an_agent_is_refused(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "trainguard", "run", "--no-agent", "--detach", "--", "true"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 2 and res.stderr.startswith("trainguard: --detach and --nodes need an agent"), res.stderr
+    assert res.stderr.count("\n") == 1

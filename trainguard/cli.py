@@ -348,6 +348,9 @@ def _run_agentless(launch: torchrun_args.Launch, args: argparse.Namespace, envir
     from trainguard.runcmd import resolve_command
     from trainguard.standalone import run_standalone
 
+    if args.detach or args.nodes > 1:
+        return _fail("--detach and --nodes need an agent (it runs the job); start one with `trainguard agent`",
+                     EXIT_USAGE)
     if args.hang_timeout:
         print("trainguard: --hang-timeout needs the agent (it watches the ranks); ignored without one", file=sys.stderr)
     restarts = 3 if launch.max_restarts is None else launch.max_restarts

@@ -53,6 +53,21 @@ class Launch:
     """One-line remarks for the user (flags accepted but without effect on one node)."""
 
 
+# torchrun flags that change nothing a rank sees here: accepted (so a torchrun line runs unchanged),
+# named in a one-line note when given. (dest, spellings, metavar, why)
+NO_EFFECT = (
+    ("rdzv_conf", ("--rdzv-conf", "--rdzv_conf"), "K=V,...", "rendezvous options apply to multi-node rendezvous"),
+    ("monitor_interval", ("--monitor-interval", "--monitor_interval"), "S", "the agent watches the ranks itself"),
+    ("start_method", ("--start-method", "--start_method"), "METHOD", "ranks are processes of their own"),
+    ("role", ("--role",), "NAME", "ROLE_NAME is default"),
+    ("log_dir", ("--log-dir", "--log_dir"), "DIR", "each rank's output is kept in <state>/jobs/<job>/rank<N>.log"),
+    ("redirects", ("-r", "--redirects"), "STD", "output is prefixed per rank and kept per rank"),
+    ("tee", ("-t", "--tee"), "STD", "output is prefixed per rank and kept per rank"),
+    ("local_ranks_filter", ("--local-ranks-filter", "--local_ranks_filter"), "RANKS", "every rank's output is shown"),
+    ("local_addr", ("--local-addr", "--local_addr"), "ADDR", "one node needs no address of its own"),
+)
+
+
 def _flag(parser: argparse.ArgumentParser, *names: str, help: str) -> None:
     # None when not given, so that resolve tells an absent flag (PET_* applies) from a given one.
     parser.add_argument(*names, action="store_const", const=True, default=None, help=help)
@@ -86,6 +101,8 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
     _flag(r, "--no-python", "--no_python", help="SCRIPT is a program: run it without python (PET_NO_PYTHON)")
     _flag(r, "--run-path", "--run_path", help="run SCRIPT as a python file, as torchrun's runpy.run_path "
           "(PET_RUN_PATH)")
+    for dest, names, metavar, why in NO_EFFECT:
+        r.add_argument(*names, dest=dest, metavar=metavar, help=f"torchrun's; accepted, no effect here: {why}")
 
 
 def _env_flag(environ: Mapping[str, str], name: str) -> bool:
@@ -228,6 +245,10 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str], cwd: str | Non
         if not vsrc:  # a PET_* value left in the environment is no reason to speak up
             notes.append(f"{flag} {value}: not used on one node; each attempt's ranks meet on a fresh free port of "
                          "this node (MASTER_ADDR and MASTER_PORT tell them)")
+    for dest, names, _metavar, why in NO_EFFECT:
+        if getattr(args, dest) is not None:
+            flag = next(n for n in names if n.startswith("--"))
+            notes.append(f"{flag} {getattr(args, dest)}: no effect here ({why})")
     rdzv_id, _ = _pick(args.rdzv_id, environ, "PET_RDZV_ID", None)
     job = args.job or (rdzv_id if rdzv_id and rdzv_id != "none" else None)
     explicit = [bool(args.module), bool(args.no_python), bool(args.run_path)]
