@@ -141,6 +141,9 @@ def test_nproc_words(script: Path) -> None:
     (["--max-restarts", "-1"], {}, "--max-restarts -1: must be >= 0"),
     (["--master-port", "70000"], {}, "--master-port 70000: must be between 1 and 65535"),
     ([], {"PET_STANDALONE": "maybe"}, "PET_STANDALONE='maybe': expected 1 or 0"),
+    (["--rdzv-id", "a/b"], {}, "--rdzv-id a/b: a job id is 1-64 letters"),
+    ([], {"PET_RDZV_ID": "x" * 65}, "PET_RDZV_ID=" + "x" * 65 + ": a job id"),
+    (["--job", ".x"], {}, "--job .x: a job id"),
 ])
 def test_bad_values_are_one_clear_error(argv: list[str], env: dict[str, str], message: str, script: Path) -> None:
     with pytest.raises(UsageError) as exc:

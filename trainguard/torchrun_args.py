@@ -16,6 +16,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from trainguard.agent.wire import valid_job_id
+
 # torchrun's rendezvous backends that mean "meet on one node" here (static is torchrun's default).
 BACKENDS = ("c10d", "static")
 NPROC_WORDS = ("gpu", "cpu", "auto")
@@ -249,8 +251,11 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str], cwd: str | Non
         if getattr(args, dest) is not None:
             flag = next(n for n in names if n.startswith("--"))
             notes.append(f"{flag} {getattr(args, dest)}: no effect here ({why})")
-    rdzv_id, _ = _pick(args.rdzv_id, environ, "PET_RDZV_ID", None)
+    rdzv_id, isrc = _pick(args.rdzv_id, environ, "PET_RDZV_ID", None)
     job = args.job or (rdzv_id if rdzv_id and rdzv_id != "none" else None)
+    if job is not None and not valid_job_id(job):
+        what = "--job " if args.job else (isrc or "--rdzv-id ")
+        raise UsageError(f"{what}{job}: a job id is 1-64 letters, digits, '-', '_' or '.', not starting with '.'")
     explicit = [bool(args.module), bool(args.no_python), bool(args.run_path)]
     command_mode = bool(args.cmd) and args.cmd[0] == "--"
     if not command_mode:  # PET_* forms of the script flags matter only where a SCRIPT is given
