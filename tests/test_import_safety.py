@@ -64,7 +64,7 @@ def test_a_user_script_next_to_its_own_agent_and_trainer_files(tmp_path: Path) -
     cli = subprocess.run([sys.executable, "-m", "trainguard", "agent", "--check-config", "/dev/null"], cwd=project,
                          capture_output=True, text=True, env=_env())
     assert cli.returncode == 0, cli.stderr
-    st = subprocess.run([sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc", "2", "--",
+    st = subprocess.run([sys.executable, "-m", "trainguard", "run", "--no-agent", "--nproc", "2", "--",
                          sys.executable, "train.py"], cwd=project, capture_output=True, text=True, env=_env(), timeout=120)
     assert st.returncode == 0, st.stderr
     assert "[rank0]:own files ok 0" in st.stdout and "[rank1]:own files ok 1" in st.stdout

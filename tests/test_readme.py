@@ -40,7 +40,7 @@ def test_readme_own_script_section_names_real_api_and_flags() -> None:
     for name in set(re.findall(r"\bplan\.(\w+)", section)):
         assert hasattr(RunPlan(), name), f"plan.{name}"
     args = build_parser().parse_args(["run", "--nproc", "2", "--nodes", "1", "--job", "j", "--max-restarts", "1",
-                                      "--hang-timeout", "5", "--detach", "--standalone", "--", "python", "x.py"])
+                                      "--hang-timeout", "5", "--detach", "--no-agent", "--", "python", "x.py"])
     assert args.cmd[-2:] == ["python", "x.py"]
     run_help = build_parser()._subparsers._group_actions[0].choices["run"].format_help()  # type: ignore[union-attr]
     used = set(re.findall(r"(--[a-z][a-z-]+)", section)) - {"--steps"}  # --steps is the example script's own

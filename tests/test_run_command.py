@@ -176,8 +176,8 @@ def test_api_script_resumes_from_its_snapshots_bit_equal(agent_factory: Any, tmp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_standalone_restarts_without_an_agent(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc", "2", "--max-restarts", "1", "--",
+def test_no_agent_restarts_without_an_agent(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "trainguard", "run", "--no-agent", "--nproc", "2", "--max-restarts", "1", "--",
            sys.executable, PLAIN, "--steps", "50", "--exit-code", "3"]
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -193,8 +193,9 @@ def test_run_without_an_agent_says_how_to_get_one(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "trainguard", "run", "--state-dir", str(tmp_path / "none"), "--",
                           "true"], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert res.returncode == 1
-    assert "trainguard agent" in res.stderr and "--standalone" in res.stderr and "Traceback" not in res.stderr
-    bad = subprocess.run([sys.executable, "-m", "trainguard", "run", "--standalone", "--", "no-such-program-x"],
+    assert "trainguard agent" in res.stderr and "Traceback" not in res.stderr
+    assert "--state-dir" in res.stderr and "--no-agent" in res.stderr and "--standalone" not in res.stderr
+    bad = subprocess.run([sys.executable, "-m", "trainguard", "run", "--no-agent", "--", "no-such-program-x"],
                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
 

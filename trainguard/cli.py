@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from trainguard import jobcmds
+from trainguard import jobcmds, torchrun_args
 from trainguard.agent.api.client import ApiClientError
 from trainguard.agent.config import ConfigError
 
@@ -61,24 +61,30 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--token-file", metavar="FILE", help="bearer token file for --agent")
     _add_tls(t)
 
-    r = sub.add_parser("run", help="run any training command as a job (torchrun's environment, restarts)",
-                       description="Run CMD on N local ranks with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, "
-                       "MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT, ...) as a job of the node agent: a rank "
-                       "that dies restarts the whole job; output is prefixed per rank; the exit code is the job's.")
-    r.add_argument("--nproc", type=int, default=1, help="ranks on this node (default 1)")
-    r.add_argument("--nodes", type=int, default=1, help="spread over this many nodes of the cluster (implies --detach)")
-    r.add_argument("--job", help="job id (default: generated)")
-    r.add_argument("--max-restarts", type=int, default=None,
-                   help="restarts without progress before the job fails (default: the agent's recovery.max_restarts; 3 standalone)")
+    r = sub.add_parser("run", help="run any training command as a job (torchrun's flags and environment, restarts)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=torchrun_args.EPILOG,
+                       description="Run SCRIPT (as torchrun does) or -- CMD on N local ranks with torchrun's environment\n"
+                       "(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT, ...) as a job\n"
+                       "of the node agent: a rank that dies restarts the whole job; output is prefixed per rank;\n"
+                       "the exit code is the job's.")
+    torchrun_args.add_arguments(r)
+    r.add_argument("--nodes", type=int, default=1, metavar="N",
+                   help="spread over this many nodes of the cluster (the leader places them; implies --detach)")
+    r.add_argument("--job", metavar="ID", help="job id (default: --rdzv-id, else generated)")
+    r.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", metavar="N",
+                   help="restarts without progress before the job fails (default: the agent's recovery.max_restarts; "
+                   "3 without an agent; PET_MAX_RESTARTS)")
     r.add_argument("--hang-timeout", type=float, default=0.0, metavar="S",
                    help="declare the job hung when none of its ranks used the CPU for S seconds (default: never)")
     r.add_argument("--detach", action="store_true", help="submit and print the job id")
-    r.add_argument("--standalone", action="store_true", help="no agent: run and restart the ranks from this process")
-    r.add_argument("--state-dir", help="the agent whose files are under DIR")
+    r.add_argument("--no-agent", action="store_true", help="no agent: run and restart the ranks from this process")
+    r.add_argument("--state-dir", metavar="DIR", help="the agent whose files are under DIR (default: $TRAINGUARD_STATE_DIR)")
     r.add_argument("--agent", metavar="HOST:PORT", help="a remote agent over TCP")
-    r.add_argument("--token-file", help="bearer token file for --agent")
+    r.add_argument("--token-file", metavar="FILE", help="bearer token file for --agent")
     _add_tls(r)
-    r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...] | -- CMD [ARGS...]",
+                   help="a python script (or module with -m, program with --no-python) and its arguments, as "
+                   "torchrun takes them; or any command after --")
 
     for name, help_text in (("status", "agent, jobs and ranks"), ("events", "the event log"), ("checkpoints", "checkpoints per tier")):
         p = sub.add_parser(name, help=help_text)
@@ -304,36 +310,52 @@ def _submitted_only(job: str, args: argparse.Namespace) -> bool:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from trainguard.runcmd import follow, job_spec, resolve_command
+    from trainguard.environment import ENV_STATE_DIR
+    from trainguard.runcmd import follow, job_spec
 
-    command = list(args.cmd)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        print("trainguard: run needs a command: trainguard run [OPTIONS] -- CMD [ARGS...]", file=sys.stderr)
-        return EXIT_USAGE
-    if args.nproc < 1 or args.nodes < 1:
-        print("trainguard: --nproc and --nodes must be >= 1", file=sys.stderr)
-        return EXIT_USAGE
-    if args.standalone:
-        from trainguard.standalone import run_standalone
-
-        if args.hang_timeout:
-            print("trainguard: --hang-timeout needs the agent (it watches the ranks); ignored with --standalone",
-                  file=sys.stderr)
-        restarts = 3 if args.max_restarts is None else args.max_restarts
-        return run_standalone(resolve_command(command), args.nproc, max_restarts=restarts, job=args.job)
-    spec = job_spec(command, nproc=args.nproc, nodes=args.nodes, job=args.job, max_restarts=args.max_restarts,
-                    hang_timeout_s=args.hang_timeout)
+    try:
+        launch = torchrun_args.resolve(args, os.environ)
+    except torchrun_args.UsageError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    if args.nodes < 1:
+        return _fail("--nodes must be >= 1", EXIT_USAGE)
+    for note in launch.notes:
+        print(f"trainguard: {note}", file=sys.stderr)
+    environ = dict(os.environ)
+    if launch.no_agent:
+        return _run_agentless(launch, args, environ)
+    if not args.state_dir and not args.agent:
+        args.state_dir = os.environ.get(ENV_STATE_DIR) or None  # where the ranks' API looks too
     client = make_client(args)
     try:
         client.health()
     except ApiClientError as exc:  # no agent: say how to get one, not a traceback
-        return _fail(f"{exc}; or run without one: trainguard run --standalone ...")
+        if launch.standalone and not args.agent:
+            print(f"trainguard: {exc}; --standalone runs the ranks from this process instead (no telemetry, "
+                  "snapshots or hang verdicts)", file=sys.stderr)
+            return _run_agentless(launch, args, environ)
+        return _fail(f"{exc}; point at a running agent with --state-dir DIR, or run without one: "
+                     "trainguard run --no-agent ...")
+    spec = job_spec(launch.command, nproc=launch.nproc, nodes=args.nodes, job=launch.job,
+                    max_restarts=launch.max_restarts, hang_timeout_s=args.hang_timeout, environ=environ)
     job = client.submit_job(spec)
     if _submitted_only(job, args):
         return 0
     return follow(client, job)
+
+
+def _run_agentless(launch: torchrun_args.Launch, args: argparse.Namespace, environ: dict[str, str]) -> int:
+    from trainguard.runcmd import resolve_command
+    from trainguard.standalone import run_standalone
+
+    if args.detach or args.nodes > 1:
+        return _fail("--detach and --nodes need an agent (it runs the job); start one with `trainguard agent`",
+                     EXIT_USAGE)
+    if args.hang_timeout:
+        print("trainguard: --hang-timeout needs the agent (it watches the ranks); ignored without one", file=sys.stderr)
+    restarts = 3 if launch.max_restarts is None else launch.max_restarts
+    return run_standalone(resolve_command(launch.command, environ.get("PATH")), launch.nproc, max_restarts=restarts,
+                          job=launch.job, environ=environ)
 
 
 def cmd_top(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""``trainguard run --standalone -- CMD ...``: the same contract with no agent, like
+"""``trainguard run --no-agent ...``: the same contract with no agent, like
 ``torchrun --max-restarts``.
 
 Starts ``nproc`` copies of the command on this machine with torchrun's environment (a fresh
@@ -76,7 +76,7 @@ def run_standalone(command: list[str], nproc: int, *, max_restarts: int = 3, job
             env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                         "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": block.master_addr,
                         "MASTER_PORT": str(block.master_port)})
-            env.update(torchrun_env(spec, block, attempt))
+            env.update(torchrun_env(spec, block, attempt, rank))
             proc = subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             assert proc.stdout is not None

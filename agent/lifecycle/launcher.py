@@ -143,9 +143,10 @@ class RankBlock:
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-def torchrun_env(spec: JobSpec, block: RankBlock, attempt: int) -> dict[str, str]:
+def torchrun_env(spec: JobSpec, block: RankBlock, attempt: int, rank: int) -> dict[str, str]:
     """torchrun's environment contract beyond RANK/WORLD_SIZE/MASTER_*: what scripts written for
-    torchrun (and the frameworks that detect it) read."""
+    torchrun (and the frameworks that detect it) read. ``rank`` is the global rank: with one role,
+    torchrun's ROLE_RANK is the RANK."""
     return {
         "TORCHELASTIC_RESTART_COUNT": str(max(0, attempt - 1)),
         "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
@@ -153,7 +154,7 @@ def torchrun_env(spec: JobSpec, block: RankBlock, attempt: int) -> dict[str, str
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "GROUP_WORLD_SIZE": str(max(1, block.world_size // max(1, block.nproc))),
         "ROLE_NAME": "default",
-        "ROLE_RANK": str(block.rank_offset),
+        "ROLE_RANK": str(rank),
         "ROLE_WORLD_SIZE": str(block.world_size),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     }
@@ -332,9 +333,11 @@ class Launcher:
             return None
         if any(unsecure(k) for k in spec.env):
             return None  # LD_PRELOAD and kin act when a process starts: only a fresh one has them
-        if cmd[1] == "-m" and len(cmd) >= 3:
+        if cmd[1] == "-u":  # torchrun's unbuffered python: the warm launcher's rank output is line-buffered
+            cmd = [cmd[0], *cmd[2:]]
+        if len(cmd) >= 3 and cmd[1] == "-m":
             return cmd[2], list(cmd[3:])
-        if cmd[1].endswith(".py") and not cmd[1].startswith("-"):
+        if len(cmd) >= 2 and cmd[1].endswith(".py") and not cmd[1].startswith("-"):
             script = cmd[1] if os.path.isabs(cmd[1]) else os.path.join(spec.cwd or os.getcwd(), cmd[1])
             return f"path:{script}", list(cmd[2:])
         return None
@@ -457,7 +460,7 @@ class Launcher:
                 }
             )
             if spec.is_command:
-                env.update(torchrun_env(spec, block, attempt))
+                env.update(torchrun_env(spec, block, attempt, rank))
             if env_overrides:
                 env.update(env_overrides)
             env.update(block.env)
