@@ -86,8 +86,9 @@ class Agent:
         from trainguard.agent.ranktable import RankTable, RankTableConfig
         from trainguard.agent.telemetry import TelemetryServer
 
-        self.paths.ensure()
         cfg = self.cfg
+        self.rank_user = self._rank_user()
+        self.paths.ensure(ranks_traverse=self.rank_user is not None)
         self.events = EventLog(
             self.paths.events_dir, cfg.agent.node, max_bytes=cfg.eventlog.max_bytes, keep=cfg.eventlog.keep
         )
@@ -97,7 +98,9 @@ class Agent:
                             foreign_idle_s=cfg.telemetry.foreign_idle_s)
         )
         self.telemetry = TelemetryServer(
-            self.paths.telemetry_socket, self.table, min_queue=cfg.telemetry.min_queue or None
+            self.paths.telemetry_socket, self.table, min_queue=cfg.telemetry.min_queue or None,
+            # Ranks of launcher.user send through the socket's group, which is never the control socket's.
+            group=self.rank_user.gid if self.rank_user is not None else None,
         )
         self.plans = PlanStore(self.paths.plans_dir)
         self.supervisor = Supervisor(
@@ -147,6 +150,25 @@ class Agent:
                              "set, so submitting a job is root-equivalent (set launcher.user to run them as a user)",
                              severity="warning", cause="launcher.user unset")
         self.notifier.ready(self._status_line())
+
+    def _rank_user(self) -> RankUser | None:
+        """``launcher.user`` looked up (None: unset). Refused with a ConfigError naming the key: an
+        unknown user, uid 0, or a user whose group is the control socket's (the agent's own group),
+        since the telemetry socket is given to that group and the ranks must never reach the
+        control API through it."""
+        name = self.cfg.launcher.user
+        if not name:
+            return None
+        try:
+            user = RankUser.lookup(name)
+        except RankUserError as exc:
+            raise ConfigError("launcher.user", str(exc).split(": ", 1)[-1]) from None
+        if user.uid == 0:
+            raise ConfigError("launcher.user", f"{name!r} has uid 0: ranks would run as root")
+        if user.gid == os.getegid():
+            raise ConfigError("launcher.user", f"{name!r} has group {user.gid}, the control socket's group (the "
+                                               "agent's): its ranks could drive the agent; choose a user of another group")
+        return user
 
     def _metrics_tls(self) -> Any:
         """The /metrics server's TLS context (None: plain HTTP); a bad file is a ConfigError naming its key."""
@@ -313,12 +335,9 @@ class Agent:
             object_scope=self._object_scope,
         )
         self.checkpoints.start()
-        if self.cfg.launcher.user:
+        owner = self.rank_user
+        if owner is not None:
             # The ranks' own job directories become theirs, and what they wrote is theirs to restore.
-            try:
-                owner = RankUser.lookup(self.cfg.launcher.user)
-            except RankUserError as exc:
-                raise ConfigError("launcher.user", str(exc).split(": ", 1)[-1]) from None
             self.checkpoints.set_job_owner(lambda _job: (owner.uid, owner.gid))
         if self.cluster.gangs is not None and self.checkpoints.object is not None:
             self.cluster.gangs.shared_tiers = [self.checkpoints.object]

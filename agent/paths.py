@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from dataclasses import dataclass
 
 from trainguard.agent.config import DEFAULT_RUN_DIR, DEFAULT_STATE_DIR
@@ -65,10 +66,33 @@ class AgentPaths:
         """The bound metrics address, so clients and tests find an agent started on port 0."""
         return os.path.join(self.run_dir, "metrics.addr")
 
-    def ensure(self) -> list[DirCheck]:
+    def ensure(self, *, ranks_traverse: bool = False) -> list[DirCheck]:
         """Create the agent's directories, or check the ones there: each a real directory (not a
         symlink) of the agent's own uid that no group or other may write (a loose mode on its own
         directory is tightened). One another identity owns is refused (UnsafeTreeError, an
-        OSError): it holds the event log, job records and the disk tier, so it is never moved."""
-        return [ensure_agent_dir(d, mode=0o750, takeover=False)
-                for d in (self.state_dir, self.run_dir, self.plans_dir, self.events_dir, self.jobs_dir)]
+        OSError): it holds the event log, job records and the disk tier, so it is never moved.
+
+        ``ranks_traverse`` (ranks run as ``launcher.user``): the directories on the way to the
+        telemetry socket and the plan files get 0751, so a rank of another uid reaches the names it
+        is given while listing them stays refused; without it the run and plans dirs are 0750 again
+        (the state dir is then left as its owner made it)."""
+        checks = [ensure_agent_dir(d, mode=0o750, takeover=False)
+                  for d in (self.state_dir, self.run_dir, self.plans_dir, self.events_dir, self.jobs_dir)]
+        for d in self.rank_path_dirs():
+            if not ranks_traverse and d == self.state_dir:
+                continue
+            mode = stat.S_IMODE(os.lstat(d).st_mode)
+            # Only the "other" bits change: the owner's and the group's stay as the operator set them.
+            want = (mode & ~0o007) | (0o001 if ranks_traverse else 0)
+            if mode != want:
+                os.chmod(d, want, follow_symlinks=False)
+        return checks
+
+    def rank_path_dirs(self) -> list[str]:
+        """The agent's directories a rank crosses to its telemetry socket and plan file: the run
+        dir, the plans dir, and the state dir when the run dir lies inside it (``--state-dir``)."""
+        dirs = [self.run_dir, self.plans_dir]
+        state = os.path.abspath(self.state_dir)
+        if os.path.abspath(self.run_dir).startswith(state + os.sep):
+            dirs.insert(0, self.state_dir)
+        return dirs

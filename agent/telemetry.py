@@ -115,6 +115,7 @@ class TelemetryServer:
         on_message: Callable[[Telemetry], None] | None = None,
         *,
         mode: int = 0o660,
+        group: int | None = None,
         clock: Callable[[], float] = time.time,
         proc_root: str = "/proc",
         poll_interval_s: float = 1.0,
@@ -130,6 +131,8 @@ class TelemetryServer:
         self.sender_check: Callable[[str, int], bool] | None = None
         """``(job, sender pid) -> allowed``; None: every sender is taken at its word."""
         self.mode = mode
+        self.group = group
+        """The socket's group (the ranks' group when they run as ``launcher.user``; None: the agent's)."""
         self._clock = clock
         self._proc_root = proc_root
         self._poll_ms = max(1, int(poll_interval_s * 1000))
@@ -174,6 +177,10 @@ class TelemetryServer:
             sock.close()
             raise
         try:
+            if self.group is not None:
+                # The group before the mode: the umask's mode gives the group no write, so the
+                # ranks' group can send only once the socket is the mode this server chose.
+                os.chown(self.path, -1, self.group, follow_symlinks=False)
             os.chmod(self.path, self.mode)
             sock.setblocking(False)
         except BaseException:

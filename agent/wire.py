@@ -366,9 +366,11 @@ class Plan:
 
 
 def write_plan_file(path: str, plan: Plan) -> None:
-    """Atomically replace the plan file, so a reader never sees half a plan."""
+    """Atomically replace the plan file, so a reader never sees half a plan. It is 0644 whatever
+    the umask: ranks of ``launcher.user`` read it, and a plan holds no secret."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "wb") as fh:
+        os.fchmod(fh.fileno(), 0o644)
         fh.write(plan.encode())
         fh.flush()
         os.fsync(fh.fileno())
