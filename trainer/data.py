@@ -89,6 +89,10 @@ def build_corpus(cache_dir: str = "", max_bytes: int = 0) -> tuple[Path, Path]:
         total += len(data)
         if max_bytes and total >= max_bytes:
             break
+    if total == 0:
+        # An empty corpus would fail later as "cannot mmap an empty file", naming neither cause.
+        raise RuntimeError(f"no corpus: the standard library's sources under {root} could not be read by "
+                           f"uid {os.geteuid()} (build the cache in {out} as a user who can)")
     _write_atomic(val_path, bytes(val))
     _write_atomic(train_path, bytes(train))
     return train_path, val_path

@@ -230,3 +230,19 @@ def test_the_embedded_trainer_runs_end_to_end_as_launcher_user(base: Path, agent
     resumed = wait_for(lambda: events_of(client, "job_resumed", "as-nobody"), 15, "a job_resumed event")
     assert resumed[-1]["fields"]["restored_from"]["step"] == restored
     assert max(telemetry_steps()) == 300  # the restarted ranks report too
+    # The DCP checkpoints the ranks wrote in their memory-tier directory, committed and listed by the agent.
+    memory_steps = {r["step"] for r in client.checkpoints("as-nobody") if r.get("tier") == "memory"}
+    assert 300 in memory_steps, client.checkpoints("as-nobody")
+    assert (memory / "as-nobody").stat().st_uid == NOBODY.pw_uid
+
+
+def test_a_corpus_nothing_could_be_read_for_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank user who cannot read the interpreter's standard library gets an error saying so, not
+    an empty cache that fails later as "cannot mmap an empty file"."""
+    from trainguard.trainer import data
+
+    monkeypatch.setattr(data, "stdlib_files", lambda: (tmp_path / "unreadable.py",))
+    monkeypatch.setattr(data, "stdlib_digest", lambda: "none")
+    with pytest.raises(RuntimeError, match="could not be read by uid"):
+        data.build_corpus(str(tmp_path / "cache"), 1000)
+    assert not list((tmp_path / "cache").glob("*.u8"))
