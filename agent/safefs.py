@@ -15,6 +15,7 @@ import errno
 import os
 import shutil
 import stat
+import struct
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -155,6 +156,35 @@ def open_root(root: str | os.PathLike[str]) -> int:
     return os.open(root, _DIR_FLAGS)
 
 
+_ACL_DEFAULT = "system.posix_acl_default"
+_ACL_UNDEFINED_ID = 0xFFFFFFFF
+# Tags of linux/posix_acl_xattr.h: user::, user:<uid>:, group::, mask::, other::.
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+
+
+def agent_read_acl(uid: int) -> bytes:
+    """A default ACL (the kernel's xattr form, version 2): what is made below the directory is
+    its maker's, readable by ``uid`` (the agent), and nobody else's, whatever the maker's umask."""
+    entries = [(_ACL_USER_OBJ, 0o7, _ACL_UNDEFINED_ID), (_ACL_USER, 0o5, uid),
+               (_ACL_GROUP_OBJ, 0, _ACL_UNDEFINED_ID), (_ACL_MASK, 0o5, _ACL_UNDEFINED_ID),
+               (_ACL_OTHER, 0, _ACL_UNDEFINED_ID)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, ident) for tag, perm, ident in entries)
+
+
+def grant_agent_read(fd: int) -> bool:
+    """Give directory ``fd`` (the agent's, about to be handed to a job's user) a default ACL by
+    which the agent reads what the job's ranks write there: under its unit it has no
+    CAP_DAC_READ_SEARCH, and a rank's snapshot slots are 0640. False where the filesystem has no
+    ACLs (the files' own modes decide then)."""
+    try:
+        os.setxattr(fd, _ACL_DEFAULT, agent_read_acl(os.geteuid()))
+    except OSError as exc:
+        if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return False
+        raise
+    return True
+
+
 def open_dir_at(fd: int, parts: Iterable[str], *, create: bool = False, mode: int = 0o755,
                 owner: tuple[int, int] | None = None) -> int:
     """Walk ``parts`` from directory ``fd`` without following a symlink; returns a new fd (the
@@ -163,11 +193,11 @@ def open_dir_at(fd: int, parts: Iterable[str], *, create: bool = False, mode: in
     cur = os.dup(fd)
     try:
         for part in parts:
+            made = False
             if create:
                 try:
                     os.mkdir(part, mode, dir_fd=cur)
-                    if owner is not None:
-                        os.chown(part, owner[0], owner[1], dir_fd=cur, follow_symlinks=False)
+                    made = True
                 except FileExistsError:
                     pass
             try:
@@ -176,6 +206,14 @@ def open_dir_at(fd: int, parts: Iterable[str], *, create: bool = False, mode: in
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise UnsafeTreeError(part, "a symlink or not a directory") from exc
                 raise
+            if made and owner is not None:
+                try:
+                    # Set while the directory is still the agent's (only its owner may), then given away.
+                    grant_agent_read(nxt)
+                    os.fchown(nxt, owner[0], owner[1])
+                except BaseException:
+                    os.close(nxt)
+                    raise
             os.close(cur)
             cur = nxt
         return cur

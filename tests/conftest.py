@@ -58,9 +58,11 @@ class RunningAgent:
         return self.proc.wait(timeout)
 
 
-def start_agent(state_dir: Path, config: str | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None) -> RunningAgent:
+def start_agent(state_dir: Path, config: str | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None,
+                prefix: list[str] | None = None) -> RunningAgent:
+    """``prefix``: argv run before the interpreter (e.g. ``setpriv`` dropping capabilities as the unit does)."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, "-m", "trainguard", "agent", "--state-dir", str(state_dir), "--metrics-addr", "127.0.0.1:0"]
+    args = [*(prefix or []), sys.executable, "-m", "trainguard", "agent", "--state-dir", str(state_dir), "--metrics-addr", "127.0.0.1:0"]
     if config is not None:
         cfg_path = state_dir / "agent.toml"
         cfg_path.write_text(config)

@@ -32,6 +32,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is 
                                 reason="ranks of another user need a root agent and setpriv")
 
 NOBODY = pwd.getpwnam("nobody")
+# Root as the agent's unit leaves it: no capability to read or own another user's files.
+NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
 USER_CONFIG = '[collectors]\nebpf = false\ngpu = false\n[launcher]\nuser = "nobody"\n'
 CORPUS_BYTES = 2_000_000
 
@@ -51,8 +53,8 @@ def base() -> Iterator[Path]:
 def agents() -> Iterator[Callable[..., RunningAgent]]:
     started: list[RunningAgent] = []
 
-    def start(state_dir: Path, config: str = USER_CONFIG) -> RunningAgent:
-        agent = start_agent(state_dir, config=config)
+    def start(state_dir: Path, config: str = USER_CONFIG, prefix: list[str] | None = None) -> RunningAgent:
+        agent = start_agent(state_dir, config=config, prefix=prefix)
         started.append(agent)
         return agent
 
@@ -169,14 +171,18 @@ def events_of(client: Any, kind: str, job: str) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_the_embedded_trainer_runs_end_to_end_as_launcher_user(base: Path, agents: Any) -> None:
-    """Two ranks of the embedded trainer as nobody: their steps reach the agent's status through
-    telemetry, a forged datagram for the job is still dropped, they read their plan and snapshot
-    into their memory-tier directory, and a rank the test SIGKILLs is restored from the snapshot."""
+    """Two ranks of the embedded trainer as nobody, under an agent without CAP_DAC_* or CAP_FOWNER
+    (as its unit runs it): their steps reach the agent's status through telemetry, a forged
+    datagram for the job is still dropped, they read their plan and snapshot into their memory-tier
+    directory, and a rank the test SIGKILLs is restored from the snapshot, which the agent could
+    read only through the directory's ACL (the slots are 0640, nobody's)."""
     corpus = base / "corpus"
     build_corpus(str(corpus), CORPUS_BYTES)  # as root: nobody cannot read an interpreter's stdlib under /root
     for p in (corpus, *corpus.iterdir()):
         p.chmod(0o755 if p.is_dir() else 0o644)
-    agent = agents(base / "agent", USER_CONFIG + "[agent]\ninterval_s = 0.2\n[checkpoint]\nsnapshot_every = 1\n")
+    agent = agents(base / "agent", USER_CONFIG + "[agent]\ninterval_s = 0.2\n[checkpoint]\nsnapshot_every = 1\n",
+                   prefix=NO_DAC)
+    assert int(Path(f"/proc/{agent.proc.pid}/status").read_text().split("CapEff:")[1].split()[0], 16) & 0b1110 == 0
     client = agent.client()
     trainer = tiny_config(str(corpus), steps=300, parallel={"dp": 2}).to_dict()
     client.submit_job({"job": "as-nobody", "nproc": 2, "trainer": trainer})
@@ -246,3 +252,57 @@ def test_a_corpus_nothing_could_be_read_for_is_a_clear_error(tmp_path: Path, mon
     with pytest.raises(RuntimeError, match="could not be read by uid"):
         data.build_corpus(str(tmp_path / "cache"), 1000)
     assert not list((tmp_path / "cache").glob("*.u8"))
+
+
+def test_the_agent_reads_what_the_rank_user_writes_in_its_job_dirs_only_through_their_acl(base: Path) -> None:
+    """A job's memory-tier and snapshot directories, handed to its user, let root without
+    CAP_DAC_* read a 0640 file the user writes there (a snapshot slot), and no other user read a
+    0644 one (a checkpoint under umask 022); a directory handed over without the ACL, the
+    contrast, does neither."""
+    from trainguard.agent.checkpoint.snapshots import SnapshotSet
+    from trainguard.agent.safefs import dir_fd
+
+    root = base / "memory"
+    root.mkdir()
+    owner = (NOBODY.pw_uid, NOBODY.pw_gid)
+    SnapshotSet(str(root), "j").prepare(owner)
+    with dir_fd(root, root / "j", create=True, owner=owner):
+        pass
+    bare = root / "bare"
+    bare.mkdir()
+    os.chown(bare, *owner)
+    targets = [SnapshotSet(str(root), "j").dir, root / "j", bare]
+
+    def write_all() -> int:
+        os.umask(0o022)
+        for d in targets:
+            for name, mode in (("rank0.a", 0o640), ("shard.distcp", 0o644)):
+                fd = os.open(d / name, os.O_WRONLY | os.O_CREAT, mode)
+                os.write(fd, b"state")
+                os.close(fd)
+        return 0
+
+    assert as_nobody(write_all) == 0
+    readable = [subprocess.run([*NO_DAC, "cat", str(d / "rank0.a")], capture_output=True).returncode == 0
+                for d in targets]
+    assert readable == [True, True, False], readable
+    assert all(stat.S_IMODE((d / "rank0.a").stat().st_mode) & 0o077 == 0o040 for d in targets)
+    assert all(stat.S_IMODE(d.stat().st_mode) == 0o755 for d in targets)  # no group write shown through the mask
+
+    def other_user_reads(d: Path) -> int:
+        pid = os.fork()
+        if pid == 0:
+            code = 99
+            try:
+                os.setgroups([])
+                os.setgid(12345)
+                os.setuid(12345)
+                (d / "shard.distcp").read_bytes()
+                code = 0
+            except PermissionError:
+                code = 13
+            finally:
+                os._exit(code)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    assert [other_user_reads(d) for d in targets] == [13, 13, 0]
