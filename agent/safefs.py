@@ -156,28 +156,33 @@ def open_root(root: str | os.PathLike[str]) -> int:
     return os.open(root, _DIR_FLAGS)
 
 
-_ACL_DEFAULT = "system.posix_acl_default"
+_ACL_ACCESS, _ACL_DEFAULT = "system.posix_acl_access", "system.posix_acl_default"
 _ACL_UNDEFINED_ID = 0xFFFFFFFF
 # Tags of linux/posix_acl_xattr.h: user::, user:<uid>:, group::, mask::, other::.
 _ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
 
 
-def agent_read_acl(uid: int) -> bytes:
-    """A default ACL (the kernel's xattr form, version 2): what is made below the directory is
-    its maker's, readable by ``uid`` (the agent), and nobody else's, whatever the maker's umask."""
-    entries = [(_ACL_USER_OBJ, 0o7, _ACL_UNDEFINED_ID), (_ACL_USER, 0o5, uid),
-               (_ACL_GROUP_OBJ, 0, _ACL_UNDEFINED_ID), (_ACL_MASK, 0o5, _ACL_UNDEFINED_ID),
-               (_ACL_OTHER, 0, _ACL_UNDEFINED_ID)]
+def agent_acl(uid: int, owner: int, group: int, other: int) -> bytes:
+    """An ACL in the kernel's xattr form (version 2): the owner, group and others get the given
+    bits and ``uid`` (the agent) rwx, within a rwx mask."""
+    entries = [(_ACL_USER_OBJ, owner, _ACL_UNDEFINED_ID), (_ACL_USER, 0o7, uid),
+               (_ACL_GROUP_OBJ, group, _ACL_UNDEFINED_ID), (_ACL_MASK, 0o7, _ACL_UNDEFINED_ID),
+               (_ACL_OTHER, other, _ACL_UNDEFINED_ID)]
     return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, ident) for tag, perm, ident in entries)
 
 
-def grant_agent_read(fd: int) -> bool:
-    """Give directory ``fd`` (the agent's, about to be handed to a job's user) a default ACL by
-    which the agent reads what the job's ranks write there: under its unit it has no
-    CAP_DAC_READ_SEARCH, and a rank's snapshot slots are 0640. False where the filesystem has no
-    ACLs (the files' own modes decide then)."""
+def grant_agent_access(fd: int) -> bool:
+    """Let the agent keep reading and pruning directory ``fd`` (the agent's, about to be handed to
+    a job's user) and what the job's ranks make below it: under its unit the agent has no
+    CAP_DAC_READ_SEARCH or CAP_FOWNER, and a rank's snapshot slots are 0640. Made below it is
+    the rank's and the agent's alone, whatever the rank's umask (the default ACL's group and
+    other entries are empty; a file's own mode still caps the agent, through the mask). False
+    where the filesystem has no ACLs (modes alone decide then)."""
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    me = os.geteuid()
     try:
-        os.setxattr(fd, _ACL_DEFAULT, agent_read_acl(os.geteuid()))
+        os.setxattr(fd, _ACL_ACCESS, agent_acl(me, (mode >> 6) & 0o7, (mode >> 3) & 0o7, mode & 0o7))
+        os.setxattr(fd, _ACL_DEFAULT, agent_acl(me, 0o7, 0, 0))
     except OSError as exc:
         if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
             return False
@@ -209,7 +214,7 @@ def open_dir_at(fd: int, parts: Iterable[str], *, create: bool = False, mode: in
             if made and owner is not None:
                 try:
                     # Set while the directory is still the agent's (only its owner may), then given away.
-                    grant_agent_read(nxt)
+                    grant_agent_access(nxt)
                     os.fchown(nxt, owner[0], owner[1])
                 except BaseException:
                     os.close(nxt)

@@ -180,7 +180,8 @@ def test_the_embedded_trainer_runs_end_to_end_as_launcher_user(base: Path, agent
     build_corpus(str(corpus), CORPUS_BYTES)  # as root: nobody cannot read an interpreter's stdlib under /root
     for p in (corpus, *corpus.iterdir()):
         p.chmod(0o755 if p.is_dir() else 0o644)
-    agent = agents(base / "agent", USER_CONFIG + "[agent]\ninterval_s = 0.2\n[checkpoint]\nsnapshot_every = 1\n",
+    agent = agents(base / "agent", USER_CONFIG + "[agent]\ninterval_s = 0.2\n"
+                   "[checkpoint]\nsnapshot_every = 1\nmemory_every = 50\nmemory_keep = 2\n",
                    prefix=NO_DAC)
     assert int(Path(f"/proc/{agent.proc.pid}/status").read_text().split("CapEff:")[1].split()[0], 16) & 0b1110 == 0
     client = agent.client()
@@ -237,8 +238,12 @@ def test_the_embedded_trainer_runs_end_to_end_as_launcher_user(base: Path, agent
     assert resumed[-1]["fields"]["restored_from"]["step"] == restored
     assert max(telemetry_steps()) == 300  # the restarted ranks report too
     # The DCP checkpoints the ranks wrote in their memory-tier directory, committed and listed by the agent.
-    memory_steps = {r["step"] for r in client.checkpoints("as-nobody") if r.get("tier") == "memory"}
-    assert 300 in memory_steps, client.checkpoints("as-nobody")
+    def memory_steps() -> set[int]:
+        return {r["step"] for r in client.checkpoints("as-nobody") if r.get("tier") == "memory"}
+
+    # ... and pruned by the agent to memory_keep, in a directory that is the ranks' user's.
+    wait_for(lambda: memory_steps() == {250, 300}, 30, "the memory tier pruned to its newest two")
+    assert not [e for e in client.events(since=0, limit=5000)["events"] if e["kind"] == "checkpoint_prune_failed"]
     assert (memory / "as-nobody").stat().st_uid == NOBODY.pw_uid
 
 
@@ -256,9 +261,9 @@ def test_a_corpus_nothing_could_be_read_for_is_a_clear_error(tmp_path: Path, mon
 
 def test_the_agent_reads_what_the_rank_user_writes_in_its_job_dirs_only_through_their_acl(base: Path) -> None:
     """A job's memory-tier and snapshot directories, handed to its user, let root without
-    CAP_DAC_* read a 0640 file the user writes there (a snapshot slot), and no other user read a
-    0644 one (a checkpoint under umask 022); a directory handed over without the ACL, the
-    contrast, does neither."""
+    CAP_DAC_* or CAP_FOWNER read a 0640 file the user writes there (a snapshot slot) and remove
+    it, and no other user read a 0644 one (a checkpoint under umask 022); a directory handed over
+    without the ACL, the contrast, does none of that."""
     from trainguard.agent.checkpoint.snapshots import SnapshotSet
     from trainguard.agent.safefs import dir_fd
 
@@ -287,7 +292,10 @@ def test_the_agent_reads_what_the_rank_user_writes_in_its_job_dirs_only_through_
                 for d in targets]
     assert readable == [True, True, False], readable
     assert all(stat.S_IMODE((d / "rank0.a").stat().st_mode) & 0o077 == 0o040 for d in targets)
-    assert all(stat.S_IMODE(d.stat().st_mode) == 0o755 for d in targets)  # no group write shown through the mask
+    # The agent prunes there too (no CAP_FOWNER): only through the ACL.
+    removed = [subprocess.run([*NO_DAC, "rm", str(d / "rank0.a")], capture_output=True).returncode == 0
+               for d in targets]
+    assert removed == [True, True, False], removed
 
     def other_user_reads(d: Path) -> int:
         pid = os.fork()
