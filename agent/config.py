@@ -214,7 +214,8 @@ class LauncherSection:
     """Interpreter for rank processes (empty: the agent's own)."""
     user: str = ""
     """Run ranks as this user (empty: as the agent's user with every capability dropped, i.e. as
-    root under a root agent: then whoever may submit a job is root-equivalent)."""
+    root under a root agent: then whoever may submit a job is root-equivalent). The telemetry
+    socket is given to its group, so that group may not be the agent's (the control socket's)."""
     master_addr: str = "127.0.0.1"
     stop_grace_s: float = 10.0
     """SIGTERM -> SIGKILL grace period when stopping ranks."""
