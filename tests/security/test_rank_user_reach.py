@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import RunningAgent, start_agent
+from tests.conftest import REPO, RunningAgent, start_agent
 from trainguard.agent.recovery.service import default_memory_root
 from trainguard.agent.waiting import wait_for
 from trainguard.agent.wire import Telemetry
@@ -152,10 +152,20 @@ def test_a_rank_user_in_the_agents_group_is_refused_naming_the_key(base: Path) -
     (state / "agent.toml").write_text(USER_CONFIG)
     res = subprocess.run(["setpriv", f"--regid={NOBODY.pw_gid}", "--clear-groups", "--", sys.executable, "-m",
                           "trainguard", "agent", "--state-dir", str(state), "--config", str(state / "agent.toml")],
-                         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert res.returncode == 2, res.stderr
     assert "launcher.user" in res.stderr and "control socket's group" in res.stderr, res.stderr
     assert not (state / "run" / "agent.sock").exists()
+
+
+def test_launcher_user_root_is_refused_naming_the_key(base: Path) -> None:
+    state = base / "agent"
+    state.mkdir()
+    (state / "agent.toml").write_text(USER_CONFIG.replace('"nobody"', '"root"'))
+    res = subprocess.run([sys.executable, "-m", "trainguard", "agent", "--state-dir", str(state), "--config",
+                          str(state / "agent.toml")], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 2 and "launcher.user" in res.stderr and "uid 0" in res.stderr, res.stderr
 
 
 def proc_uid(pid: int) -> int:
