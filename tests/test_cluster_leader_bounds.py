@@ -447,7 +447,7 @@ def test_commit_records_in_etcd_round_trip_and_a_bad_one_is_a_counted_drop(tmp_p
         client.put("/trainguard/t/commits/j/c", b'{"step": "lots"}')
         got = table.read("j")
         assert sorted(got) == ["a", "b"] and got["a"].step == 20 and got["b"].parts == ("a", "b")
-        assert table.dropped == 1
+        assert table.drops.dropped == 1
         table.clear("j")
         assert table.read("j") == {} and table.read("other")["a"].step == 99
 

@@ -33,7 +33,8 @@ from typing import Any
 
 from trainguard.agent.cluster.etcd import EtcdClient, compare_held, op_put
 from trainguard.agent.cluster.membership import LeaderClaim
-from trainguard.agent.cluster.signing import sign, verify
+from trainguard.agent.cluster.records import DropFn, RevisionDrops, load_signed
+from trainguard.agent.cluster.signing import sign
 from trainguard.agent.wire import valid_job_id
 
 log = logging.getLogger("trainguard.cluster.jobs")
@@ -106,22 +107,8 @@ class JobRecordDoc:
     def parse(cls, data: bytes, key: bytes = b"") -> JobRecordDoc:
         """Validate a stored record; with ``key`` its signature must check. Raises JobRecordError
         (one line) for anything an agent must not act on, before any path is built from it."""
-        if len(data) > MAX_RECORD_BYTES:
-            raise JobRecordError(f"record of {len(data)} bytes is larger than {MAX_RECORD_BYTES}")
-        try:
-            doc = json.loads(data)
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise JobRecordError(f"not JSON: {str(exc)[:80]}") from None
-        if not isinstance(doc, dict):
-            raise JobRecordError("not a JSON object")
-        if key:
-            sig = doc.pop("sig", None)
-            if sig is None:
-                raise JobRecordError("not signed with the cluster key (written by something other than an agent)")
-            if not verify(key, RECORD_DOMAIN, _canonical(doc), sig):
-                raise JobRecordError("bad signature (not written with this cluster's key, or altered since)")
-        else:
-            doc.pop("sig", None)
+        doc = load_signed(data, key=key, domain=RECORD_DOMAIN, payload=_canonical, max_bytes=MAX_RECORD_BYTES,
+                          error=JobRecordError)
         job, spec = doc.get("job"), doc.get("spec")
         if not isinstance(job, str) or not valid_job_id(job):
             raise JobRecordError(f"bad job id {str(job)[:80]!r}")
@@ -213,10 +200,6 @@ def plan_moves(records: dict[str, tuple[JobRecordDoc, int]], members: dict[str, 
     return out
 
 
-DropFn = Callable[[str, int, str], None]  # (etcd key, mod revision, reason) of a record not used
-_SEEN_DROPS_MAX = 10_000
-
-
 class JobTable:
     """Reads and writes job records under ``<prefix>jobs/``.
 
@@ -229,9 +212,7 @@ class JobTable:
         self.client = client
         self.prefix = f"{prefix}jobs/"
         self.key = key
-        self.on_drop = on_drop
-        self.dropped = 0
-        self._seen_drops: set[tuple[str, int]] = set()
+        self.drops = RevisionDrops("job record", on_drop)
         # job -> revision of a refused record under its key: a writer that finds no usable record
         # may replace it (a forged record must not block the real one forever).
         self._refused_rev: dict[str, int] = {}
@@ -248,7 +229,7 @@ class JobTable:
                 if self.prefix + rec.job != kv.key:
                     raise JobRecordError(f"record of job {rec.job} stored under another key")
             except JobRecordError as exc:
-                self._drop(kv.key, kv.mod_revision, str(exc))
+                self.drops.drop(kv.key, kv.mod_revision, str(exc))
                 name = kv.key[len(self.prefix):]
                 if valid_job_id(name):
                     refused[name] = kv.mod_revision
@@ -256,17 +237,6 @@ class JobTable:
             out[rec.job] = (rec, kv.mod_revision)
         self._refused_rev = refused
         return out
-
-    def _drop(self, key: str, revision: int, reason: str) -> None:
-        if (key, revision) in self._seen_drops:
-            return
-        if len(self._seen_drops) >= _SEEN_DROPS_MAX:
-            self._seen_drops.clear()
-        self._seen_drops.add((key, revision))
-        self.dropped += 1
-        log.warning("cluster: job record %s (revision %d) not used: %s", key[:200], revision, reason)
-        if self.on_drop is not None:
-            self.on_drop(key[:200], revision, reason)
 
     def write(self, rec: JobRecordDoc, expect_revision: int | None, *, leader: LeaderClaim | None = None) -> bool:
         """Put the record; with ``expect_revision`` only if nobody changed it since (0: absent).

@@ -20,21 +20,19 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.agent.cluster.etcd import EtcdClient
 from trainguard.agent.cluster.jobs import valid_node_name
-from trainguard.agent.cluster.signing import sign, verify
+from trainguard.agent.cluster.records import DropFn, RevisionDrops, load_signed
+from trainguard.agent.cluster.signing import sign
 
 log = logging.getLogger("trainguard.cluster.lineage")
 
 COMMIT_DOMAIN = "commit-record"
 MAX_COMMIT_BYTES = 64 << 10
 MAX_PARTS = 4096
-_SEEN_DROPS_MAX = 4096
-DropFn = Callable[[str, int, str], None]
 
 
 class CommitRecordError(ValueError):
@@ -66,21 +64,8 @@ class CommitRecord:
     def parse(cls, node: str, data: bytes, job: str = "", key: bytes = b"") -> CommitRecord:
         """Validate a stored record of ``job`` under ``node``'s key; with ``key`` its signature must
         check. Raises CommitRecordError (one line) for anything the leader must not act on."""
-        if len(data) > MAX_COMMIT_BYTES:
-            raise CommitRecordError(f"record of {len(data)} bytes is larger than {MAX_COMMIT_BYTES}")
-        try:
-            doc = json.loads(data)
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise CommitRecordError(f"not JSON: {str(exc)[:80]}") from None
-        if not isinstance(doc, dict):
-            raise CommitRecordError("not a JSON object")
-        if key:
-            sig = doc.get("sig")
-            if sig is None:
-                raise CommitRecordError("not signed with the cluster key (written by something other than an agent)")
-            if not verify(key, COMMIT_DOMAIN, _payload(job, node, doc), sig):
-                raise CommitRecordError("bad signature (not written with this cluster's key for this job and "
-                                        "node, or altered since)")
+        doc = load_signed(data, key=key, domain=COMMIT_DOMAIN, payload=lambda d: _payload(job, node, d),
+                          max_bytes=MAX_COMMIT_BYTES, error=CommitRecordError)
         step, attempt, parts, at = doc.get("step"), doc.get("attempt"), doc.get("parts") or [], doc.get("at", 0.0)
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 62:
             raise CommitRecordError("step must be a non-negative integer")
@@ -112,10 +97,7 @@ class CommitTable:
         self.client = client
         self.prefix = f"{prefix}commits/"
         self.key = key
-        self.on_drop = on_drop
-        self.dropped = 0
-        """Records not used (unsigned, bad signature, malformed), once per key revision."""
-        self._seen_drops: set[tuple[str, int]] = set()
+        self.drops = RevisionDrops("commit record", on_drop)
 
     def read(self, job: str) -> dict[str, CommitRecord]:
         kvs, _ = self.client.get_prefix(f"{self.prefix}{job}/")
@@ -125,21 +107,10 @@ class CommitTable:
             try:
                 rec = CommitRecord.parse(node, kv.value, job, self.key)
             except CommitRecordError as exc:
-                self._drop(kv.key, kv.mod_revision, str(exc))
+                self.drops.drop(kv.key, kv.mod_revision, str(exc))
                 continue
             out[node] = rec
         return out
-
-    def _drop(self, key: str, revision: int, reason: str) -> None:
-        if (key, revision) in self._seen_drops:
-            return
-        if len(self._seen_drops) >= _SEEN_DROPS_MAX:
-            self._seen_drops.clear()
-        self._seen_drops.add((key, revision))
-        self.dropped += 1
-        log.warning("cluster: commit record %s (revision %d) not used: %s", key[:200], revision, reason)
-        if self.on_drop is not None:
-            self.on_drop(key[:200], revision, reason)
 
     def write(self, job: str, rec: CommitRecord) -> None:
         self.client.put(f"{self.prefix}{job}/{rec.node}", rec.to_json(job, self.key))

@@ -293,8 +293,8 @@ class ClusterService:
                             (LINEAGE_WAITS, gangs.lineage_waits if gangs else 0),
                             (LINEAGE_GIVEN_UP, gangs.lineage_given_up if gangs else 0),
 
-                            (RECORDS_REFUSED, self.jobs.dropped if self.jobs is not None else 0),
-                            (COMMITS_REFUSED, gangs.commits.dropped if gangs and gangs.commits else 0),
+                            (RECORDS_REFUSED, self.jobs.drops.dropped if self.jobs is not None else 0),
+                            (COMMITS_REFUSED, gangs.commits.drops.dropped if gangs and gangs.commits else 0),
                             (UPLOADS_REFUSED, self.store.refused)):
             c = spec.counter()
             c.add_metric([], value)

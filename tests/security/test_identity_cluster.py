@@ -257,17 +257,17 @@ def test_only_signed_valid_job_records_are_used(tmp_path: Path) -> None:
     assert "bad signature" in reasons["good2"] and "bad job id" in reasons[".."]
     # Once per revision: reading again reports nothing new; a new revision is reported again.
     table.read()
-    assert table.dropped == len(drops) == 7
+    assert table.drops.dropped == len(drops) == 7
     etcd.put(prefix + "evil", JobRecordDoc("evil", _spec("evil"), "n2").to_json())
     table.read()
-    assert table.dropped == 8
+    assert table.drops.dropped == 8
 
 
 def test_a_forged_record_does_not_block_the_real_owner_from_writing(tmp_path: Path) -> None:
     etcd = FakeEtcd()
     table = JobTable(etcd, "/trainguard/c/", key=KEY)  # type: ignore[arg-type]
     etcd.put("/trainguard/c/jobs/real", JobRecordDoc("real", _spec("real"), "evil-node").to_json())
-    assert table.read() == {} and table.dropped == 1
+    assert table.read() == {} and table.drops.dropped == 1
     assert table.write(JobRecordDoc("real", {"job": "real", "nproc": 1}, "n1"), 0)  # "absent" as far as it knows
     assert table.read()["real"][0].node == "n1"
     assert not table.write(JobRecordDoc("real", {"job": "real", "nproc": 1}, "n2"), 0)  # a real record: CAS holds
@@ -287,7 +287,7 @@ def test_a_path_job_id_never_reaches_the_filesystem_through_a_gang(tmp_path: Pat
                            scratch=str(tmp_path / "scratch" / "x"), emit=lambda *a: None, is_leader=lambda: True,
                            members=lambda: {}, wake=lambda: None)
     gang.sync(table.read())
-    assert (victim / "keep").read_text() == "data" and table.dropped == 1
+    assert (victim / "keep").read_text() == "data" and table.drops.dropped == 1
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -379,7 +379,7 @@ def test_only_signed_commit_records_count_so_a_forged_newer_step_makes_nobody_wa
     assert "not signed" in reasons["a"] and all("bad signature" in reasons[n] for n in "bcd")
     assert newer_elsewhere(10, records, reachable={"a"}) is None  # nothing to wait for
     table.read("big")
-    assert table.dropped == 7  # once per revision
+    assert table.drops.dropped == 7  # once per revision
     table.write("big", CommitRecord("a", 14, 2, ("a",), 2.0))
     assert table.read("big")["a"].step == 14
     # Without a key (a cluster of one) records are read as before; a signed one is still parsed.
