@@ -125,7 +125,8 @@ def test_a_node_that_comes_back_within_the_wait_gives_the_newer_step(cluster: Cl
     back = start("b", tmp_path / "b-back", shm=b.shm)  # the same host again: its RAM kept its part
     placed = wait_for(lambda: [e for e in _events(a, "gang_placed") if e["fields"]["attempt"] == 2], 90,
                       f"the job restarts with b back\n{[(e['kind'], e['message']) for e in a.all_events()][-20:]}")
-    assert placed[0]["fields"]["restore_step"] == newest and "b: ranks 1-1" in placed[0]["message"]
+    # Never behind what the wait named; b's record of a later step may land after the wait's event.
+    assert placed[0]["fields"]["restore_step"] >= newest and "b: ranks 1-1" in placed[0]["message"]
     assert not _events(a, "lineage_steps_given_up")
     for node in (a, back):
         wait_for(lambda n=node: [e for e in _events(n, "gang_ranks_started") if e["fields"]["attempt"] == 2], 60,
