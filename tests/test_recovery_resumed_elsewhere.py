@@ -8,22 +8,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from tests.helpers.events import EventRecorder
 from trainguard.agent.config import AgentConfig
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
 from trainguard.agent.lifecycle.launcher import RankBlock
 from trainguard.agent.lifecycle.supervisor import JobRecord
 from trainguard.agent.recovery.service import RecoveryService
-
-
-class Events:
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, str, dict[str, Any]]] = []
-
-    def emit(self, kind: str, message: str, **fields: Any) -> None:
-        self.seen.append((kind, message, fields))
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [f for k, _, f in self.seen if k == kind]
 
 
 class Table:
@@ -47,7 +37,7 @@ class Table:
 
 
 def service(tmp_path: Path) -> tuple[RecoveryService, Any]:
-    agent = SimpleNamespace(cfg=AgentConfig(), events=Events(), table=Table(), supervisor=SimpleNamespace(jobs={}))
+    agent = SimpleNamespace(cfg=AgentConfig(), events=EventRecorder(), table=Table(), supervisor=SimpleNamespace(jobs={}))
     checkpoints = SimpleNamespace(memory=SimpleNamespace(jobs=lambda: [], cleanup_job_tmp=lambda key: 0),
                                   settings=SimpleNamespace(memory_root=str(tmp_path), memory_interval=100),
                                   poll=lambda: None, prepare_job=lambda job: None)

@@ -13,22 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests.helpers.events import EventRecorder
 from trainguard.agent.checkpoint import CheckpointManager, CheckpointSettings
 from trainguard.agent.checkpoint.snapshots import HEADER_BYTES, SnapshotSet, read_header, slot_path
 from trainguard.agent.config import AgentConfig
 from trainguard.agent.recovery.service import ENV_RESTORE, RecoveryService
 from trainguard.snapshot import SnapshotWriter
-
-
-class _Events:
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, str, dict[str, Any]]] = []
-
-    def emit(self, kind: str, message: str, **fields: Any) -> None:
-        self.seen.append((kind, message, fields))
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [f for k, _, f in self.seen if k == kind]
 
 
 class _Plans:
@@ -42,12 +32,12 @@ class _Plans:
         self.lr_scale = change.get("lr_scale", self.lr_scale)
 
 
-def _service(tmp_path: Path) -> tuple[RecoveryService, CheckpointManager, SimpleNamespace, _Events]:
+def _service(tmp_path: Path) -> tuple[RecoveryService, CheckpointManager, SimpleNamespace, EventRecorder]:
     mgr = CheckpointManager(CheckpointSettings(memory_root=str(tmp_path / "shm")))
     mgr.start()
     record = SimpleNamespace(job="job", block=None, spec=SimpleNamespace(nproc=1), restore_max_step=None,
                              restored_from=None)
-    events = _Events()
+    events = EventRecorder()
     restarts: list[str] = []
     agent = SimpleNamespace(cfg=AgentConfig(), events=events, plans=_Plans(),
                             supervisor=SimpleNamespace(jobs={"job": record},
