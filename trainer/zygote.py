@@ -163,7 +163,7 @@ def _child(req: dict[str, Any], started_at: float | None = None) -> None:
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.set_wakeup_fd(-1)
-        log_fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        log_fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o640)
         null_fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null_fd, 0)
         os.dup2(log_fd, 1)
