@@ -16,24 +16,17 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# Sections owned by their modules; ConfigError lives apart so they raise it without a cycle.
+from trainguard.agent.cluster.config import ClusterConfig
+from trainguard.agent.collectors.gpu.config import GpuCollectorConfig
+from trainguard.agent.configerror import ConfigError as ConfigError
+from trainguard.agent.controller.config import ControllerConfig
+from trainguard.agent.detect.config import StragglerConfig
+
 DEFAULT_CONFIG_PATH = "/etc/trainguard/agent.toml"
 DEFAULT_STATE_DIR = "/var/lib/trainguard"
 DEFAULT_RUN_DIR = "/run/trainguard"
 DEFAULT_METRICS_PORT = 9478
-
-
-class ConfigError(ValueError):
-    def __init__(self, key: str, why: str) -> None:
-        super().__init__(f"{key}: {why}")
-        self.key = key
-        self.why = why
-
-
-# Sections owned by their modules (imported after ConfigError, which they raise).
-from trainguard.agent.cluster.config import ClusterConfig  # noqa: E402
-from trainguard.agent.collectors.gpu.config import GpuCollectorConfig  # noqa: E402
-from trainguard.agent.controller.config import ControllerConfig  # noqa: E402
-from trainguard.agent.detect.config import StragglerConfig  # noqa: E402
 
 
 def _positive(key: str, value: float) -> None:

@@ -17,18 +17,11 @@ from typing import Any
 
 import pytest
 
-from trainguard.agent.api import (
-    ApiClient,
-    ApiClientError,
-    ApiConfig,
-    ApiError,
-    ApiServer,
-    ApiServerError,
-    Blob,
-    BlobReader,
-    TokenFileError,
-)
-from trainguard.agent.api.server import AUTH_REPORT_BURST
+from trainguard.agent.api.auth import TokenFileError
+from trainguard.agent.api.client import ApiClient, ApiClientError
+from trainguard.agent.api.config import ApiConfig
+from trainguard.agent.api.handler import ApiError, Blob, BlobReader
+from trainguard.agent.api.server import AUTH_REPORT_BURST, ApiServer, ApiServerError
 
 ADMIN = "a" * 40
 READER = "r" * 40

@@ -56,6 +56,15 @@ def test_importing_trainguard_loads_no_bare_names_and_no_torch() -> None:
     assert res.stdout.strip() == "[] False", res.stdout
 
 
+def test_the_cli_loads_only_what_a_client_needs() -> None:
+    """`trainguard status` answers in a blink: the CLI module pulls in no etcd, HTTP-library,
+    Prometheus, object-store or torch code (the agent's own modules load them when it runs)."""
+    code = ("import sys, trainguard.cli; heavy = ('etcd3gw', 'requests', 'prometheus_client', 'fsspec', 'torch', "
+            "'numpy'); print(sorted({m.split('.')[0] for m in sys.modules} & set(heavy)))")
+    res = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, env=_env(), check=True)
+    assert res.stdout.strip() == "[]", res.stdout
+
+
 def test_a_user_script_next_to_its_own_agent_and_trainer_files(tmp_path: Path) -> None:
     project = user_project(tmp_path / "proj")
     res = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True, text=True, env=_env())

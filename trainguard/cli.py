@@ -12,7 +12,7 @@ from typing import Any
 
 from trainguard import jobcmds, torchrun_args
 from trainguard.agent.api.client import ApiClientError
-from trainguard.agent.config import ConfigError
+from trainguard.agent.configerror import ConfigError
 
 EXIT_USAGE = 2
 

@@ -5,26 +5,6 @@
 * ``server``: ``ApiServer`` (listeners, lifecycle, counters); ``request``: one HTTP request
   (auth, limits, dispatch); ``config``: ``ApiConfig``.
 * ``auth``: the token file and ``TokenStore``; ``client``: ``ApiClient``.
+
+Import from the submodules: the package imports nothing, so a client (the CLI) loads no server.
 """
-
-from trainguard.agent.api.auth import Role, TokenFileError, TokenStore
-from trainguard.agent.api.client import ApiClient, ApiClientError
-from trainguard.agent.api.config import ApiConfig
-from trainguard.agent.api.handler import ApiError, ApiHandler, Blob, BlobReader
-from trainguard.agent.api.server import ApiServer, ApiServerError, ApiStats
-
-__all__ = [
-    "ApiClient",
-    "ApiClientError",
-    "ApiConfig",
-    "ApiError",
-    "ApiHandler",
-    "ApiServer",
-    "ApiServerError",
-    "ApiStats",
-    "Blob",
-    "BlobReader",
-    "Role",
-    "TokenFileError",
-    "TokenStore",
-]

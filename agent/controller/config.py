@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from trainguard.agent.configerror import ConfigError
 from trainguard.agent.controller.batch_rule import RULES, Rule
 
 Strategy = Literal["none", "optuna", "rl", "goodput"]
@@ -74,9 +75,6 @@ class ControllerConfig:
 
     def validate(self, key: str = "controller") -> None:
         """Raise ConfigError naming ``key.field`` for the first bad value (AgentConfig calls this)."""
-        # Imported here: agent.config imports this module for its [controller] section.
-        from trainguard.agent.config import ConfigError
-
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"{key}.strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if self.lr_batch_rule not in RULES:
