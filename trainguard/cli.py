@@ -18,9 +18,9 @@ EXIT_USAGE = 2
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--state-dir", help="talk to the agent whose files are under DIR")
+    p.add_argument("--state-dir", metavar="DIR", help="talk to the agent whose files are under DIR")
     p.add_argument("--agent", metavar="HOST:PORT", help="talk to a remote agent over TCP")
-    p.add_argument("--token-file", help="bearer token file for --agent")
+    p.add_argument("--token-file", metavar="FILE", help="bearer token file for --agent")
     _add_tls(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -31,31 +31,45 @@ def _add_tls(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
 
 
+_EXAMPLES = argparse.RawDescriptionHelpFormatter
+
+
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainguard", description="Keeps distributed PyTorch training healthy.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    a = sub.add_parser("agent", help="run the node agent daemon")
-    a.add_argument("--config", help="TOML config (default /etc/trainguard/agent.toml if present)")
-    a.add_argument("--state-dir", help="put every file and socket of this agent under DIR")
+    a = sub.add_parser("agent", help="run the node agent daemon", formatter_class=_EXAMPLES, epilog=_examples(
+        "trainguard agent                                  # /etc/trainguard/agent.toml, /var/lib, /run",
+        "trainguard agent --state-dir /tmp/tg --metrics-addr 127.0.0.1:0",
+        "trainguard agent --check-config /etc/trainguard/agent.toml"))
+    a.add_argument("--config", metavar="FILE", help="TOML config (default /etc/trainguard/agent.toml if present)")
+    a.add_argument("--state-dir", metavar="DIR", help="put every file and socket of this agent under DIR")
     a.add_argument("--metrics-addr", metavar="HOST:PORT", help="Prometheus /metrics address (port 0: any)")
     a.add_argument("--check-config", metavar="FILE", help="validate FILE and exit (0 ok, 2 with the bad key)")
     a.add_argument("--print-bpf", action="store_true", help="print the generated eBPF programs and exit")
 
-    t = sub.add_parser("train", help="run the embedded trainer (through the local agent, or --standalone)")
-    t.add_argument("--nproc", type=int, required=True)
-    t.add_argument("--dp", type=int)
-    t.add_argument("--tp", type=int, default=1)
-    t.add_argument("--pp", type=int, default=1)
-    t.add_argument("--steps", type=int, default=100)
+    t = sub.add_parser("train", help="run the embedded trainer (through the local agent, or --standalone)",
+                       formatter_class=_EXAMPLES, epilog=_examples(
+                           "trainguard train --nproc 4 --dp 2 --tp 2 --steps 200",
+                           "trainguard train --nproc 2 --fault kill:rank=1,step=40 --fault slow:rank=0,factor=2",
+                           "trainguard train --nproc 2 --standalone --json     # no agent; a JSON line per step"))
+    t.add_argument("--nproc", type=int, required=True, metavar="N", help="ranks on this node")
+    t.add_argument("--dp", type=int, metavar="N", help="data-parallel degree (default: nproc / (tp * pp))")
+    t.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel degree (default 1)")
+    t.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline-parallel degree (default 1)")
+    t.add_argument("--steps", type=int, default=100, metavar="N", help="optimizer steps to train (default 100)")
     t.add_argument("--standalone", action="store_true", help="run without an agent")
-    t.add_argument("--state-dir")
+    t.add_argument("--state-dir", metavar="DIR", help="the agent whose files are under DIR")
     t.add_argument("--fault", action="append", default=[], metavar="SPEC", help="e.g. kill:rank=1,step=40")
     t.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
-    t.add_argument("--job", help="job id (default: generated)")
+    t.add_argument("--job", metavar="ID", help="job id (default: generated)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="trainer config override, e.g. model.layers=4")
     t.add_argument("--detach", action="store_true", help="submit to the agent and return at once")
-    t.add_argument("--nodes", type=int, default=1,
+    t.add_argument("--nodes", type=int, default=1, metavar="N",
                    help="spread the ranks over this many nodes of the cluster (the leader places them; implies --detach)")
     t.add_argument("--agent", metavar="HOST:PORT", help="submit to a remote agent over TCP")
     t.add_argument("--token-file", metavar="FILE", help="bearer token file for --agent")
@@ -86,23 +100,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a python script (or module with -m, program with --no-python) and its arguments, as "
                    "torchrun takes them; or any command after --")
 
-    for name, help_text in (("status", "agent, jobs and ranks"), ("events", "the event log"), ("checkpoints", "checkpoints per tier")):
-        p = sub.add_parser(name, help=help_text)
+    for name, help_text, examples in (
+            ("status", "agent, jobs and ranks", ("trainguard status", "trainguard status --json --state-dir /tmp/tg")),
+            ("events", "the event log", ("trainguard events --kind restore_selected", "trainguard events -f")),
+            ("checkpoints", "checkpoints per tier", ("trainguard checkpoints --job my-job",))):
+        p = sub.add_parser(name, help=help_text, formatter_class=_EXAMPLES, epilog=_examples(*examples))
         _add_target(p)
         if name == "events":
-            p.add_argument("--since", type=int, default=0)
-            p.add_argument("--limit", type=int, default=100)
-            p.add_argument("--kind")
-            p.add_argument("--follow", "-f", action="store_true")
+            p.add_argument("--since", type=int, default=0, metavar="SEQ", help="only events after this sequence number")
+            p.add_argument("--limit", type=int, default=100, metavar="N", help="at most N events (default 100)")
+            p.add_argument("--kind", metavar="KIND", help="only events of this kind, e.g. rank_exit")
+            p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
         if name == "checkpoints":
-            p.add_argument("--job")
+            p.add_argument("--job", metavar="ID", help="only this job's checkpoints")
 
     jobcmds.add_parsers(sub, _add_target)
 
-    top = sub.add_parser("top", help="live terminal dashboard")
+    top = sub.add_parser("top", help="live terminal dashboard", formatter_class=_EXAMPLES,
+                         epilog=_examples("trainguard top", "trainguard top --agent node2:7443 --token-file ~/.tg-token"))
     _add_target(top)
 
-    d = sub.add_parser("demo", help="agent + a multi-rank job with a fault and a straggler, healed")
+    d = sub.add_parser("demo", help="agent + a multi-rank job with a fault and a straggler, healed",
+                       formatter_class=_EXAMPLES, epilog=_examples("trainguard demo", "trainguard demo --tui --quick"))
     d.add_argument("--tui", action="store_true", help="show the dashboard while the demo runs")
     d.add_argument("--quick", action="store_true", help="fewer steps")
     return parser
