@@ -117,8 +117,12 @@ class AgentControl:
             except ValueError as exc:
                 raise ApiError(409, str(exc)) from None
             return {"job": job_spec.job, "placement": "pending: the cluster leader places it"}
+        supervisor = self.agent.supervisor
+        unreachable = supervisor.launcher.unreachable(job_spec, supervisor.context_for(job_spec))
+        if unreachable:
+            raise ApiError(400, unreachable)
         try:
-            self.agent.supervisor.submit(job_spec)
+            supervisor.submit(job_spec)
         except ValueError as exc:
             raise ApiError(409, str(exc)) from None
         return {"job": job_spec.job}

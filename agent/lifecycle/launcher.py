@@ -29,6 +29,7 @@ from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.rankenv import (
     RESTORE_SCRIPT,
     RankUser,
+    RankUserError,
     agent_env_for_ranks,
     can_drop,
     defer_unsecure,
@@ -37,6 +38,7 @@ from trainguard.agent.lifecycle.rankenv import (
     user_env,
 )
 from trainguard.agent.lifecycle.ranklogs import RankLogRotator
+from trainguard.agent.lifecycle.reach import Identity, R, X, blocker, program_blocker
 from trainguard.agent.lifecycle.units import (
     UnitProcess,
     run_prefix,
@@ -378,6 +380,28 @@ class Launcher:
         if spec.command:
             return list(spec.command)
         return [ctx.python or sys.executable, "-m", "trainguard.trainer.worker"]
+
+    def unreachable(self, spec: JobSpec, ctx: LaunchContext) -> str | None:
+        """Why ``launcher.user`` cannot start this job's ranks (None: it can, or there is no such
+        user): the program a cold or unit rank execs, the script a warm rank reads, the directory
+        it starts in."""
+        if not ctx.user:
+            return None
+        try:
+            user = RankUser.lookup(ctx.user)
+        except RankUserError:
+            return None  # the agent refused to start with it; nothing to add here
+        who = Identity.of(user.uid, user.gid)
+        warm = self.warm_module(spec, ctx.python) if self.mode == "warm" else None
+        if warm is None:
+            why = program_blocker(self.rank_command(spec, ctx)[0], spec.env.get("PATH"), who)
+        elif warm[0].startswith("path:"):
+            why = blocker(warm[0][len("path:"):], who, R)
+        else:
+            why = None
+        if why is None and spec.cwd:
+            why = blocker(os.path.join(spec.cwd, "."), who, X)
+        return f"launcher.user {user.name} cannot start this job's ranks: {why}" if why else None
 
     def start(self, spec: JobSpec, ctx: LaunchContext, attempt: int, env_overrides: dict[str, str] | None = None,
               block: RankBlock | None = None) -> list[RankProcess]:

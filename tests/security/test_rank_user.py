@@ -102,6 +102,9 @@ def test_a_cold_rank_joins_its_cgroup_before_it_drops_to_the_user(shared_dir: Pa
         while ranks[0].pid not in cg.pids() and time.monotonic() < deadline and ranks[0].popen.poll() is None:
             time.sleep(0.05)
         assert ranks[0].pid in cg.pids(), Path(ranks[0].log_path).read_text()
+        # Joined first, as root; setpriv then becomes nobody in the same process: wait for that.
+        while os.stat(f"/proc/{ranks[0].pid}").st_uid != NOBODY.pw_uid and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert os.stat(f"/proc/{ranks[0].pid}").st_uid == NOBODY.pw_uid
     finally:
         launcher.stop(ranks, 2.0, hard=True)
