@@ -96,5 +96,11 @@ def test_the_agent_as_a_systemd_service(tmp_path: Path) -> None:
     assert found["sec_reached"] == "1" and found["sec_cmdlines"] == "0" and found["sec_env_prop"] == "0", why
     assert found["sec_env_file"] == "600 root" and found["sec_env_gone"] == "yes", why
     assert found["sec_slice"] == "trainguard-sec\\x2djob.slice" and found["sec_slice_parent"] == "trainguard.slice", why
+    # launcher.user = "nobody" under the unit: each rank a transient unit with User=nobody, its
+    # snapshots in a memory-tier directory the agent reads through the directory's ACL.
+    asuser = why + (res / "asuser-rank0.log").read_text()[-2000:] if (res / "asuser-rank0.log").exists() else why
+    assert found["user_active"] == "active" and found["user_state"] == "running", asuser
+    assert found["user_uids"].split() == ["65534"] and found["user_unit_user"] == "nobody", asuser
+    assert int(found["user_memory_ckpt"]) >= 1 and found["user_stopped"] == "stopped", asuser
     # systemctl stop with a job running: on_stop = "stop_ranks" takes the ranks with it.
     assert found["stop_rc"] == "0" and found["long_pids"].strip() and found["ranks_left"] == "0", why

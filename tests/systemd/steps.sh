@@ -140,6 +140,34 @@ ApiClient.local('/run/trainguard/agent.sock').stop_job('sec-job')" > /res/stop-s
 wait_for 30 sh -c "[ ! -e '$envdir' ]"
 say sec_env_gone "$([ -e "$envdir" ] && echo no || echo yes)"
 
+# --- ranks of launcher.user: transient units with User=, the job's directories handed over ----
+printf '[launcher]\nuser = "nobody"\n' >> /etc/trainguard/agent.toml
+# The rank user must reach the interpreter: a test machine's may sit under /root (a real install
+# has it in /usr or /opt). The directories on the way are this container's own, so open them here.
+d=$(dirname "$(readlink -f "$REPO/.venv/bin/python")")
+while [ "$d" != / ]; do chmod o+x "$d" 2>/dev/null; d=$(dirname "$d"); done
+trainguard agent --check-config /etc/trainguard/agent.toml > /res/check-config-user.txt 2>&1
+restarts=$(prop NRestarts)
+systemctl restart $unit
+wait_for 60 active
+say user_active "$(prop ActiveState)"
+trainguard run --detach --job asuser --nproc 2 -- "$REPO/.venv/bin/python" "$REPO/examples/ddp_api.py" \
+    --steps 100000 --step-sleep 0.05 > /res/run-asuser.txt 2>&1
+wait_for 90 sh -c "[ \"\$(trainguard status --json | python3 -c \"import json,sys; print({j['job']: j['state'] for j in json.load(sys.stdin)['jobs']}.get('asuser',''))\")\" = running ]"
+say user_state "$(job_state asuser)"
+upids=$(rank_pids asuser)
+say user_pids "$upids"
+# /proc/PID is owned by the process's effective uid (and awk is an /etc/alternatives link, absent here).
+say user_uids "$(for p in $upids; do stat -c %u "/proc/$p"; done | sort -u | tr '\n' ' ')"
+say user_unit_user "$(systemctl show -p User --value 'trainguard-asuser-a1-r0.service')"
+wait_for 60 sh -c "trainguard checkpoints --json --job asuser 2>/dev/null | grep -q '\"memory\"'"
+say user_memory_ckpt "$(trainguard checkpoints --json --job asuser 2>/dev/null | grep -c '\"memory\"')"
+cp /var/lib/trainguard/jobs/asuser/rank0.log /res/asuser-rank0.log 2>/dev/null
+"$REPO/.venv/bin/python" -c "from trainguard.agent.api.client import ApiClient
+ApiClient.local('/run/trainguard/agent.sock').stop_job('asuser')" > /res/stop-asuser.txt 2>&1
+wait_for 30 sh -c "[ \"\$(trainguard status --json | python3 -c \"import json,sys; print({j['job']: j['state'] for j in json.load(sys.stdin)['jobs']}.get('asuser',''))\")\" = stopped ]"
+say user_stopped "$(job_state asuser)"
+
 # --- stop with a job running: its ranks go too ---------------------------------------------
 trainguard run --detach --job long --nproc 2 -- "$REPO/.venv/bin/python" "$REPO/examples/ddp_api.py" \
     --steps 100000 --step-sleep 0.05 > /res/run-long.txt 2>&1
