@@ -272,7 +272,7 @@ class ObjectStoreSection:
 @dataclass
 class CheckpointSection:
     memory_root: str = ""
-    """Shared-memory root of the memory tier (empty: /dev/shm/trainguard, one per state dir)."""
+    """Shared-memory root of the memory tier (empty: /dev/shm/trainguard-<hash of state_dir>)."""
     memory_every: int = 100
     """Steps between memory-tier checkpoints (the ranks' only checkpoint stall)."""
     memory_keep: int = 2

@@ -113,7 +113,12 @@ def sections(cls: type = AgentConfig, prefix: str = "") -> Iterator[tuple[str, t
 
 
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("``", "`").replace("|", "\\|")
+    """One table cell: one line, reST literals as markdown code, ``<`` and ``>`` outside code
+    escaped (a browser would take ``<hash>`` for a tag and show nothing)."""
+    parts = " ".join(text.split()).replace("``", "`").replace("|", "\\|").split("`")
+    for i in range(0, len(parts), 2):
+        parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;")
+    return "`".join(parts)
 
 
 def render_markdown() -> str:
