@@ -194,8 +194,12 @@ class TelemetrySection:
 @dataclass
 class CollectorsSection:
     host: bool = True
+    """Host counters from /proc (CPU, memory, network, disk)."""
     ebpf: bool = True
+    """Kernel collectors through eBPF (run-queue, off-CPU, block I/O, TCP, faults, exits, OOM kills);
+    they need root or CAP_BPF+CAP_PERFMON, bcc and kernel headers, and are off with a reason otherwise."""
     gpu: bool = True
+    """GPU metrics and events through NVML; off with a reason where no NVIDIA driver answers."""
 
     def validate(self, key: str) -> None:
         return None
@@ -210,6 +214,7 @@ class LauncherSection:
     root under a root agent: then whoever may submit a job is root-equivalent). The telemetry
     socket is given to its group, so that group may not be the agent's (the control socket's)."""
     master_addr: str = "127.0.0.1"
+    """``MASTER_ADDR`` the ranks of a job on this node meet at (their rendezvous store's host)."""
     stop_grace_s: float = 10.0
     """SIGTERM -> SIGKILL grace period when stopping ranks."""
     cgroups: Literal["auto", "on", "off"] = "auto"
@@ -244,9 +249,13 @@ class ObjectStoreSection:
     url: str = ""
     """``s3://bucket/prefix`` or ``file:///path``; empty disables the object tier."""
     endpoint_url: str = ""
+    """S3-compatible endpoint (MinIO, Ceph); empty: AWS."""
     key: str = ""
+    """Access key id (with ``secret``); empty: the default credential chain."""
     secret: str = ""
+    """Secret access key; a file that holds one must be ``chmod 600`` or the agent refuses it."""
     region: str = ""
+    """S3 region (empty: the endpoint's default)."""
 
     def validate(self, key: str) -> None:
         if self.url and not (self.url.startswith("s3://") or self.url.startswith("file://")):
@@ -256,10 +265,11 @@ class ObjectStoreSection:
 @dataclass
 class CheckpointSection:
     memory_root: str = ""
-    """Shared-memory root of the memory tier (empty: /dev/shm/trainguard, one per state dir)."""
+    """Shared-memory root of the memory tier (empty: /dev/shm/trainguard-<hash of state_dir>)."""
     memory_every: int = 100
     """Steps between memory-tier checkpoints (the ranks' only checkpoint stall)."""
     memory_keep: int = 2
+    """Memory-tier checkpoints kept per job."""
     snapshots: bool = True
     """Per-step snapshots of every rank's state in shared memory (a rank crash loses the step
     that was running and at most ``snapshot_every`` - 1 more, or ``snapshot_every`` when it lands
@@ -271,9 +281,14 @@ class CheckpointSection:
     disk_dir: str = ""
     """Disk tier directory (empty: <state_dir>/checkpoints)."""
     disk_every: int = 500
+    """Steps between copies of the newest memory checkpoint to disk (one each time ``step // disk_every``
+    advances), made in the background."""
     disk_keep: int = 3
+    """Disk-tier checkpoints kept per job."""
     object_every: int = 2000
+    """Steps between copies of the newest memory checkpoint to the object tier."""
     object_keep: int = 3
+    """Object-tier checkpoints kept per job."""
     object: ObjectStoreSection = field(default_factory=ObjectStoreSection)
 
     def validate(self, key: str) -> None:

@@ -4,8 +4,8 @@ One small DDP job (``examples/``: a 2-layer MLP regression, gloo, 2 ranks), the 
 checkpoint interval K, the same kills sent from outside (SIGKILL of rank 1 at seeded random steps):
 
 (a) torchrun --max-restarts, the tutorial script ``ddp_plain.py`` saving its own ``torch.save``
-    checkpoint to disk every K steps and resuming from it (the store workaround of FACTS pitfall 1,
-    monitor interval 0.1 s);
+    checkpoint to disk every K steps and resuming from it (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+    which gloo restarts need, monitor interval 0.1 s);
 (b) ``trainguard run`` with the agent, the same script with the Python API (``ddp_api.py``): memory
     tier every K steps, the agent's warm restart.
 

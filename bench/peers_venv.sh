@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The peer tools of bench/recovery.py, as shipped, in a venv of their own beside the same torch
-# (FACTS.md: nvidia-resiliency-ext 0.4.1 is the newest with a Python 3.11 wheel here). Idempotent.
+# (nvidia-resiliency-ext 0.4.1 is the newest with a Python 3.11 wheel). Idempotent.
 #   bash bench/peers_venv.sh [DIR]      (default /tmp/trainguard-peers)
 set -euo pipefail
 dir="${1:-/tmp/trainguard-peers}"

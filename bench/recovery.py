@@ -271,7 +271,7 @@ def run_trainguard(nproc: int, trainer: dict[str, Any], kills: list[int], work: 
 
 def run_torchrun(name: str, nproc: int, trainer: dict[str, Any], kills: list[int], ckpt_every: int, work: Path,
                  launcher: list[str] | None = None) -> RunResult:
-    """torchrun's own restarts (with the rendezvous-store workaround, FACTS pitfall 1) and the
+    """torchrun's own restarts (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which gloo restarts need) and the
     trainer's DCP checkpoints to disk, resumed from the newest complete one. ``launcher``: another
     torchrun-compatible launcher (nvidia-resiliency-ext's ft_launcher, from the peers' venv)."""
     ckpt = work / f"{name}-ckpt"
@@ -515,7 +515,7 @@ def main() -> int:
     results = [ours, torchrun, iso]
     ft_launcher = Path(args.peers_venv) / "bin" / "ft_launcher" if args.peers_venv else None
     if ft_launcher is not None and ft_launcher.exists():
-        # As shipped, its own restarts; its local checkpointing asserts CUDA tensors (FACTS), so it
+        # As shipped, its own restarts; its local checkpointing asserts CUDA tensors, so it
         # saves what torchrun saves, DCP to disk, at the iso-overhead interval.
         results.append(run_torchrun("ft_launcher", nproc, trainer, kills, iso_every, work, [str(ft_launcher)]))
     else:
@@ -525,7 +525,7 @@ def main() -> int:
         shipped = run_torchft("torchft", nproc, trainer, kills, work, venv, "shipped")
         results.append(shipped)
         if not shipped.ok or len(shipped.failures) < len(kills):
-            # Its DDP comm hook can take the surviving group down on gloo (FACTS): measure its own
+            # Its DDP comm hook can take the surviving group down on gloo: measure its own
             # recovery path once more with gradients averaged by manager.allreduce instead.
             results.append(run_torchft("torchft-allreduce", nproc, trainer, kills, work, venv, "allreduce"))
     else:

@@ -229,7 +229,7 @@ def run_all(dp: int, causes: list[str], steps: int, healthy_steps: int, slow_fro
         cfg.metrics.addr = ""
         cfg.collectors.ebpf = False  # the detector needs telemetry and /proc; eBPF adds detail to causes
         cfg.collectors.gpu = False
-        # Ranks stay in this process's cgroup, as in the runs BENCHMARKS.md records: a job cgroup
+        # Ranks stay in this process's cgroup, as in the runs bench/results records: a job cgroup
         # would make the two ranks one CPU-weight entity against the rest of the machine.
         cfg.launcher.cgroups = "off"
         cfg.detection = StragglerConfig()  # the defaults, whatever a config file would say

@@ -10,7 +10,7 @@ fetches the live state of a healthy one over HTTP) with ProcessGroupGloo.
 ``--ddp shipped`` wraps the model in torchft's DistributedDataParallel as shipped;
 ``--ddp allreduce`` averages each gradient with ``manager.allreduce`` after backward (torchft's own
 call, without its DDP comm hook: the smallest change that keeps a surviving group alive on gloo
-when a kill lands inside an all-reduce, FACTS). Faults: ``kill:rank=R,step=K`` specs in the job
+when a kill lands inside an all-reduce). Faults: ``kill:rank=R,step=K`` specs in the job
 spec, each fired once (a marker file records the kill's time for the bench). Group 0 prints one
 JSON row per committed step, like the trainer's ``TRAINGUARD_JSON`` rows.
 """

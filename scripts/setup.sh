@@ -35,7 +35,7 @@ system_packages() {
   command -v apt-get >/dev/null 2>&1 || { say "no apt-get: skipping Debian packages"; return 0; }
   apt_install python3-bpfcc prometheus prometheus-alertmanager etcd-server procps iproute2 util-linux systemd-container
   # bcc compiles tracepoint programs against kernel headers; the running kernel ships none,
-  # and Debian's 6.1 headers serve tracepoint programs (FACTS.md).
+  # and Debian's 6.1 headers serve tracepoint programs.
   local build="/lib/modules/$(uname -r)/build"
   if [ ! -e "$build/include" ] && [ "$(id -u)" = 0 ]; then
     local hdr

@@ -45,7 +45,7 @@ def test_quick_bench_runs_to_its_result_line(script: str) -> None:
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     result = result_line(out.stdout)
     ratios = {k: v for k, v in result.items() if k.endswith("_ratio")}
-    assert ratios, result  # every bench's headline is a ratio (bench contract, SPEC.md)
+    assert ratios, result  # every bench's headline is a ratio (bench/README.md)
     for key, value in ratios.items():
         assert not math.isnan(float(value)), (key, value)
 

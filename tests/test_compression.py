@@ -1,4 +1,4 @@
-"""Gradient compression hooks on a real 2-rank gloo group (fork-started, FACTS.md pitfall 5)."""
+"""Gradient compression hooks on a real 2-rank gloo group (fork-started: spawning costs seconds per rank)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """trainguard-agent.service under a real systemd: the machine's own OS booted in a container with
-systemd as PID 1 (systemd-nspawn --volatile=yes, ../shared/FACTS.md), the unit installed as the
-README says, then READY/STATUS, the collectors under the unit's capabilities, a job writing its
+systemd as PID 1 (systemd-nspawn --volatile=yes), the unit installed as
+docs/service.md says, then READY/STATUS, the collectors under the unit's capabilities, a job writing its
 checkpoints and outputs, `systemctl reload`, a stalled main loop killed by WatchdogSec= and
 restarted, and `systemctl stop` taking the job's ranks with it.
 

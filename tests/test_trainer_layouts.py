@@ -3,7 +3,7 @@
 Each case trains a tiny GPT for 3 steps on forked gloo ranks, saves a checkpoint at the end, and
 compares (a) rank 0's per-step loss and (b) every parameter of the saved checkpoint with a plain
 single-process loop (trainer.testing.reference_run). The checkpoint must hold exactly the full
-model's parameter names and shapes (FACTS pitfall 2: TP + DDP once lost weights silently).
+model's parameter names and shapes (TP + DDP loses weights silently after the first forward).
 """
 
 from __future__ import annotations

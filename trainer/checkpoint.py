@@ -54,7 +54,7 @@ class _Stages:
     """Parameters and optimizer state of every local pipeline stage, computed once per save or load.
 
     Stage names are disjoint (global layer indices), so the union is the whole model's state.
-    ``get_state_dict`` returns tensors that share storage with the live model (FACTS pitfall 4):
+    ``get_state_dict`` returns tensors that share storage with the live model:
     DCP reads and writes them in place, which is what saving and loading need here; the loaded
     dicts then go back through ``set_state_dict`` per stage once both halves arrived.
     """

@@ -86,7 +86,7 @@ class ParallelConfig:
     dp_mode: str = "fsdp"
     """fsdp or ddp. DDP only applies when tp == pp == 1 (it is where comm hooks such as gradient
     compression apply); with tp or pp, dp always uses FSDP2 (TP + DDP loses parameters from
-    state_dict, FACTS pitfall 2)."""
+    state_dict after the first forward)."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches"):

@@ -1,6 +1,6 @@
 """Fault injection for tests and demos: kill, hang, slow and NaN faults at chosen steps and ranks.
 
-Specs follow the command line (SPEC.md): ``kill:rank=1,step=40``, ``hang:rank=2,step=60``,
+Specs follow the command line's ``--fault``: ``kill:rank=1,step=40``, ``hang:rank=2,step=60``,
 ``slow:rank=3,factor=2[,step=K][,until=M]``, ``nan:step=80[,rank=R]``. A spec without ``rank``
 applies to every rank. ``slow`` applies on steps ``K <= step < M`` (``until`` exclusive, open
 ended by default); the others fire once, at exactly their step.

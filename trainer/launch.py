@@ -1,7 +1,7 @@
 """Local multi-process launch for ``trainguard train --standalone``, tests and benchmarks.
 
 Ranks are forked (not spawned) after the torch modules they need are imported here, so a 4-rank
-job starts in about a second instead of 5-9 s per worker (FACTS.md pitfall 5). The parent must not
+job starts in about a second instead of 5-9 s per spawned worker. The parent must not
 have run multi-threaded torch ops before forking; it does none itself.
 """
 

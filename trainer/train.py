@@ -129,7 +129,7 @@ class Trainer:
         self.has_first = 0 in self.stage_ids
         self.has_last = cfg.parallel.num_stages - 1 in self.stage_ids
         self.params = [p for c in self.chunks for p in c.parameters()]
-        # The optimizer exists before the first forward (FACTS pitfall 2) and uses no foreach:
+        # The optimizer exists before the first forward (TP + DDP loses parameters after it) and uses no foreach:
         # its parameters are DTensors on different meshes (dp only, or dp x tp) and plain tensors.
         # One optimizer per local stage, so each chunk's state can be saved and resharded on its own.
         self.optimizers = [self._make_optimizer(list(c.parameters())) for c in self.chunks]

@@ -1,7 +1,7 @@
 """Warm rank launcher ("zygote"): imports torch and the trainer once, then forks ranks on request.
 
 Restarting a rank the cold way costs 9-15 s here, almost all of it imports and first-call set-up
-(FACTS.md pitfall 1 and 5); a fork from a process that already holds them costs milliseconds. The
+(``import torch`` alone takes 3-4 s); a fork from a process that already holds them costs milliseconds. The
 zygote stays single-threaded and runs no torch op, so forking it is safe.
 
 Protocol (JSON lines): the agent writes ``{"op": "spawn", "rank": r, "env": {...}, "module": m,

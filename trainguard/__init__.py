@@ -1,6 +1,6 @@
 """trainguard keeps distributed PyTorch training healthy without a human.
 
-The public API for a training script (SPEC §10)::
+The public API for a training script::
 
     import trainguard
     run = trainguard.init()                 # no agent: a working no-op run

@@ -8,7 +8,7 @@ agent's memory tier, and restore from what the agent picked.
 Restoring loads into the same objects in place and writes plain values back into the mapping.
 
 Saving: the memory tier hands out a staging directory (in the files of a pruned checkpoint, so
-the tmpfs pages are already there: FACTS.md measured fresh pages ~7x slower), every rank writes
+the tmpfs pages are already there: writing into fresh pages runs ~7x slower), every rank writes
 its DCP shard there, each rank its RNG state, and the committer (rank 0, or each node's local rank
 0 when the job spans nodes) writes ``meta.json`` and commits with a checksummed manifest. The
 agent copies it to the disk, object and peer tiers in the background. A save that fails on any

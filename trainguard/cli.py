@@ -1,4 +1,4 @@
-"""`trainguard` command line (the contract in SPEC.md). Imports nothing heavy at module level:
+"""`trainguard` command line. Imports nothing heavy at module level:
 the agent never loads torch, and `trainguard status` must answer in a blink."""
 
 from __future__ import annotations

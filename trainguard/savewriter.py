@@ -1,5 +1,5 @@
 """Memory-tier checkpoints written by a helper process, so that the training step is blocked only for
-the copy of the state (SPEC: saves are asynchronous).
+the copy of the state: saves are asynchronous.
 
 When one rank writes a checkpoint alone (data-parallel replicas, or a single rank), the DCP save
 itself (planning, one ``torch.save`` per tensor at ~0.15 ms each, the metadata, the commit: ~110 ms

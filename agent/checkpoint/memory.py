@@ -6,7 +6,7 @@ and renames the directory into place. Training is blocked only for that in-memor
 and object tiers are fed from here in the background (``TierReplicator``).
 
 Buffer reuse: a fresh tmpfs page costs a page fault and zeroing, so writing into new files runs
-at ~1 GB/s here against ~7.6 GB/s into pages already touched (FACTS.md). Pruned checkpoints are
+at ~1 GB/s here against ~7.6 GB/s into pages already touched. Pruned checkpoints are
 therefore not deleted but kept as *spare* directories; ``stage`` moves one into the staging
 directory as ``.reuse/``, and ``open_for_overwrite`` (used by the trainer's DCP writer) moves the
 file of the same name into place and overwrites it without truncating, so the pages are reused.

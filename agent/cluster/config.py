@@ -35,6 +35,7 @@ class ClusterConfig:
     etcd_cert: str = ""
     """PEM client certificate for etcd (its ``--client-cert-auth``); with ``etcd_key``."""
     etcd_key: str = ""
+    """PEM private key of ``etcd_cert``."""
     etcd_plaintext: bool = False
     """Speak to etcd over plain HTTP without client certificates (loopback or a closed network only):
     whoever reaches etcd then reaches every node's job records; the agent warns at every start."""

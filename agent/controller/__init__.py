@@ -1,4 +1,4 @@
-"""Online LR and batch-size retuning on the leader agent (SPEC section 6).
+"""Online LR and batch-size retuning on the leader agent.
 
 ``install(agent, ControllerConfig(...))`` adds the controller's tick hook and metric source to a
 started agent. Strategies: optuna (optuna_strategy.py), rl (bandit.py), goodput (goodput.py);

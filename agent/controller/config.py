@@ -35,6 +35,7 @@ class ControllerConfig:
     lr_scale_min: float = 0.25
     """Lowest LR multiplier (of the trainer's own warmup+cosine schedule) the controller may set."""
     lr_scale_max: float = 4.0
+    """Highest LR multiplier the controller may set (the LR guard may go above it, to ``lr_guard_max``)."""
     batch_min: int = 0
     """Smallest global batch in samples (0: the job's configured global batch / 4)."""
     batch_max: int = 0
@@ -63,6 +64,7 @@ class ControllerConfig:
     keep agreeing with the previous update (telemetry update_cos, trainguard.alignment; mean above
     lr_guard_threshold, 3 standard errors clear of 0) gets LR x2 (x4 above twice the threshold)."""
     lr_guard_threshold: float = 0.05
+    """Mean ``update_cos`` over a window above which the LR guard calls the LR too low."""
     lr_guard_max: float = 16.0
     """Highest LR scale the guard may raise to (above lr_scale_max: it acts on evidence, not to
     explore); never below lr_scale_max (``guard_ceiling``)."""

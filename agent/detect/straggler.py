@@ -6,7 +6,7 @@ scores and state changes, so every threshold can be tested on synthetic telemetr
 What is compared is each rank's compute time per step *at the job's even batch size*: its median
 forward+backward time per sample times the even share, plus (where the service measured it) the
 time per step the rank waited for a CPU. With the even split every rank runs, that is exactly the
-compute time of SPEC §3, so the score is the spec's "fastest-rank median ÷ this rank's median".
+compute time the ranks report, so the score is "fastest-rank median ÷ this rank's median".
 Once shard migration has given a slow rank fewer samples its compute time per step drops to match
 the others, while its time per sample does not: judging at the even batch is what lets the
 detector tell "balanced by migration" from "recovered" (and not undo a migration that works).

@@ -1,7 +1,7 @@
 """Starts a job's local ranks as the agent's own children, watches them, stops them.
 
 Each start attempt gets a fresh rendezvous port, so restarted ranks never read a dead attempt's
-addresses from the store (FACTS.md pitfall 1). A user's command gets torchrun's environment
+addresses from the store (torchrun's gloo restarts fail that way). A user's command gets torchrun's environment
 contract (``torchrun_env``), its own working directory and its own ``PYTHONPATH`` (nothing of
 trainguard's is put on it, so its own ``agent.py`` or ``trainer.py`` stay its own). Ranks never inherit the agent's capabilities: they
 run as a configured user, or through ``setpriv`` with every capability set cleared, and they start from an

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Runs inside a container booted with systemd as PID 1 (tests/test_systemd_service.py), as the
-# unit tg-steps.service: installs trainguard-agent.service the way the README says and checks it
+# unit tg-steps.service: installs trainguard-agent.service the way docs/service.md says and checks it
 # under a real service manager. One "key=value" line per finding in /res/results.txt; the test on
 # the host judges them. The checkout is bound read-only at its own path, /usr/local/bin is a
 # writable bind (the rest of /usr is the host's, read-only).
@@ -24,7 +24,7 @@ job_state() { trainguard status --json 2>/dev/null | python3 -c "import json,sys
 mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing 2>/res/tracefs.err
 say tracefs "$(mountpoint -q /sys/kernel/tracing && echo mounted || cat /res/tracefs.err)"
 
-# --- the README's install steps (the checkout and its .venv exist already) --------------------
+# --- docs/service.md's install steps (the checkout and its .venv exist already) ---------------
 ln -sf "$REPO/.venv/bin/trainguard" /usr/local/bin/trainguard
 install -m 0644 "$REPO/agent/systemd/trainguard-agent.service" /etc/systemd/system/
 mkdir -p /etc/trainguard
