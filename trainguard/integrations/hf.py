@@ -21,6 +21,9 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 import trainguard
 from trainguard.run import Run, Step
 
+APPLIES = ("lr", "stop")
+"""What of the agent's plan this callback applies (``trainguard.init(applies=...)``)."""
+
 
 def _unwrap(obj: Any) -> Any:
     # accelerate wraps the optimizer and the scheduler; checkpoint the objects they wrap.
@@ -43,7 +46,8 @@ class TrainguardCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
         if self.run is None:
-            self.run = trainguard.init(dp_rank=args.process_index, dp_size=args.world_size)
+            # The Trainer owns the data loader: its batch size is the script's, never the plan's.
+            self.run = trainguard.init(dp_rank=args.process_index, dp_size=args.world_size, applies=APPLIES)
         self._optimizer = optimizer
         if model is not None:
             self.run.watch_gradients(model.parameters())

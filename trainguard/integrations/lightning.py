@@ -19,6 +19,9 @@ from lightning.pytorch.callbacks import Callback
 import trainguard
 from trainguard.run import Run, Step
 
+APPLIES = ("lr", "stop")
+"""What of the agent's plan this callback applies (``trainguard.init(applies=...)``)."""
+
 
 def batch_samples(batch: Any) -> int:
     """Samples in a batch of tensors (a tensor, a tuple/list of them, or a dict of them)."""
@@ -48,7 +51,8 @@ class TrainguardCallback(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.run is None:
-            self.run = trainguard.init(dp_rank=trainer.global_rank, dp_size=trainer.world_size)
+            # Lightning owns the data loader: its batch size is the script's, never the plan's.
+            self.run = trainguard.init(dp_rank=trainer.global_rank, dp_size=trainer.world_size, applies=APPLIES)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.run is not None
