@@ -19,10 +19,15 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import trainguard
+from trainguard import rendezvous_clock
 from trainguard.run import Run, Step
 
 APPLIES = ("lr", "stop")
 """What of the agent's plan this callback applies (``trainguard.init(applies=...)``)."""
+
+# The framework brings its process group up before the callback's init (a Hugging Face Trainer while
+# it is built): timed from here, a recovery's timeline tells the rendezvous from the script's start-up.
+rendezvous_clock.watch()
 
 
 def _unwrap(obj: Any) -> Any:
