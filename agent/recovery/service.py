@@ -91,6 +91,12 @@ def checkpoint_settings(cfg: AgentConfig) -> CheckpointSettings:
     )
 
 
+TIMELINE_PHASES = ("detect_s", "teardown_s", "fork_s", "startup_s", "rendezvous_s", "setup_s", "restore_s",
+                   "first_step_s")
+"""The phases of a recovery's timeline in order (``recovery_timeline``); the job_resumed event's
+``timeline`` holds those someone reported."""
+
+
 def recovery_timeline(failed_at: float, launched_at: float | None, window: list[Any], first_step_at: float,
                       died_at: float | None = None) -> dict[str, float]:
     """Where the time from a failure to the first resumed step went, as the lead rank saw it:
@@ -108,11 +114,10 @@ def recovery_timeline(failed_at: float, launched_at: float | None, window: list[
             if value is not None:
                 marks.setdefault(name, value)
     script_end = marks.get("rdzv_begin") if "group_ready" in marks else None
-    points = [("detect_s", failed_at if died_at is not None else None), ("teardown_s", launched_at),
-              ("fork_s", marks.get("proc_start")), ("startup_s", script_end or marks.get("init_at")),
-              ("rendezvous_s", marks.get("group_ready") if script_end else None),
-              ("setup_s", marks.get("restore_begin")), ("restore_s", marks.get("restore_end")),
-              ("first_step_s", first_step_at)]
+    ends = (failed_at if died_at is not None else None, launched_at, marks.get("proc_start"),
+            script_end or marks.get("init_at"), marks.get("group_ready") if script_end else None,
+            marks.get("restore_begin"), marks.get("restore_end"), first_step_at)
+    points = list(zip(TIMELINE_PHASES, ends, strict=True))
     out: dict[str, float] = {}
     previous = died_at if died_at is not None else failed_at
     for name, at in points:
