@@ -402,11 +402,11 @@ class RecoveryService:
             self.last_recovery_s[job] = took
             del self._failure_at[job]
             timeline = recovery_timeline(started, self._launch_at.get(job), window, first, died)
-            restored_note = f" after restoring step {restored_step}" if restored_step >= 0 else " from scratch"
+            origin = f"from step {restored_step} (restored)" if restored_step >= 0 else "from scratch"
             self.agent.events.emit(
                 "job_resumed",
-                f"job {job} training again: first step {first_step if first_step is not None else '?'}"
-                f"{restored_note}, {took:.2f}s after the failure"
+                f"job {job} training again {origin}, first step reported {first_step if first_step is not None else '?'}, "
+                f"{took:.2f}s after the failure"
                 + (" (" + ", ".join(f"{k.removesuffix('_s')} {v:.3f}s" for k, v in timeline.items()) + ")" if timeline else ""),
                 job=job,
                 first_step_after_restore=first_step,
