@@ -102,6 +102,10 @@ class RankView:
     steps_per_s: float | None
     samples_per_s: float | None
     tokens_per_s: float | None
+    attempt: int | None = None
+    """The rank's attempt, as its latest message says (None: its sender does not tell)."""
+    applies: int | None = None
+    """What of the plan the rank applies (``wire.APPLIES_*`` bits; None: not declared)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -232,6 +236,8 @@ def _view(job: str, rank: int, state: _Counts, recent: list[Telemetry]) -> RankV
         steps_per_s=steps_per_s,
         samples_per_s=samples_per_s,
         tokens_per_s=tokens_per_s,
+        attempt=last.attempt,
+        applies=last.applies,
     )
 
 

@@ -50,6 +50,32 @@ class WireError(ValueError):
         self.detail = detail
 
 
+APPLIES_BATCH_SIZES = 1
+APPLIES_LR = 2
+APPLIES_STOP = 4
+APPLIES_ALL = APPLIES_BATCH_SIZES | APPLIES_LR | APPLIES_STOP
+APPLIES_NAMES = {"batch_sizes": APPLIES_BATCH_SIZES, "lr": APPLIES_LR, "stop": APPLIES_STOP}
+"""What of the plan a rank applies (``Telemetry.applies``, a bit mask): the agent moves samples
+only between ranks that take the plan's batch sizes."""
+
+
+def applies_mask(names: object) -> int:
+    """The bit mask of plan parts named in ``names`` (e.g. ``("lr", "stop")``); ValueError names an unknown one."""
+    if isinstance(names, str):
+        names = (names,)
+    mask = 0
+    for name in names:  # type: ignore[attr-defined]  # an iterable of names
+        if name not in APPLIES_NAMES:
+            raise ValueError(f"applies: unknown plan part {name!r} (known: {', '.join(APPLIES_NAMES)})")
+        mask |= APPLIES_NAMES[name]
+    return mask
+
+
+def applies_names(mask: int | None) -> list[str]:
+    """The plan parts in ``mask`` (none for a rank that declared nothing)."""
+    return [name for name, bit in APPLIES_NAMES.items() if mask and mask & bit]
+
+
 # name -> (type, lower bound, upper bound); None means unbounded on that side.
 _NUM = (int, float)
 _TELEMETRY_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]] = {
@@ -91,6 +117,10 @@ _OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]]
     "group_ready": (_NUM, 0, None),
     "restore_begin": (_NUM, 0, None),
     "restore_end": (_NUM, 0, None),
+    "init_at": (_NUM, 0, None),
+    "rdzv_begin": (_NUM, 0, None),
+    "attempt": ((int,), 0, 1 << 31),
+    "applies": ((int,), 0, APPLIES_ALL),
     "update_cos": (_NUM, -1.0, 1.0),
     "steps": ((int,), 1, 1 << 20),
 }
@@ -145,11 +175,22 @@ class Telemetry:
     proc_start: float | None = None
     """When this rank's process started (Unix time), sent with the first steps of an attempt ..."""
     group_ready: float | None = None
-    """... with when its process group was up (as ``trainguard.init`` found it) ..."""
+    """... with when its ``init_process_group`` returned (where the rank timed it) ..."""
     restore_begin: float | None = None
     """... with when its restore began ..."""
     restore_end: float | None = None
-    """... and ended: the recovery timeline of the job_resumed event."""
+    """... and ended: the recovery timeline of the job_resumed event ..."""
+    init_at: float | None = None
+    """... with when the script entered ``trainguard.init`` (its own start-up ends there at the
+    latest) ..."""
+    rdzv_begin: float | None = None
+    """... and when it entered ``init_process_group``, where the rank timed its rendezvous (which
+    then ends at ``group_ready``)."""
+    attempt: int | None = None
+    """The rank's attempt (restarts before it, ``RunEnvironment.attempt``): the agent judges ranks
+    only on telemetry of their job's current attempt."""
+    applies: int | None = None
+    """What of the plan the rank applies (``APPLIES_*`` bits; None: not declared)."""
     update_cos: float | None = None
     """Cosine between this step's gradient and the previous step's parameter update, reversed
     (trainguard.alignment): persistently positive means the LR is too low (hypergradient sign)."""

@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from trainguard.agent.api.client import ApiClient  # noqa: E402
 from trainguard.agent.lifecycle.launcher import free_port  # noqa: E402
-from trainguard.agent.recovery.service import default_memory_root  # noqa: E402
+from trainguard.agent.recovery.service import TIMELINE_PHASES, default_memory_root  # noqa: E402
 from trainguard.trainer.testing import tiny_config  # noqa: E402
 
 NAN = float("nan")
@@ -456,6 +456,11 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else NAN
 
 
+def phase_text(timeline: dict[str, float]) -> str:
+    """A job_resumed timeline as the bench prints it: its phases in the agent's order, by name."""
+    return ", ".join(f"{p.removesuffix('_s')} {timeline[p]:.3f}" for p in TIMELINE_PHASES if p in timeline)
+
+
 def _fmt(x: float, spec: str = ".2f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -542,9 +547,11 @@ def main() -> int:
         print(f"{labels[r.name]:<14} {'yes' if r.ok else 'NO':<4} {len(r.failures):>4} {_fmt(statistics.median(det) if det else NAN, '.3f'):>9} "
               f"{_fmt(r.resume_median):>9} {_fmt(r.steps_lost_mean, '.1f'):>10} {_fmt(r.lost_per_failure):>11} "
               f"{r.median_step_s:>7.3f} {r.overhead * 100:>8.2f}% {r.effective:>9.3f} {r.in_kept_steps:>8.3f}  {r.note}")
+    print("\nrecovery phases (s): " + ", ".join(p.removesuffix("_s") for p in TIMELINE_PHASES)
+          + " (startup: the script's own, up to its rendezvous)")
     for r in results:
         for f in r.failures:
-            phases = ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in f.timeline.items())
+            phases = phase_text(f.timeline)
             print(f"  {labels[r.name]:<13} kill after step {f.kill_step:>4}: restored step {f.restored_step:>4}, "
                   f"resumed {f.resume_s:6.2f}s later" + (f"  [{phases}]" if phases else ""))
 

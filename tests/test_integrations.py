@@ -36,6 +36,10 @@ def _restored(agent: Any, job: str) -> int:
     assert sel and sel[0]["fields"]["tier"] in ("snapshot", "memory"), sel
     resumed = events(agent, job, "job_resumed")
     assert resumed, "no job_resumed event"
+    # Where the ranks went on, by their own telemetry: the step after the restored one.
+    assert resumed[0]["fields"]["first_step_after_restore"] == sel[0]["fields"]["step"] + 1, (sel, resumed)
+    # The framework's data loader owns the batch: no plan with batch sizes, whatever the ranks' speeds.
+    assert events(agent, job, "shard_migration") == [] and events(agent, job, "batch_sizes_applied") == []
     return int(sel[0]["fields"]["step"])
 
 

@@ -8,6 +8,9 @@ import importlib.util
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+from trainguard.agent.recovery.service import recovery_timeline
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("recovery_bench", REPO / "bench" / "recovery.py")
@@ -83,3 +86,11 @@ def test_time_in_kept_steps_counts_each_step_once_and_a_slow_one_in_full() -> No
     res = recovery.analyse("x", all_rows, 0)
     assert math.isclose(res.in_kept_steps, (57 * 0.1 + 0.5 + 0.2) / res.wall_s)
     assert math.isclose(res.effective, 59 * 0.1 / res.wall_s)
+
+
+def test_the_bench_prints_the_agents_phases_by_name() -> None:
+    mark = SimpleNamespace(proc_start=10.30, init_at=10.31, rdzv_begin=10.33, group_ready=10.35, restore_begin=10.40,
+                           restore_end=10.43)
+    timeline = recovery_timeline(10.02, 10.25, [mark], 10.50, died_at=10.0)
+    assert recovery.phase_text(timeline) == ("detect 0.020, teardown 0.230, fork 0.050, startup 0.030, rendezvous 0.020, "
+                                             "setup 0.050, restore 0.030, first_step 0.070")

@@ -68,9 +68,13 @@ def test_sigkill_resumes_from_the_killed_step_bit_exact(agent_factory, corpus_ca
     # Detection is timed from the kernel's word of the death (the eBPF exit event), where it runs.
     timeline = resumed[-1]["fields"]["timeline"]
     detected = ["detect_s"] if client.status()["collectors"]["ebpf"]["up"] else []
-    assert list(timeline) == [*detected, "teardown_s", "fork_s", "rendezvous_s", "setup_s", "restore_s",
+    # The trainer's start-up (imports done ahead by the warm launcher) apart from its timed rendezvous.
+    assert list(timeline) == [*detected, "teardown_s", "fork_s", "startup_s", "rendezvous_s", "setup_s", "restore_s",
                               "first_step_s"], timeline
     assert abs(sum(timeline.values()) - resumed[-1]["fields"]["recovery_s"]) < 0.05, timeline
+    # The step the ranks went on at, by their own telemetry: the one after the restored step.
+    assert resumed[-1]["fields"]["first_step_after_restore"] == restored + 1, resumed[-1]
+    assert resumed[-1]["fields"]["restored_step"] == restored
     # Restored parameters, optimizer, data position and RNG: the run ends exactly where the clean one does.
     a = load_full_model_state(memory_checkpoint(client, "clean", 20))
     b = load_full_model_state(memory_checkpoint(client, "faulty", 20))

@@ -24,8 +24,8 @@ class Table:
         self.steps: dict[tuple[str, int], list[Any]] = {}
 
     def train(self, job: str, rank: int, pid: int, steps: range, t0: float) -> None:
-        msgs = [SimpleNamespace(pid=pid, step=s, wall_time=t0 + 0.1 * i, has_loss=False, loss=None, ckpt_failed=None)
-                for i, s in enumerate(steps)]
+        msgs = [SimpleNamespace(pid=pid, step=s, steps=1, wall_time=t0 + 0.1 * i, has_loss=False, loss=None,
+                                ckpt_failed=None) for i, s in enumerate(steps)]
         self.steps[(job, rank)] = msgs
         self.views.setdefault(job, {})[rank] = SimpleNamespace(rank=rank, pid=pid, step=steps[-1], median_step_s=0.1)
 
@@ -85,3 +85,5 @@ def test_an_attempt_started_here_after_the_failure_resumes(tmp_path: Path) -> No
     svc.tick(agent, time.time())  # type: ignore[arg-type]
     resumed = agent.events.of("job_resumed")
     assert len(resumed) == 1 and resumed[0]["recovery_s"] > 0
+    # Where the ranks went on (the restored step 3, then step 4), not the newest step seen (7).
+    assert resumed[0]["first_step_after_restore"] == 4 and resumed[0]["restored_step"] == 3, resumed

@@ -171,7 +171,9 @@ def test_api_script_resumes_from_its_snapshots_bit_equal(agent_factory: Any, tmp
     assert restored[0]["fields"]["fallback"]["tier"] == "memory"
     assert restored[0]["fields"]["step"] >= restored[0]["fields"]["fallback"]["step"]
     assert f"[rank0]:resumed at step {restored[0]['fields']['step']}" in out
-    assert events(agent, "api", "job_resumed")
+    # The event names where the ranks went on (their first step after it), not the newest step seen.
+    resumed = events(agent, "api", "job_resumed")
+    assert resumed and resumed[0]["fields"]["first_step_after_restore"] == restored[0]["fields"]["step"] + 1, resumed
     a, b = torch.load(clean, weights_only=True), torch.load(faulted, weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -27,7 +27,7 @@ from trainguard.agent.detect.straggler import (
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.ranktable import RankTable
-from trainguard.agent.wire import Telemetry
+from trainguard.agent.wire import APPLIES_ALL, APPLIES_LR, APPLIES_STOP, Telemetry
 
 # --- config ---------------------------------------------------------------------------------
 
@@ -273,6 +273,9 @@ class SimJob:
         self.rng = random.Random(seed)
         self.step = 0
         self.t = 1000.0
+        self.attempt = 0
+        self.applies = APPLIES_ALL
+        self.pid = 4_000_000
 
     def run(self, steps: int) -> None:
         n = len(self.per_sample)
@@ -286,11 +289,11 @@ class SimJob:
             self.t += step_s
             for r in range(n):
                 self.table.add(Telemetry(
-                    job=self.job, rank=r, local_rank=r, pid=4_000_000 + r, step=self.step, wall_time=self.t,
+                    job=self.job, rank=r, local_rank=r, pid=self.pid + r, step=self.step, wall_time=self.t,
                     step_s=step_s, data_s=0.0, fwd_bwd_s=computes[r] - 0.002, comm_s=step_s - computes[r],
                     opt_s=0.002, samples=sizes[r], tokens=sizes[r] * 64, loss=1.0, grad_norm=1.0,
                     local_grad_sq=1.0, lr=1e-3, batch_size=sizes[r], mem_bytes=1, plan_version=plan.version,
-                    dp_rank=r, world_size=n))
+                    dp_rank=r, world_size=n, attempt=self.attempt, applies=self.applies))
 
     def step_time(self, sizes: list[int]) -> float:
         return max(0.002 + (self.fixed_samples + s) * p for s, p in zip(sizes, self.per_sample, strict=True))
@@ -526,3 +529,66 @@ def test_a_cause_unknown_at_detection_is_named_once_the_evidence_shows_it(sim_ag
     assert svc.scores("sim")[1][1] == "cpu_contention"
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for m in svc.metrics() for s in m.samples}
     assert samples[("trainguard_stragglers_detected_total", (("cause", "unknown"), ("job", "sim")))] == 1
+
+
+def _restart(sim: SimJob, step: int, told: bool) -> None:
+    """The job's ranks start again (new processes) at ``step``, back from where the killed attempt
+    got (it resumes from a restore); ``told``: their telemetry carries the new attempt's number."""
+    sim.attempt += 1 if told else 0
+    sim.pid += 1000
+    sim.step = step
+
+
+@pytest.mark.parametrize("told", [True, False])
+def test_a_straggler_verdict_never_uses_a_previous_attempts_telemetry(sim_agent: Any, tmp_path: Path,
+                                                                     told: bool) -> None:
+    """Attempt 1: rank 1 is slow, one window short of a verdict. The job restarts one step back, and
+    by the agent's next look attempt 2 (every rank equally fast) is past attempt 1's last step, so
+    its step numbers never went back. With the attempt in the telemetry: no verdict in attempt 2.
+    Without it (the check can fail), rank 1 is judged on attempt 1's slow steps still in its ring."""
+    cfg = StragglerConfig(window=12, warmup_steps=5, enter_windows=2, leave_windows=2, eval_every_steps=1,
+                          settle_steps=6)
+    svc = install(sim_agent, cfg, proc_root=tmp_path / "noproc", sys_root=tmp_path / "nosys")
+    sim = SimJob(sim_agent.table, sim_agent.plans, "att", [0.001, 0.004, 0.001, 0.001])
+    for _ in range(4):
+        sim.run(5)
+        svc.tick(sim.t)
+    assert svc.scores("att")[1][2] == "suspect" and not _kinds(sim_agent, "straggler_detected")
+    _restart(sim, sim.step - 1, told)
+    sim.per_sample[1] = 0.001
+    for _ in range(20):
+        sim.run(2)
+        svc.tick(sim.t)
+    detected = _kinds(sim_agent, "straggler_detected")
+    if told:
+        assert detected == [], detected
+        assert all(state == "healthy" for _, _, state in svc.scores("att").values()), svc.scores("att")
+    else:
+        assert [e["rank"] for e in detected] == [1], detected
+
+
+def test_migration_only_where_every_rank_takes_batch_sizes(sim_agent: Any, tmp_path: Path) -> None:
+    """A Hugging Face job's ranks apply LR and stop only: a straggler is reported, no plan with batch
+    sizes is published, and no event claims batch sizes; ranks that take them get a migration, and
+    the event that they run it comes from their own telemetry."""
+    cfg = StragglerConfig(window=12, warmup_steps=5, enter_windows=2, leave_windows=2, eval_every_steps=4,
+                          settle_steps=6)
+    svc = install(sim_agent, cfg, proc_root=tmp_path / "noproc", sys_root=tmp_path / "nosys")
+    hf = SimJob(sim_agent.table, sim_agent.plans, "hf", [0.001, 0.003, 0.001, 0.001])
+    hf.applies = APPLIES_LR | APPLIES_STOP
+    emb = SimJob(sim_agent.table, sim_agent.plans, "emb", [0.001, 0.003, 0.001, 0.001], seed=1)
+    for _ in range(30):
+        hf.run(4)
+        emb.run(4)
+        svc.tick(max(hf.t, emb.t))
+    det = {e["job"]: e for e in _kinds(sim_agent, "straggler_detected")}
+    assert det["hf"]["rank"] == 1 and det["hf"]["fields"]["action"] == "report" and "note" in det["hf"]["fields"]
+    assert det["emb"]["rank"] == 1 and det["emb"]["fields"]["action"] == "migrate"
+    assert sim_agent.plans.get("hf").batch_sizes is None
+    assert not [e for e in _kinds(sim_agent, "shard_migration", "batch_sizes_applied") if e["job"] == "hf"]
+    asked = [e for e in _kinds(sim_agent, "shard_migration") if e["job"] == "emb"]
+    applied = [e for e in _kinds(sim_agent, "batch_sizes_applied") if e["job"] == "emb"]
+    assert asked and applied, (asked, applied)
+    first = applied[0]["fields"]
+    assert first["published_version"] == asked[0]["fields"]["plan_version"]
+    assert first["batch_sizes"] == asked[0]["fields"]["batch_sizes"]  # what the simulated ranks ran

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from trainguard import rendezvous_clock
 from trainguard.agent.wire import Plan
 from trainguard.alignment import UpdateAlignment
 from trainguard.run import Run, init
@@ -113,13 +114,14 @@ class Trainer:
         self.device = pick_device(cfg, self.env.local_rank)
         if self.device.type == "cpu":
             torch.set_num_threads(cfg.threads)
+        rendezvous_clock.watch()  # a recovery's timeline tells the rendezvous from the start-up by it
         self.layout: Layout = init_distributed(cfg, self.env, self.device)
         lay = self.layout
         if self.run_handle is None:
             # Every step: its steps are long next to one store round trip, and migrations settle faster.
-            # Made as soon as the process group is up: a recovery's timeline tells the rendezvous
-            # from the model's build by it.
-            self.run_handle = init(job=self.env.job, dp_rank=lay.dp_rank, dp_size=lay.dp, plan_every=1)
+            # It applies the whole plan: batch sizes, LR and stop.
+            self.run_handle = init(job=self.env.job, dp_rank=lay.dp_rank, dp_size=lay.dp, plan_every=1,
+                                   applies=("batch_sizes", "lr", "stop"))
         self.corpus = Corpus.load(cfg.data.cache_dir, cfg.data.max_bytes)
         span = cfg.model.context + 1
         self.sampler = Sampler(len(self.corpus.train) // span, cfg.seed)

@@ -22,12 +22,13 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from trainguard.agent.wire import ENV_STARTED_AT, Plan, Telemetry
+from trainguard import rendezvous_clock
+from trainguard.agent.wire import APPLIES_ALL, ENV_STARTED_AT, Plan, Telemetry, applies_mask
 from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.link import PlanWatcher, TelemetrySender
 from trainguard.stepwindow import PART_S, WINDOW_S, StepWindow, window_length
@@ -258,11 +259,15 @@ class Run:
 
     def __init__(self, env: RunEnvironment, *, dp_rank: int | None = None, dp_size: int | None = None,
                  batch_size: int | None = None, telemetry: TelemetrySender | None = None,
-                 plans: PlanWatcher | None = None, plan_every: int = 4) -> None:
+                 plans: PlanWatcher | None = None, plan_every: int = 4, applies: int | None = None,
+                 init_at: float | None = None) -> None:
         self.env = env
         self.dp_rank = env.rank if dp_rank is None else dp_rank
         self.dp_size = env.world_size if dp_size is None else dp_size
         self.default_batch_size = batch_size
+        self.applies = default_applies(batch_size) if applies is None else applies
+        """What of the plan this rank applies (``wire.APPLIES_*`` bits), told to the agent with every
+        message: it moves samples only between ranks that take batch sizes."""
         self.plan_every = plan_every
         self.telemetry = telemetry if telemetry is not None else TelemetrySender(env.socket or None)
         self.plans = plans if plans is not None else PlanWatcher(env.plan_path or None)
@@ -292,10 +297,8 @@ class Run:
         """What ``restore`` loaded: "snapshot", "checkpoint" or "" (nothing)."""
         self._restore_span: tuple[float, float] | None = None
         self._started_at: float | None = None
-        self._group_ready_at = time.time() if _process_group_up() else None
-        """When this run was made, if the process group was already up by then: the end of the
-        rendezvous in a recovery's timeline (a script that builds its model before ``init`` counts
-        that too)."""
+        self._init_at = time.time() if init_at is None else init_at
+        """When the script entered ``trainguard.init``: its start-up ends there at the latest."""
         self._timeline_sends = 5  # the first datagrams carry the attempt's start-up times (one may drop)
         self._window = StepWindow()
         self._window_steps = 1
@@ -469,7 +472,7 @@ class Run:
                 step=max(0, window.last_step + 1), wall_time=time.time(), lr=lr if math.isfinite(lr) and 0 <= lr <= 1e3 else 0.0,
                 batch_size=self._last_samples, mem_bytes=int(r.get("mem_bytes") or _rss_bytes()),
                 plan_version=window.plan_version, dp_rank=self.dp_rank, world_size=self.env.world_size,
-                has_loss=window.has_loss,
+                has_loss=window.has_loss, attempt=self.env.attempt, applies=self.applies,
                 ckpt_failed=self._failed_save[0] if self._failed_save else None,
                 ckpt_error=self._failed_save[1] if self._failed_save else None, **optional,
                 **self._timeline(window.last_step + 1, window.steps))
@@ -494,8 +497,10 @@ class Run:
         started = self._started_at or None
         if started is not None:
             out["proc_start"] = started
-        if self._group_ready_at is not None:
-            out["group_ready"] = self._group_ready_at
+        out["init_at"] = self._init_at
+        rendezvous = rendezvous_clock.span()
+        if rendezvous is not None:
+            out["rdzv_begin"], out["group_ready"] = rendezvous
         if self._restore_span is not None:
             out["restore_begin"], out["restore_end"] = self._restore_span
         return out
@@ -822,10 +827,10 @@ def _process_start() -> float | None:
     return time.time() - age
 
 
-def _process_group_up() -> bool:
-    """Whether torch.distributed's default group is up (without importing torch into a run that has not)."""
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
+def default_applies(batch_size: int | None) -> int:
+    """What a script that declares nothing applies: the plan's LR and stop, and its batch sizes only
+    when it gave ``init`` its own batch size (it reads ``run.plan.batch_size`` then)."""
+    return APPLIES_ALL if batch_size is not None else applies_mask(("lr", "stop"))
 
 
 def _rss_bytes() -> int:
@@ -833,13 +838,24 @@ def _rss_bytes() -> int:
 
 
 def init(*, job: str | None = None, dp_rank: int | None = None, dp_size: int | None = None,
-         batch_size: int | None = None, plan_every: int = 4, environ: Mapping[str, str] | None = None) -> Run:
+         batch_size: int | None = None, plan_every: int = 4, environ: Mapping[str, str] | None = None,
+         applies: Iterable[str] | None = None) -> Run:
     """This rank's ``Run``. Reads the environment its launcher set (``trainguard run``, torchrun or
     nothing). ``dp_rank``/``dp_size``: this rank's data-parallel position when not every rank is
     a data-parallel replica (tensor or pipeline parallelism); default RANK/WORLD_SIZE.
     ``batch_size``: this rank's own samples per step, what ``run.plan.batch_size`` says until the
     agent moves samples between ranks. ``plan_every``: the fewest steps between two looks at the
     agent's plan (one store round trip each, made by a thread of the rank; more steps when steps
-    are short, about one look per 0.3 s: ``trainguard.plansync``). Never raises for a missing agent."""
+    are short, about one look per 0.3 s: ``trainguard.plansync``). ``applies``: what of the plan this
+    rank applies, of ``"batch_sizes"``, ``"lr"``, ``"stop"`` (default: LR and stop, and batch sizes
+    when ``batch_size`` is given); the agent moves samples only where every rank takes batch sizes.
+    Never raises for a missing agent (an unknown ``applies`` name is a ValueError: a script's bug)."""
+    entered = time.time()
+    mask = applies_mask(applies) if applies is not None else None
+    rendezvous_clock.watch()  # a process group this script brings up after init: its rendezvous is timed
     env = RunEnvironment.from_environ(environ, job=job)
-    return Run(env, dp_rank=dp_rank, dp_size=dp_size, batch_size=batch_size, plan_every=plan_every)
+    return Run(env, dp_rank=dp_rank, dp_size=dp_size, batch_size=batch_size, plan_every=plan_every,
+               applies=mask, init_at=entered)
+
+
+rendezvous_clock.watch()  # a script that imports torch before trainguard: its rendezvous is timed

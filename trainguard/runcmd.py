@@ -28,7 +28,8 @@ from trainguard.agent.wire import process_start_ticks
 FINISHED = {"succeeded", "failed", "stopped"}
 # What the agent says about a job that a user running it wants to see as it happens.
 NOTABLE = {"job_restart", "rank_exit", "hang_detected", "crash_loop", "job_resumed", "straggler_detected",
-           "shard_migration", "restore_selected", "job_failed", "rank_excluded", "checkpoint_write_failed"}
+           "shard_migration", "batch_sizes_applied", "restore_selected", "job_failed", "rank_excluded",
+           "checkpoint_write_failed"}
 # The environment a job should not take from the shell that submitted it.
 _NOT_INHERITED = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                   "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID",

@@ -46,7 +46,7 @@ from trainguard.agent.detect.straggler import (
 )
 from trainguard.agent.heal.migration import Decision, MigrationPolicy, ReplicaModel, even_sizes
 from trainguard.agent.metricspec import MetricSpec
-from trainguard.agent.wire import Telemetry
+from trainguard.agent.wire import APPLIES_BATCH_SIZES, Telemetry
 
 if TYPE_CHECKING:
     from trainguard.agent.daemon import Agent
@@ -100,6 +100,8 @@ class _JobState:
     detections: Counter[str] = field(default_factory=Counter)
     migrations: int = 0
     cause_retries: Counter[int] = field(default_factory=Counter)
+    applied_told: int = -1
+    """The last migration plan version whose application the ranks' own telemetry was told for."""
 
 
 def step_samples(messages: list[Telemetry]) -> list[StepSample]:
@@ -107,6 +109,19 @@ def step_samples(messages: list[Telemetry]) -> list[StepSample]:
     times and samples per step."""
     return [StepSample(end, fwd_bwd_s, opt_s, round(samples / steps))
             for m in messages for end, steps, fwd_bwd_s, opt_s, samples, _ in m.part_rows()]
+
+
+def current_attempt(views: Mapping[int, Any]) -> int | None:
+    """The job's current attempt: that of the rank whose word came last (a rank of an older one has
+    not reported in this one yet; a job submitted again under the name starts again at 0)."""
+    if not views:
+        return None
+    return max(views.values(), key=lambda v: v.last_seen).attempt  # type: ignore[no-any-return]
+
+
+def takes_batch_sizes(views: Mapping[int, Any]) -> bool:
+    """Whether every rank declared that it applies the plan's batch sizes (``trainguard.init(applies=...)``)."""
+    return bool(views) and all(v.applies is not None and v.applies & APPLIES_BATCH_SIZES for v in views.values())
 
 
 def _layout(agent: Agent, job: str, views: Mapping[int, Any]) -> Layout:
@@ -240,6 +255,8 @@ class StragglerService:
         if st is None:
             st = self._jobs[job] = _JobState(
                 StragglerDetector(cfg), MigrationPolicy(cfg.min_gain, cfg.rebalance_gain, cfg.settle_steps))
+        attempt = current_attempt(views)
+        views = {r: v for r, v in views.items() if v.attempt == attempt}  # ranks not yet back wait
         layout = _layout(self.agent, job, views)
         ebpf = self._collector("ebpf")
         inputs: dict[int, RankInput] = {}
@@ -248,7 +265,7 @@ class StragglerService:
             if rank in st.excluded:
                 continue
             window = self.agent.table.window(job, rank, 2 * cfg.window + cfg.warmup_steps)
-            steps = step_samples(window)
+            steps = step_samples([m for m in window if m.attempt == attempt])
             if rank in local:
                 stats = ebpf.rank_stats(job, rank) if ebpf is not None else None
                 self.evidence.observe(job, rank, view.pid, view.step, now, stats)
@@ -259,7 +276,7 @@ class StragglerService:
                 remote = self._fresh_remote(job, rank, now)
                 delay = remote.delay_per_step_s if remote is not None else 0.0
             dp_rank = view.dp_rank if view.dp_rank is not None else rank
-            inputs[rank] = RankInput(rank, layout.group(rank) if layout.known else 0, dp_rank, steps, delay)
+            inputs[rank] = RankInput(rank, layout.group(rank) if layout.known else 0, dp_rank, steps, delay, attempt)
         result = st.detector.evaluate(inputs, now)
         for tr in result.transitions:
             if tr.detected:
@@ -386,8 +403,12 @@ class StragglerService:
         st.detections[attr.cause] += 1
         st.cause_retries[tr.rank] = 0
         fig = figures.get(tr.rank)
-        action = "observe_only" if cfg.observe_only else ("migrate" if cfg.migrate else "report")
+        movable = takes_batch_sizes(views)
+        action = "observe_only" if cfg.observe_only else ("migrate" if cfg.migrate and movable else "report")
         fields: dict[str, Any] = {"score": round(tr.score, 4), "action": action, "details": attr.details}
+        if cfg.migrate and not movable:
+            fields["note"] = ("not every rank applies the plan's batch sizes (trainguard.init(applies=...)): "
+                              "no samples are moved")
         if not self._is_local(job, tr.rank):
             remote = self._remote.get((job, tr.rank))
             fields["node"] = remote.node if remote is not None else "unknown"
@@ -440,10 +461,11 @@ class StragglerService:
         if not cfg.migrate or cfg.observe_only or layout.dp < 2:
             return
         live = [r for r in views if r not in st.excluded]
-        if not live:
-            return
+        if not live or not takes_batch_sizes({r: views[r] for r in live}):
+            return  # a rank that cannot take batch sizes would run the old split under a new plan
         min_version = min(views[r].plan_version for r in live)
         min_step = min(views[r].step for r in live)
+        self._tell_applied(job, st, {r: views[r] for r in live}, min_version)
         if not st.policy.settled(min_version, min_step):
             return
         if any(st.detector.state(r) == RankState.WARMUP for r in live):
@@ -478,6 +500,21 @@ class StragglerService:
         if decision is not None:
             self._publish(job, st, layout, decision, total, figures)
 
+    def _tell_applied(self, job: str, st: _JobState, views: Mapping[int, Any], min_version: int) -> None:
+        """Once every rank reports running the last published split's plan version: one event with
+        the batch sizes the ranks report they ran (their word, not the plan's)."""
+        version = st.policy.published_version
+        if version < 0 or version <= st.applied_told or min_version < version:
+            return
+        st.applied_told = version
+        ran: dict[int, int] = {}
+        for rank, view in sorted(views.items()):
+            ran.setdefault(view.dp_rank if view.dp_rank is not None else rank, view.batch_size)
+        sizes = [ran[d] for d in sorted(ran)]
+        self.agent.events.emit(
+            "batch_sizes_applied", f"job {job}: every rank runs plan v{version}; batch sizes {sizes} as the ranks report",
+            job=job, plan_version=min_version, published_version=version, batch_sizes=sizes, step=min(v.step for v in views.values()))
+
     def _model(self, f: RankFigures, common_rate: float) -> ReplicaModel:
         """The migration model of one replica. Run delay counts only when the score counts it, only
         beyond the replicas' median delay rate (what every rank suffers moves no work), and then as
@@ -511,7 +548,7 @@ class StragglerService:
                               f"(each replica as fast as its slowest member)")
         speeds = {f.rank: round(f.speed, 3) for f in figures.values()}
         self.agent.events.emit(
-            "shard_migration", f"job {job}: {reason}; batch sizes {st.sizes}",
+            "shard_migration", f"job {job}: {reason}; plan v{plan.version} asks for batch sizes {st.sizes}",
             severity="info" if d.action == "undo" else "warning",
             cause=",".join(st.causes.get(r, "") for r in stragglers), job=job,
             samples_per_s=speeds, **fields)

@@ -96,6 +96,9 @@ class RankInput:
     """The rank's recent steps, oldest first (the service passes the table's window)."""
     delay_per_step_s: float = 0.0
     """CPU run-queue delay per step measured by the service (0 when unknown)."""
+    attempt: int | None = None
+    """The attempt ``steps`` are of (None: not known). The service passes only the job's current
+    attempt's steps; a new attempt starts the rank's warm-up again, whatever its step numbers do."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,7 @@ class _Track:
     score: float = 1.0
     since: float | None = None  # when it became a straggler
     carried_since: float | None = None  # a straggler when its job restarted: since when
+    attempt: int | None = None  # the attempt the rank's steps were last of
 
 
 @dataclass(frozen=True)
@@ -405,12 +409,17 @@ class StragglerDetector:
             if not inp.steps:
                 continue
             first, last = inp.steps[0].step, inp.steps[-1].step
-            if t.base_step is None or last < t.last_step:
+            new_attempt = t.base_step is not None and inp.attempt != t.attempt
+            if t.base_step is None or last < t.last_step or new_attempt:
                 if t.base_step is not None:
                     if t.state in (RankState.STRAGGLER, RankState.RECOVERING):
                         t.carried_since = t.since
                     self._move(rank, t, RankState.WARMUP, now, result.transitions)
-                t.base_step = first if t.base_step is None else last
+                    self._evaluated_at = -1  # the steps started again: evaluations count from them
+                # A new attempt's steps come alone (its first is where it began); steps that went
+                # back within one attempt's window follow older ones, so the newest is where it began.
+                t.base_step = first if t.base_step is None or new_attempt else last
+            t.attempt = inp.attempt
             t.last_step = last
         lasts = [t.last_step for r, t in self._tracks.items() if r in inputs]
         if not lasts or min(lasts) - self._evaluated_at < cfg.eval_every_steps:

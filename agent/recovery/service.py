@@ -91,25 +91,33 @@ def checkpoint_settings(cfg: AgentConfig) -> CheckpointSettings:
     )
 
 
+TIMELINE_PHASES = ("detect_s", "teardown_s", "fork_s", "startup_s", "rendezvous_s", "setup_s", "restore_s",
+                   "first_step_s")
+"""The phases of a recovery's timeline in order (``recovery_timeline``); the job_resumed event's
+``timeline`` holds those someone reported."""
+
+
 def recovery_timeline(failed_at: float, launched_at: float | None, window: list[Any], first_step_at: float,
                       died_at: float | None = None) -> dict[str, float]:
     """Where the time from a failure to the first resumed step went, as the lead rank saw it:
     detect (the kernel saw the rank die, ``died_at`` -> the supervisor saw its exit, ``failed_at``),
     teardown (-> the new ranks' launch: stopping the survivors, picking the restore), fork (-> the
     rank's process exists, or the warm launcher's spare that becomes it is handed its work),
-    rendezvous (-> its process group is up, as ``trainguard.init`` found it), setup (-> its
-    restore begins: the model build, or all of it where ``init`` came before the process group),
-    restore, first step. Phases no one reported are left out."""
+    startup (-> the script's own start-up ends: imports, building a model or a Hugging Face Trainer,
+    up to its ``init_process_group`` where the rank timed that, else up to ``trainguard.init``, a
+    rendezvous before it included), rendezvous (-> ``init_process_group`` returned, where timed),
+    setup (-> its restore begins), restore, first step. Phases no one reported are left out."""
     marks: dict[str, float] = {}
     for msg in window:
-        for name in ("proc_start", "group_ready", "restore_begin", "restore_end"):
+        for name in ("proc_start", "init_at", "rdzv_begin", "group_ready", "restore_begin", "restore_end"):
             value = getattr(msg, name, None)
             if value is not None:
                 marks.setdefault(name, value)
-    points = [("detect_s", failed_at if died_at is not None else None), ("teardown_s", launched_at),
-              ("fork_s", marks.get("proc_start")), ("rendezvous_s", marks.get("group_ready")),
-              ("setup_s", marks.get("restore_begin")), ("restore_s", marks.get("restore_end")),
-              ("first_step_s", first_step_at)]
+    script_end = marks.get("rdzv_begin") if "group_ready" in marks else None
+    ends = (failed_at if died_at is not None else None, launched_at, marks.get("proc_start"),
+            script_end or marks.get("init_at"), marks.get("group_ready") if script_end else None,
+            marks.get("restore_begin"), marks.get("restore_end"), first_step_at)
+    points = list(zip(TIMELINE_PHASES, ends, strict=True))
     out: dict[str, float] = {}
     previous = died_at if died_at is not None else failed_at
     for name, at in points:
@@ -383,6 +391,10 @@ class RecoveryService:
             lead = min(ranks, key=lambda v: v.rank)
             window = [t for t in self.agent.table.window(job, lead.rank, 256) if t.pid in pids and t.step > restored_step]
             first = min((t.wall_time for t in window), default=time.time())
+            # The ranks' own word of where they went on: the first step they reported after the
+            # restore (counted as checkpoints count steps done; the restored step + 1 when they
+            # resumed where the restore put them), not the newest step seen by this tick.
+            first_step = min((t.step - t.steps + 1 for t in window), default=None)
             died = self._died_at.pop(job, None)
             if died is not None and not started - DEATH_BEFORE_EXIT_S <= died <= started:
                 died = None  # not this failure's: a death the supervisor never reported as one
@@ -390,11 +402,15 @@ class RecoveryService:
             self.last_recovery_s[job] = took
             del self._failure_at[job]
             timeline = recovery_timeline(started, self._launch_at.get(job), window, first, died)
+            origin = f"from step {restored_step} (restored)" if restored_step >= 0 else "from scratch"
             self.agent.events.emit(
                 "job_resumed",
-                f"job {job} training again at step {max(v.step for v in ranks)}, {took:.2f}s after the failure"
+                f"job {job} training again {origin}, first step reported {first_step if first_step is not None else '?'}, "
+                f"{took:.2f}s after the failure"
                 + (" (" + ", ".join(f"{k.removesuffix('_s')} {v:.3f}s" for k, v in timeline.items()) + ")" if timeline else ""),
                 job=job,
+                first_step_after_restore=first_step,
+                restored_step=restored_step if restored_step >= 0 else None,
                 recovery_s=round(took, 3),
                 restored_from=record.restored_from,
                 timeline=timeline,

@@ -19,7 +19,15 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import trainguard
+from trainguard import rendezvous_clock
 from trainguard.run import Run, Step
+
+APPLIES = ("lr", "stop")
+"""What of the agent's plan this callback applies (``trainguard.init(applies=...)``)."""
+
+# The framework brings its process group up before the callback's init (a Hugging Face Trainer while
+# it is built): timed from here, a recovery's timeline tells the rendezvous from the script's start-up.
+rendezvous_clock.watch()
 
 
 def _unwrap(obj: Any) -> Any:
@@ -43,7 +51,8 @@ class TrainguardCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
         if self.run is None:
-            self.run = trainguard.init(dp_rank=args.process_index, dp_size=args.world_size)
+            # The Trainer owns the data loader: its batch size is the script's, never the plan's.
+            self.run = trainguard.init(dp_rank=args.process_index, dp_size=args.world_size, applies=APPLIES)
         self._optimizer = optimizer
         if model is not None:
             self.run.watch_gradients(model.parameters())

@@ -17,7 +17,15 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 import trainguard
+from trainguard import rendezvous_clock
 from trainguard.run import Run, Step
+
+APPLIES = ("lr", "stop")
+"""What of the agent's plan this callback applies (``trainguard.init(applies=...)``)."""
+
+# The framework brings its process group up before the callback's init (a Hugging Face Trainer while
+# it is built): timed from here, a recovery's timeline tells the rendezvous from the script's start-up.
+rendezvous_clock.watch()
 
 
 def batch_samples(batch: Any) -> int:
@@ -48,7 +56,8 @@ class TrainguardCallback(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.run is None:
-            self.run = trainguard.init(dp_rank=trainer.global_rank, dp_size=trainer.world_size)
+            # Lightning owns the data loader: its batch size is the script's, never the plan's.
+            self.run = trainguard.init(dp_rank=trainer.global_rank, dp_size=trainer.world_size, applies=APPLIES)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.run is not None
