@@ -8,6 +8,7 @@ the snapshot); its reported figure is the true loss L(theta), the NQM's held-out
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController
@@ -66,4 +67,76 @@ def run_nqm(task: NQMTask, mult: float, seed: int, steps: int, *, control: bool,
     out.final_lr_scale = model.lr_scale
     if math.isnan(out.final_loss):
         out.final_loss = out.losses[-1]
+    return out
+
+
+SIGNALS = ("traj_cos", "update_cos", "grad_cos", "loss_z", "grad_norm_z")
+"""Candidate passive signals, each a window statistic: the trajectory cosine (second half of the
+window, reference at its start), the update alignment and Pflug's successive-gradient cosine
+(window means), and robust spike z-scores of the loss and of the gradient norm (the window's
+largest (x - median) / (1.4826 MAD) against the 100 steps before it)."""
+
+
+def _robust_max_z(history: list[float], window: list[float]) -> float:
+    med = statistics.median(history)
+    mad = statistics.median(abs(x - med) for x in history) * 1.4826
+    return max((x - med) / mad for x in window) if mad > 0 else 0.0
+
+
+def window_signals(task: NQMTask, mult: float, seed: int, steps: int, at: list[int],
+                   window: int) -> list[dict[str, float]]:
+    """The candidate signals of the windows ending at the steps ``at`` of an uncontrolled run."""
+    model = NQM(task, task.good_lr * mult, steps, seed)
+    stats = []
+    for i in range(max(at)):
+        if i % window == 0:
+            model.set_ref()
+        stats.append(model.step())
+    out = []
+    for end in at:
+        ws = stats[end - window:end]
+        before = stats[max(0, end - window - 100):end - window]
+        out.append({
+            "traj_cos": statistics.fmean(s.traj_cos for s in ws[window // 2:]),
+            "update_cos": statistics.fmean(s.update_cos for s in ws),
+            "grad_cos": statistics.fmean(s.grad_cos for s in ws),
+            "loss_z": _robust_max_z([s.loss for s in before], [s.loss for s in ws]),
+            "grad_norm_z": _robust_max_z([s.grad_norm for s in before], [s.grad_norm for s in ws]),
+        })
+    return out
+
+
+def auc(positive: list[float], negative: list[float]) -> float:
+    """P(a positive's value > a negative's), ties half: the area under the ROC curve."""
+    wins = sum((p > n) + 0.5 * (p == n) for p in positive for n in negative)
+    return wins / (len(positive) * len(negative))
+
+
+def signal_roc(task: NQMTask, seeds: int = 20, steps: int = 1000, at: tuple[float, ...] = (0.1, 0.2, 0.4),
+               config: EvidenceConfig | None = None) -> dict[str, dict[float, dict[str, float]]]:
+    """Per signal and window position (fraction of the run): the AUC of each start against the good
+    LR, oriented so that 1 is perfect separation in the direction that start needs (a too-low
+    start's value above the good LR's, a too-high start's below), and for traj_cos the fraction of
+    windows its pre-registered thresholds flag at each start (``fires_<start>``)."""
+    cfg = config or EvidenceConfig()
+    window = max(cfg.min_window, round(cfg.window * steps))
+    ends = [max(window * 2, round(f * steps / window) * window) for f in at]
+    rows = {name: [window_signals(task, m, s, steps, ends, window) for s in range(seeds)]
+            for name, m in MULTIPLIERS.items()}
+    out: dict[str, dict[float, dict[str, float]]] = {}
+    for sig in SIGNALS:
+        out[sig] = {}
+        for j, f in enumerate(at):
+            good = [r[j][sig] for r in rows["good"]]
+            cell: dict[str, float] = {}
+            for name, mult in MULTIPLIERS.items():
+                vals = [r[j][sig] for r in rows[name]]
+                cell[f"mean_{name}"] = statistics.fmean(vals)
+                if name != "good":
+                    a = auc(vals, good)
+                    cell[name] = a if mult < 1 else 1 - a
+                if sig == "traj_cos":
+                    cell[f"fires_{name}"] = statistics.fmean(
+                        (v > cfg.low_threshold) - (v < cfg.high_threshold) for v in vals)
+            out[sig][f] = cell
     return out

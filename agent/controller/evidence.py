@@ -136,12 +136,17 @@ class EvidenceController:
         """True when ``step`` (the number of steps done) opens a window: the caller resets theta_ref."""
         return step % self.window == 0
 
+    def reads(self, step: int) -> bool:
+        """Whether step ``step``'s trajectory cosine is read (the second half of its window): a
+        caller may skip computing it for the other steps."""
+        offset = step % self.window
+        return offset == 0 or offset > self.window // 2
+
     def observe(self, step: int, loss: float, traj_cos: float) -> Action | None:
         """Step ``step`` (1-based count of steps done on the current trajectory) ended with this
         minibatch loss and trajectory cosine. Returns what to do now, or None."""
         self._points.append((step, loss))
-        offset = step % self.window
-        if offset == 0 or offset > self.window // 2:
+        if self.reads(step):
             self._cos.append(traj_cos)
         if not math.isfinite(loss) and self._trial is not None:
             return self._end_trial(step, math.inf)
