@@ -507,6 +507,7 @@ def print_signals(seeds: int) -> None:
             for frac, cell in roc[sig].items():
                 print(f"{sig:12s}{frac:>5.0%}" + "".join(f"{cell[k]:8.2f}" for k in OFF))
         print("traj_cos at the shipped thresholds: fraction of windows flagged (+ too low, - too high)")
+        print(f"{'':12s}{'at':>5s}" + "".join(f"{k:>8s}" for k in MULTIPLIERS))
         for frac, cell in roc["traj_cos"].items():
             print(f"{'':12s}{frac:>5.0%}" + "".join(f"{cell['fires_' + k]:+8.2f}" for k in MULTIPLIERS))
 

@@ -71,6 +71,8 @@ def run_nqm(task: NQMTask, mult: float, seed: int, steps: int, *, control: bool,
 
 
 SIGNALS = ("traj_cos", "update_cos", "grad_cos", "loss_z", "grad_norm_z")
+LOW_SIGN = {"traj_cos": 1, "update_cos": 1, "grad_cos": 1, "loss_z": -1, "grad_norm_z": -1}
+"""+1: a larger value says "LR too low" (the cosines); -1: a larger value says "too high" (spikes)."""
 """Candidate passive signals, each a window statistic: the trajectory cosine (second half of the
 window, reference at its start), the update alignment and Pflug's successive-gradient cosine
 (window means), and robust spike z-scores of the loss and of the gradient norm (the window's
@@ -115,8 +117,8 @@ def auc(positive: list[float], negative: list[float]) -> float:
 def signal_roc(task: NQMTask, seeds: int = 20, steps: int = 1000, at: tuple[float, ...] = (0.1, 0.2, 0.4),
                config: EvidenceConfig | None = None) -> dict[str, dict[float, dict[str, float]]]:
     """Per signal and window position (fraction of the run): the AUC of each start against the good
-    LR, oriented so that 1 is perfect separation in the direction that start needs (a too-low
-    start's value above the good LR's, a too-high start's below), and for traj_cos the fraction of
+    LR, oriented so that 1 is perfect separation in the direction that start needs (``LOW_SIGN``),
+    0.5 none, and for traj_cos the fraction of
     windows its pre-registered thresholds flag at each start (``fires_<start>``)."""
     cfg = config or EvidenceConfig()
     window = max(cfg.min_window, round(cfg.window * steps))
@@ -133,8 +135,8 @@ def signal_roc(task: NQMTask, seeds: int = 20, steps: int = 1000, at: tuple[floa
                 vals = [r[j][sig] for r in rows[name]]
                 cell[f"mean_{name}"] = statistics.fmean(vals)
                 if name != "good":
-                    a = auc(vals, good)
-                    cell[name] = a if mult < 1 else 1 - a
+                    sign = LOW_SIGN[sig] if mult < 1 else -LOW_SIGN[sig]
+                    cell[name] = auc([sign * v for v in vals], [sign * v for v in good])
                 if sig == "traj_cos":
                     cell[f"fires_{name}"] = statistics.fmean(
                         (v > cfg.low_threshold) - (v < cfg.high_threshold) for v in vals)
