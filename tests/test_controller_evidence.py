@@ -119,6 +119,18 @@ def test_no_evidence_no_move_and_nothing_outside_the_decision_span() -> None:
     assert actions and all(a.step <= 200 + ctl2.window for a in actions)
 
 
+def test_a_fading_too_low_signal_moves_nothing_when_persistence_is_required() -> None:
+    """The same series, too-low evidence falling by half each window: a move without the rule,
+    none with low_persist 1.0 (the early phase of a run at a good LR looks like this)."""
+    def run(persist: float) -> list[str]:
+        ctl = EvidenceController(1000, EvidenceConfig(low_persist=persist))
+        return [a.kind for s in range(1, 200)
+                if (a := ctl.observe(s, 2.0 * s ** -0.3, 0.9 * 0.5 ** (s // 20 - 4))) is not None]
+
+    assert "move" in run(0.0)
+    assert run(1.0) == []
+
+
 def test_bad_config_is_a_one_line_error() -> None:
     with pytest.raises(ValueError, match="evidence.factor: must be > 1"):
         EvidenceConfig(factor=1.0)

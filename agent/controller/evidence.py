@@ -41,6 +41,11 @@ class EvidenceConfig:
     """LR too high: window mean trajectory cosine below this."""
     low_threshold: float = 0.2
     """LR too low: window mean trajectory cosine above this."""
+    low_persist: float = 0.0
+    """A too-low window counts toward ``confirm`` only when its mean is at least this fraction of
+    the window before: evidence that fades fast is the run's early phase, not a low LR. 0 (the
+    pre-registered default) turns the rule off; 1.0 trades rescue from 3x too low for silence at
+    a good LR (docs/controller.md)."""
     confirm: int = 2
     """Consecutive windows a test must fire in before a move."""
     factor: float = 3.0
@@ -56,6 +61,7 @@ class EvidenceConfig:
             (0 <= self.start < self.stop <= 1, "stop", "must satisfy 0 <= start < stop <= 1"),
             (self.high_threshold < 0 < self.low_threshold, "low_threshold", "must be > 0 > high_threshold"),
             (self.confirm >= 1, "confirm", "must be >= 1"),
+            (0 <= self.low_persist <= 1, "low_persist", "must be in [0, 1]"),
             (self.factor > 1, "factor", "must be > 1"),
             (self.forecast_z > 0, "forecast_z", "must be > 0"),
             (0 < self.lr_scale_min <= 1 <= self.lr_scale_max, "lr_scale_max", "must satisfy lr_scale_min <= 1 <= max"),
@@ -131,6 +137,7 @@ class EvidenceController:
         self._cos: list[float] = []
         self._streak = 0
         self._trial: _Trial | None = None
+        self._last_mean = 0.0
 
     def window_start(self, step: int) -> bool:
         """True when ``step`` (the number of steps done) opens a window: the caller resets theta_ref."""
@@ -164,6 +171,10 @@ class EvidenceController:
             return action
         if not self._start <= step <= self._stop or direction == 0 or direction in self.closed:
             self._streak = 0
+            return None
+        prev, self._last_mean = self._last_mean, mean
+        if direction > 0 and self._streak > 0 and mean < self.config.low_persist * prev:
+            self._streak = 1  # a too-low signal that is fading is the schedule's early phase, not a low LR
             return None
         self._streak = self._streak + direction if self._streak * direction > 0 else direction
         if abs(self._streak) < self.config.confirm:
