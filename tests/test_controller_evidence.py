@@ -109,6 +109,14 @@ def test_a_move_worse_than_its_forecast_is_restored_and_closes_its_direction() -
     assert feed(ctl, range(121, 301), lambda s: 2.0 * s ** -0.3, 0.5) == []
 
 
+def test_a_move_that_diverges_is_restored_at_once() -> None:
+    ctl = EvidenceController(1000)
+    assert [a.kind for a in feed(ctl, range(1, 121), lambda s: 2.0 * s ** -0.3, -0.5)] == ["move"]
+    assert ctl.lr_scale < 1
+    assert [a.kind for a in feed(ctl, range(121, 126), lambda s: math.inf if s == 125 else 1.0, -0.5)] == ["restore"]
+    assert ctl.lr_scale == 1.0 and ctl.closed == {-1}
+
+
 def test_no_evidence_no_move_and_nothing_outside_the_decision_span() -> None:
     ctl = EvidenceController(1000)
     assert feed(ctl, range(1, 1001), lambda s: 2.0 * s ** -0.3, 0.05) == []

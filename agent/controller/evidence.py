@@ -156,6 +156,7 @@ class EvidenceController:
         if self.reads(step):
             self._cos.append(traj_cos)
         if not math.isfinite(loss) and self._trial is not None:
+            self._cos, self._streak = [], 0  # the trial window's cosines go with it
             return self._end_trial(step, math.inf)
         if step % self.window:
             return None
