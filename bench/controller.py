@@ -32,7 +32,8 @@ Ratios are paired per seed and summarised by their median with a 95 % bootstrap 
 Goals printed met / not met: do no harm (harm ratio >= 0.98, its lower bound >= 0.96, final loss
 ratio <= 1), rescue (every 3x-30x start at ratio >= 1/1.5), better than the grid at every start.
 Per-seed lines with each run's decisions and the commit go to stdout and to --out (JSON).
---quick is a smoke run (3 seeds of 600-step NQM runs, a 40-step gpt on three starts), not a measurement.
+--quick is a smoke run (3 seeds of 600-step NQM runs, a 40-step gpt on three starts with 4-step
+windows), not a measurement.
 
 Healing arm (gpt): a node loss halfway through a 2-rank job (a user script's fixed per-rank batch,
 so the global batch halves), the agent's controller with strategy none and its LR rule
@@ -72,7 +73,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from trainguard.agent.controller import ControllerConfig, install  # noqa: E402
 from trainguard.agent.controller.calibrate import MULTIPLIERS, SIGNALS, run_nqm, signal_roc  # noqa: E402
-from trainguard.agent.controller.evidence import Action, EvidenceController  # noqa: E402
+from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController  # noqa: E402
 from trainguard.agent.controller.nqm import TASKS  # noqa: E402
 from trainguard.agent.eventlog import EventLog  # noqa: E402
 from trainguard.agent.lifecycle.plans import PlanStore  # noqa: E402
@@ -316,6 +317,28 @@ class Loop:
         return out
 
 
+def restore_check(cache: str) -> str:
+    """The GPT loop's snapshot and restore bring back parameters and optimizer state exactly ("" if
+    so, else what differs): the evidence arm's moves lean on it, and a short run may never move."""
+    corpus = Corpus.load(cache, 4_000_000)
+    loop = Loop(make_cfg(20, DEFAULT_LR, 0, cache), corpus)
+    for step in range(3):
+        loop.step(step)
+    snap = loop.snapshot(3)
+    params, exp_avg = loop.flat().clone(), [s["exp_avg"].clone() for s in loop.opt.state.values()]
+    for step in range(3, 6):
+        loop.step(step)
+    if torch.equal(loop.flat(), params):
+        return "the parameters did not move between snapshot and restore"
+    if loop.restore(snap) != 3:
+        return "restore returned the wrong step"
+    if not torch.equal(loop.flat(), params):
+        return "parameters differ after restore"
+    if not all(torch.equal(a["exp_avg"], b) for a, b in zip(loop.opt.state.values(), exp_avg, strict=True)):
+        return "optimizer state differs after restore"
+    return ""
+
+
 # --- worker side: one spec = one run -------------------------------------------------------------
 _CORPUS: Corpus | None = None
 
@@ -344,6 +367,8 @@ class Spec:
     rule: str = ""
     """Healing arm: the agent controller's lr_batch_rule."""
     lose_rank_at: int | None = None
+    min_window: int = EvidenceConfig().min_window
+    """Shortest window in steps (quick: 4, so a 40-step run gets looks at all)."""
 
 
 def run_spec(spec: Spec) -> Run:
@@ -361,7 +386,7 @@ def run_spec(spec: Spec) -> Run:
     cfg = make_cfg(spec.schedule, DEFAULT_LR * spec.mult, spec.seed, spec.cache)
     kw: dict[str, Any] = {}
     if spec.arm in ("evidence", "null"):
-        kw["evidence"] = EvidenceController(spec.schedule)
+        kw["evidence"] = EvidenceController(spec.schedule, EvidenceConfig(min_window=spec.min_window))
         kw["act"] = spec.arm == "evidence"
     if spec.rule:
         kw["controller"] = ControllerConfig(strategy="none", lr_batch_rule=spec.rule)  # type: ignore[arg-type]
@@ -405,6 +430,7 @@ class Plan:
     schedule: int
     starts: list[str]
     val_every: int
+    min_window: int = EvidenceConfig().min_window
 
 
 def specs_for(p: Plan, cache: str, work: str) -> list[Spec]:
@@ -413,7 +439,8 @@ def specs_for(p: Plan, cache: str, work: str) -> list[Spec]:
     out: list[Spec] = []
     for seed in range(p.seeds):
         runs: list[Spec] = []
-        base = {"seed": seed, "schedule": p.schedule, "val_every": p.val_every, "cache": cache, "work": work}
+        base = {"seed": seed, "schedule": p.schedule, "val_every": p.val_every, "cache": cache, "work": work,
+                "min_window": p.min_window}
         grid_mults = {MULTIPLIERS[s] * g for s in p.starts for g in GRID} - {MULTIPLIERS[s] for s in p.starts}
         for s in p.starts:
             runs.append(Spec(p.task, "none", s, MULTIPLIERS[s], budget=budget, **base))  # type: ignore[arg-type]
@@ -535,7 +562,8 @@ def main() -> int:
         elif t == "gpt":
             steps = args.steps or (40 if args.quick else 1000)
             starts = ["low10", "good", "high10"] if args.quick else list(MULTIPLIERS)
-            plans.append(Plan(t, args.gpt_seeds or (1 if args.quick else 10), steps, starts, 10))
+            plans.append(Plan(t, args.gpt_seeds or (1 if args.quick else 10), steps, starts, 10,
+                              4 if args.quick else EvidenceConfig().min_window))
         else:
             print(f"bench/controller: unknown task {t!r}", file=sys.stderr)
             return 2
@@ -552,6 +580,12 @@ def main() -> int:
     heal = heal_specs(gpt.seeds, gpt.schedule, gpt.val_every, cache, work) if gpt else []
     if gpt:
         Corpus.load(cache, 4_000_000)  # built once here, read by every worker
+        torch.set_num_threads(1)
+        problem = restore_check(cache)
+        if problem:
+            print(f"bench/controller: GPT snapshot/restore check failed: {problem}", file=sys.stderr)
+            return 1
+        print("  gpt snapshot/restore check: parameters and optimizer state restored exactly", flush=True)
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
         runs = list(pool.map(run_spec, specs + heal, chunksize=1))
