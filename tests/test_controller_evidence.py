@@ -66,11 +66,11 @@ def test_nesterov_is_silent_at_the_good_lr_and_does_no_harm() -> None:
 @pytest.mark.parametrize("name", ["nesterov", "adam"])
 @pytest.mark.parametrize("mult", [0.1, 10.0])
 def test_rescues_a_10x_off_start(name: str, mult: float) -> None:
-    """From 10x too low or too high the controller reaches the target none reaches at the good LR,
-    where none from that start does not (median of 10 seeds), and ends with the LR moved toward the
-    good one in most seeds (nesterov). On nesterov, the task its thresholds were chosen on, it does so within
-    the issue's 1.5x of none's time; on adam, held out, only within the run's budget (it takes up
-    to ~1.6x there, docs/controller.md)."""
+    """From 10x too low or too high the controller reaches the target that none reaches at the good
+    LR, where none from that start does not (median of 10 seeds). On nesterov, the task its
+    thresholds were chosen on, it does so within the issue's 1.5x of none's time and ends with the
+    LR moved toward the good one in most seeds; on adam, held out, only within the run's budget
+    (docs/controller.md)."""
     task = TASKS[name]
     seeds = range(10)
     target, base = target_and_time(task, seeds)
