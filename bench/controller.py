@@ -1,61 +1,66 @@
 #!/usr/bin/env python3
-"""Does turning the controller on make a run reach its target sooner? Time to a target validation
-loss, every strategy against the untouched default, from a good and from two bad starting LRs.
+"""Does turning the evidence controller on cost anything at a good LR, and does it rescue a bad
+one in either direction? Paired, interleaved runs on several tasks, with bootstrap intervals.
 
-Arms (all on the shipped defaults of ControllerConfig; the same model, corpus, evaluation and step
-loop; tuning on the clock, as in AlgoPerf's self-tuning track):
-  none          the default config at the starting LR, no controller;
-  grid          3 runs at the starting LR x 0.1, x1, x10 over the schedule, the winner by its
-                validation loss at the schedule's end; its time = the two losers' full runs + the
-                winner's time to target (the grid must finish to know its winner);
-  schedulefree  schedule-free AdamW (``schedulefree``) at the starting LR, no schedule to tune;
-  optuna, rl, goodput
-                the agent's controller (agent/controller, unchanged) on the default warmup+cosine
-                schedule, driving LR scale and batch size through real plan files.
-Starting points: the default LR (TrainConfig's 3e-3), 10x too low, 10x too high. Every run has
-the same budget (2x the schedule's steps, the schedule's floor LR after it) and stops at the target.
-The target is fixed before any controller run: the median over seeds of 'none' at the default LR's
-validation loss at 75 % of its schedule. A run that never reaches it counts as not reached (inf).
-Each figure is the median over seeds.
+Tasks:
+  nqm_adam, nqm_nesterov  the noisy quadratic model (agent/controller/nqm.py) with Adam and with
+                SGD + Nesterov momentum: known good LR, milliseconds a run, so 20 seeds are cheap.
+                Clock: steps executed (restored ones count); evaluation: the true loss L(theta).
+  gpt           the trainer's bundled GPT with AdamW on the standard-library byte corpus, CPU,
+                one torch thread; clock: process CPU seconds with evaluation taken off it;
+                evaluation: a held-out val split (target, time to target) and a separate test
+                split (the reported final loss). Good LR: TrainConfig's default.
+Arms, every one from every start (x1/30 .. x30 of the good LR), each seed's runs shuffled
+together so the arms interleave in time (machine drift hits them alike):
+  none          the planned warmup+cosine schedule at the starting LR, untouched;
+  evidence      the evidence controller (agent/controller/evidence.py, shipped EvidenceConfig)
+                on the same run: moves only when its pre-registered test fires, each move
+                snapshot-protected (a state copy) and checked against a forecast;
+  null          (good LR only) reads every step like the controller and never acts: overhead;
+  grid          3 runs at the start x0.1, x1, x10 to the schedule's end, the winner by its val
+                loss there; its time = the losers' full runs + the winner's time to target.
+Every run executes 1.5x its planned steps at most (the schedule's floor after its end); nothing
+stops at the target, so harm after it shows in the final loss. The target is the median over seeds
+of none at the good LR's val loss at 75 % of the schedule.
 
-Goals (printed met or not): do no harm (at the default LR every strategy within 1.05x of none's
-time), rescue (from 10x off at least 2x faster than none, or reaching what none never reaches),
-beat the grid with its cost counted at every starting point.
+Ratios are paired per seed and summarised by their median with a 95 % bootstrap interval:
+  T_harm_ratio, T_harm_ci_lo   none / evidence time to target at the good LR (above 1: faster);
+  T_final_loss_ratio           evidence / none loss at the schedule's end at the good LR (below 1: better);
+  T_rescue_<x>_ratio           none at the good LR / evidence from start x (0: never reached);
+  T_grid_<x>_ratio             the grid's time with its cost / evidence's, from start x;
+  T_null_step_ratio            none's / null's clock per step at the good LR (overhead, gpt only).
+Goals printed met / not met: do no harm (harm ratio >= 0.98, its lower bound >= 0.96, final loss
+ratio <= 1), rescue (every 3x-30x start at ratio >= 1/1.5), better than the grid at every start.
+Per-seed lines with each run's decisions and the commit go to stdout and to --out (JSON).
+--quick is a smoke run (3 seeds of 600-step NQM runs, a 40-step gpt on three starts with 4-step
+windows), not a measurement.
 
-Healing arm: a node loss halfway through a 2-node job (two emulated ranks of 8 samples each, one
-gone at half the schedule; a user script's fixed per-rank batch, so the global batch halves), the
-controller with strategy none and its LR rule (``lr_batch_rule`` sqrt, the default) against the
-same loss without the rescale (rule none), against the unfaulted run: validation loss at the end.
+Healing arm (gpt): a node loss halfway through a 2-rank job (a user script's fixed per-rank batch,
+so the global batch halves), the agent's controller with strategy none and its LR rule
+(``lr_batch_rule`` sqrt) against the same loss without the rescale: val loss at the end
+(rescale_gap_ratio: unrescaled gap to the unfaulted run / the rescaled one's).
 
-Clock: the process's CPU time (torch runs one thread, so on an idle machine it is the wall time;
-on this shared 2-core machine the wall time mostly measures other people's load). The controller's
-telemetry carries the same clock, so its objective (loss progress per second) sees it too. Runs go
-to ``--jobs`` worker processes (default 2, one per core).
-
-The trainer's bundled GPT on the standard-library byte corpus, CPU. Two data-parallel ranks are
-emulated in each process (each rank's share of the batch is a separate backward pass), so every
-method pays the same compute and the controller sees what real ranks send: per-rank telemetry
-(local gradient norm^2 before the "reduction", the reduced norm, timings) into a real RankTable,
-plans through a real PlanStore file read by a PlanWatcher at a step boundary.
-
-    python bench/controller.py [--quick] [--seeds N] [--steps N] [--jobs N]
-Ends with `RESULT <arm>_<start>_ratio=...` (none's time to target / the arm's: above 1 is faster)
-for every arm and starting point, and rescale_gap_ratio (unrescaled val-loss gap to the unfaulted
-run / the rescaled one's).
+    python bench/controller.py [--quick] [--seeds N] [--gpt-seeds N] [--steps N] [--jobs N]
+                               [--tasks nqm_adam,nqm_nesterov,gpt] [--out results.json] [--signals]
+--signals prints the NQM ROC of the candidate LR signals (docs/controller.md) and exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import math
 import multiprocessing
 import os
+import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -67,6 +72,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from trainguard.agent.controller import ControllerConfig, install  # noqa: E402
+from trainguard.agent.controller.calibrate import MULTIPLIERS, SIGNALS, run_nqm, signal_roc  # noqa: E402
+from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController  # noqa: E402
+from trainguard.agent.controller.nqm import TASKS  # noqa: E402
 from trainguard.agent.eventlog import EventLog  # noqa: E402
 from trainguard.agent.lifecycle.plans import PlanStore  # noqa: E402
 from trainguard.agent.ranktable import RankTable  # noqa: E402
@@ -82,72 +90,76 @@ JOB = "bench"
 DP = 2
 GLOBAL_BATCH = 16
 DEFAULT_LR = OptimConfig().lr
-STARTS = {"default": 0, "low": -1, "high": 1}
-"""Starting LRs as powers of ten of the default."""
-GRID = (-1, 0, 1)
-"""The grid around a starting LR: x0.1, x1, x10."""
-STRATEGIES = ("optuna", "rl", "goodput")
+GRID = (0.1, 1.0, 10.0)
+"""The grid around a starting LR."""
+OFF = [k for k in MULTIPLIERS if k != "good"]
+BUDGET = 1.5
+"""Steps a run may execute, as a multiple of its planned schedule."""
 
 
 @dataclass
 class Run:
-    method: str
+    task: str
+    arm: str
+    start: str
     seed: int
-    lr: float
-    curve: list[tuple[float, int, float]] = field(default_factory=list)
-    """(clock seconds, step, val loss) at every evaluation."""
-    cpu: float = 0.0
-    wall: float = 0.0
-    decisions: int = 0
+    mult: float
+    curve: list[tuple[float, int, float, float]] = field(default_factory=list)
+    """(clock, trajectory step, val loss, test loss) at every evaluation."""
+    executed: int = 0
+    clock: float = 0.0
+    final_val: float = math.nan
+    final_test: float = math.nan
+    """Losses when the trajectory reached the schedule's last step (or at the budget's end)."""
     final_lr_scale: float = 1.0
-    final_batch: int = 0
-    events: list[str] = field(default_factory=list)
+    decisions: list[str] = field(default_factory=list)
 
     def to_target(self, target: float) -> float:
-        return next((t for t, _, val in self.curve if val <= target), math.inf)
+        return next((t for t, _, val, _ in self.curve if val <= target), math.inf)
 
-    def val_at(self, step: int) -> float:
-        return next(v for _, s, v in self.curve if s >= step)
+    def clock_at(self, step: int) -> float:
+        return next((t for t, s, _, _ in self.curve if s >= step), self.clock)
 
-    def time_at(self, step: int) -> float:
-        return next(t for t, s, _ in self.curve if s >= step)
+
+def describe(a: Action) -> str:
+    return f"{a.kind}@{a.step}->x{a.lr_scale:.3g}"
 
 
 def make_cfg(steps: int, lr: float, seed: int, cache: str) -> TrainConfig:
     return TrainConfig.from_dict({
         "model": {"layers": 2, "d_model": 64, "heads": 4, "context": 64},
-        "data": {"cache_dir": cache, "max_bytes": 4_000_000, "val_samples": 48},
-        "optim": {"lr": lr, "warmup": 10, "clip": 1.0},
+        "data": {"cache_dir": cache, "max_bytes": 4_000_000, "val_samples": 96},
+        "optim": {"lr": lr, "warmup": max(1, steps // 40), "clip": 1.0},
         "parallel": {"dp": DP}, "steps": steps, "global_batch": GLOBAL_BATCH, "seed": seed})
 
 
 class Loop:
-    """One training run: emulated dp ranks, plan-driven LR scale and batch, periodic validation."""
+    """One GPT run: emulated dp ranks, an LR scale set by the evidence controller (with in-memory
+    snapshots) or by plans of the agent's controller (the healing arm), periodic evaluation."""
 
-    def __init__(self, cfg: TrainConfig, corpus: Corpus, *, optimizer: str = "adamw",
-                 controller: ControllerConfig | None = None, workdir: str = "") -> None:
+    def __init__(self, cfg: TrainConfig, corpus: Corpus, *, controller: ControllerConfig | None = None,
+                 evidence: EvidenceController | None = None, act: bool = True, workdir: str = "") -> None:
         self.cfg = cfg
         self.corpus = corpus
         torch.manual_seed(cfg.seed)
         self.model = build_stage(cfg.model, cfg.seed)
         span = cfg.model.context + 1
         self.sampler = Sampler(len(corpus.train) // span, cfg.seed)
-        vidx = val_index(len(corpus.val) // span, cfg.data.val_samples)
-        self.val = torch.from_numpy(windows(corpus.val, cfg.model.context, vidx))
+        held = torch.from_numpy(windows(corpus.val, cfg.model.context,
+                                        val_index(len(corpus.val) // span, cfg.data.val_samples)))
+        self.val, self.test = held[0::2], held[1::2]  # two disjoint held-out sets
         o = cfg.optim
-        self.sf = optimizer == "schedulefree"
-        if self.sf:
-            import schedulefree  # only this arm needs it (a dev extra)
-            self.opt: Any = schedulefree.AdamWScheduleFree(self.model.parameters(), lr=o.lr, warmup_steps=o.warmup,
-                                                           betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-        else:
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
-                                         weight_decay=o.weight_decay)
+        self.opt: Any = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
+                                          weight_decay=o.weight_decay)
+        self.params = list(self.model.parameters())
         self.sizes = split_counts(cfg.global_batch, DP)
-        self.alignment = UpdateAlignment(self.model.parameters())  # what the trainer reports, as update_cos
+        self.alignment = UpdateAlignment(self.params)
         self.update_cos: float | None = None
+        self.traj_cos = 0.0
+        self.ref: torch.Tensor | None = None
         self.lr_scale = 1.0
         self.version = 0
+        self.evidence, self.act = evidence, act
         self.agent: Any = None
         self.controller: Any = None
         if controller is not None:
@@ -161,27 +173,33 @@ class Loop:
             self.watcher = PlanWatcher(self.agent.plans.path(JOB))
             self.version = self.watcher.poll().version
 
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        if self.sf:
-            self.model.eval()
-            self.opt.eval()
-        x, y = self.val[:, :-1], self.val[:, 1:]
-        logits = self.model(x)
-        loss = float(F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)))
-        if self.sf:
-            self.model.train()
-            self.opt.train()
-        return loss
+    def flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
 
-    def step(self, step: int) -> tuple[float, float, list[tuple[int, float]], float, float, float]:
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        out = []
+        for held in (self.val, self.test):
+            logits = self.model(held[:, :-1])
+            out.append(float(F.cross_entropy(logits.reshape(-1, 256), held[:, 1:].reshape(-1))))
+        return out[0], out[1]
+
+    def snapshot(self, step: int) -> dict[str, Any]:
+        return {"model": copy.deepcopy(self.model.state_dict()), "opt": copy.deepcopy(self.opt.state_dict()),
+                "step": step}
+
+    def restore(self, snap: dict[str, Any]) -> int:
+        self.model.load_state_dict(snap["model"])
+        self.opt.load_state_dict(snap["opt"])
+        return int(snap["step"])
+
+    def step(self, step: int, traj: bool = False) -> tuple[float, float, list[tuple[int, float]], float, float, float]:
         cfg = self.cfg
         idx = self.sampler.next_step(self.sizes)
         global_n = sum(self.sizes)
-        lr = (cfg.optim.lr if self.sf else lr_at(cfg, step)) * self.lr_scale
+        lr = lr_at(cfg, step) * self.lr_scale
         t0 = time.perf_counter()
-        params = [p for p in self.model.parameters()]
-        total = [torch.zeros_like(p) for p in params]
+        total = [torch.zeros_like(p) for p in self.params]
         local: list[tuple[int, float]] = []
         loss_sum = 0.0
         for r, n in enumerate(self.sizes):
@@ -190,14 +208,14 @@ class Loop:
                 continue
             batch = torch.from_numpy(windows(self.corpus.train, cfg.model.context, idx[r]))
             x, y = batch[:, :-1], batch[:, 1:]
-            for p in params:
+            for p in self.params:
                 p.grad = None
             logits = self.model(x)
             loss = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
             loss.backward()
             sq = 0.0
             w = n / global_n
-            for p, acc in zip(params, total, strict=True):
+            for p, acc in zip(self.params, total, strict=True):
                 if p.grad is not None:
                     sq += float(p.grad.double().pow(2).sum())
                     acc.add_(p.grad, alpha=w)
@@ -205,15 +223,22 @@ class Loop:
             loss_sum += float(loss.detach()) * n
         t1 = time.perf_counter()
         grad_sq = 0.0
-        for p, acc in zip(params, total, strict=True):
+        for p, acc in zip(self.params, total, strict=True):
             p.grad = acc
             grad_sq += float(acc.double().pow(2).sum())
+        if traj and self.ref is not None:
+            # cos(g, -(theta - theta_ref)): what the evidence controller reads each step.
+            g = torch.cat([a.reshape(-1) for a in total])
+            d = self.flat() - self.ref
+            denom = float(g.norm() * d.norm())
+            self.traj_cos = float(-(g @ d)) / denom if denom > 0 else 0.0
         norm = math.sqrt(grad_sq)
         if cfg.optim.clip and norm > cfg.optim.clip:
-            for p in params:
-                p.grad.mul_(cfg.optim.clip / (norm + 1e-6))
-        for g in self.opt.param_groups:
-            g["lr"] = lr
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(cfg.optim.clip / (norm + 1e-6))
+        for g_ in self.opt.param_groups:
+            g_["lr"] = lr
         if math.isfinite(norm):
             self.opt.step()
         self.update_cos = self.alignment.after_step()
@@ -227,14 +252,16 @@ class Loop:
         if self.agent is not None:
             self.agent.table.forget_job(JOB)
 
-    def run(self, method: str, max_steps: int, target: float | None, val_every: int,
-            lose_rank_at: int | None = None) -> Run:
-        out = Run(method, self.cfg.seed, self.cfg.optim.lr)
-        if self.sf:
-            self.opt.train()
-        start, wall0 = time.process_time(), time.perf_counter()
+    def run(self, out: Run, budget: int, val_every: int, lose_rank_at: int | None = None) -> Run:
+        """Execute up to ``budget`` steps; the trajectory's step goes back when a snapshot is restored."""
+        schedule = self.cfg.steps
+        clock = 0.0
         pending = None
-        for step in range(max_steps):
+        snap: dict[str, Any] | None = None
+        step = 0
+        ev = self.evidence
+        for executed in range(1, budget + 1):
+            t0 = time.process_time()
             if step == lose_rank_at:
                 self.lose_rank()
             if pending is not None:
@@ -242,13 +269,27 @@ class Loop:
                 if pending.batch_sizes and len(pending.batch_sizes) == len(self.sizes):
                     self.sizes = list(pending.batch_sizes)
                 pending = None
-            loss, grad_sq, local, lr, compute_s, opt_s = self.step(step)
+            if ev is not None and ev.window_start(step):
+                self.ref = self.flat().clone()
+            loss, grad_sq, local, lr, compute_s, opt_s = self.step(step, ev is not None and ev.reads(step + 1))
+            step += 1
+            if ev is not None:
+                action = ev.observe(step, loss, self.traj_cos)
+                if action is not None and self.act:
+                    out.decisions.append(describe(action))
+                    if action.kind == "move":
+                        snap = self.snapshot(step)
+                    elif action.kind == "restore" and snap is not None:
+                        step = self.restore(snap)
+                    if action.kind != "move":
+                        snap = None
+                    self.lr_scale = action.lr_scale
             if self.controller is not None:
                 now = time.process_time()
                 dp, gn = len(self.sizes), sum(self.sizes)
                 for r, (b, sq) in enumerate(local):
                     self.agent.table.add(Telemetry(
-                        job=JOB, rank=r, local_rank=r, pid=os.getpid(), step=step + 1, wall_time=now,
+                        job=JOB, rank=r, local_rank=r, pid=os.getpid(), step=step, wall_time=now,
                         step_s=compute_s + opt_s, data_s=0.0, fwd_bwd_s=compute_s * b / gn * dp, comm_s=0.0,
                         opt_s=opt_s, samples=b, tokens=b * self.cfg.model.context, loss=loss,
                         grad_norm=math.sqrt(grad_sq), local_grad_sq=sq, lr=lr, batch_size=b, mem_bytes=0,
@@ -257,23 +298,48 @@ class Loop:
                 polled = self.watcher.poll()
                 if polled.version != self.version:
                     pending = polled
-            if (step + 1) % val_every == 0 or step + 1 == max_steps:
-                val = self.evaluate()
-                out.curve.append((time.process_time() - start, step + 1, val))
-                if not math.isfinite(val) or (target is not None and val <= target):
+            clock += time.process_time() - t0  # evaluation below is off the clock
+            if executed % val_every == 0 or step == schedule or executed == budget:
+                val, test = self.evaluate()
+                out.curve.append((clock, step, val, test))
+                if step == schedule and math.isnan(out.final_val):
+                    out.final_val, out.final_test = val, test
+                if not math.isfinite(val):
                     break
-        out.wall = time.perf_counter() - wall0
-        out.cpu = time.process_time() - start
-        out.final_lr_scale, out.final_batch = self.lr_scale, sum(self.sizes)
+        out.executed, out.clock = executed, clock
+        if math.isnan(out.final_val) and out.curve:
+            out.final_val, out.final_test = out.curve[-1][2], out.curve[-1][3]
+        out.final_lr_scale = self.lr_scale
         if self.controller is not None:
-            out.decisions = sum(jc.decisions for jc in self.controller.jobs.values())
-            out.events = [e["message"] for e in self.agent.events.since(0, 10_000)
-                          if e["kind"] in ("controller_lr_rescale", "controller_rollback")]
+            out.decisions += [e["message"] for e in self.agent.events.since(0, 10_000)
+                              if e["kind"] in ("controller_lr_rescale", "controller_rollback")]
             self.controller.close()
         return out
 
 
-# --- worker side: one task = one run -------------------------------------------------------------
+def restore_check(cache: str) -> str:
+    """The GPT loop's snapshot and restore bring back parameters and optimizer state exactly ("" if
+    so, else what differs): the evidence arm's moves lean on it, and a short run may never move."""
+    corpus = Corpus.load(cache, 4_000_000)
+    loop = Loop(make_cfg(20, DEFAULT_LR, 0, cache), corpus)
+    for step in range(3):
+        loop.step(step)
+    snap = loop.snapshot(3)
+    params, exp_avg = loop.flat().clone(), [s["exp_avg"].clone() for s in loop.opt.state.values()]
+    for step in range(3, 6):
+        loop.step(step)
+    if torch.equal(loop.flat(), params):
+        return "the parameters did not move between snapshot and restore"
+    if loop.restore(snap) != 3:
+        return "restore returned the wrong step"
+    if not torch.equal(loop.flat(), params):
+        return "parameters differ after restore"
+    if not all(torch.equal(a["exp_avg"], b) for a, b in zip(loop.opt.state.values(), exp_avg, strict=True)):
+        return "optimizer state differs after restore"
+    return ""
+
+
+# --- worker side: one spec = one run -------------------------------------------------------------
 _CORPUS: Corpus | None = None
 
 
@@ -286,181 +352,266 @@ def _corpus(cache: str) -> Corpus:
 
 
 @dataclass(frozen=True)
-class Task:
+class Spec:
+    task: str
     arm: str
+    """none, evidence, null, grid (a grid member without its own start), or a healing arm."""
+    start: str
+    mult: float
     seed: int
-    lr: float
     schedule: int
-    """Steps of the warmup+cosine schedule (the run may go on at its floor up to ``budget``)."""
     budget: int
-    val_every: int
-    cache: str
-    work: str
-    target: float | None = None
-    strategy: str = ""
-    controller: dict[str, Any] = field(default_factory=dict)
+    val_every: int = 1
+    cache: str = ""
+    work: str = ""
+    rule: str = ""
+    """Healing arm: the agent controller's lr_batch_rule."""
     lose_rank_at: int | None = None
+    min_window: int = EvidenceConfig().min_window
+    """Shortest window in steps (quick: 4, so a 40-step run gets looks at all)."""
 
 
-def run_task(task: Task) -> Run:
-    corpus = _corpus(task.cache)
-    cfg = make_cfg(task.schedule, task.lr, task.seed, task.cache)
+def run_spec(spec: Spec) -> Run:
+    out = Run(spec.task, spec.arm, spec.start, spec.seed, spec.mult)
+    if spec.task.startswith("nqm_"):
+        r = run_nqm(TASKS[spec.task[4:]], spec.mult, spec.seed, spec.schedule, control=spec.arm == "evidence",
+                    budget=spec.budget)
+        out.curve = [(i + 1.0, i + 1, v, v) for i, v in enumerate(r.losses)]
+        out.executed, out.clock = len(r.losses), float(len(r.losses))
+        out.final_val = out.final_test = r.final_loss
+        out.final_lr_scale = r.final_lr_scale
+        out.decisions = [describe(a) for a in r.actions]
+        return out
+    corpus = _corpus(spec.cache)
+    cfg = make_cfg(spec.schedule, DEFAULT_LR * spec.mult, spec.seed, spec.cache)
     kw: dict[str, Any] = {}
-    if task.arm == "schedulefree":
-        kw["optimizer"] = "schedulefree"
-    if task.strategy:
-        kw["controller"] = ControllerConfig(strategy=task.strategy, **task.controller)  # type: ignore[arg-type]
-        kw["workdir"] = tempfile.mkdtemp(dir=task.work)
-    return Loop(cfg, corpus, **kw).run(task.arm, task.budget, task.target, task.val_every, task.lose_rank_at)
+    if spec.arm in ("evidence", "null"):
+        kw["evidence"] = EvidenceController(spec.schedule, EvidenceConfig(min_window=spec.min_window))
+        kw["act"] = spec.arm == "evidence"
+    if spec.rule:
+        kw["controller"] = ControllerConfig(strategy="none", lr_batch_rule=spec.rule)  # type: ignore[arg-type]
+        kw["workdir"] = tempfile.mkdtemp(dir=spec.work)
+    return Loop(cfg, corpus, **kw).run(out, spec.budget, spec.val_every, spec.lose_rank_at)
 
 
-# --- the report ----------------------------------------------------------------------------------
-def median(values: list[float]) -> float:
-    """Median where a miss (inf) counts as the largest value."""
-    return statistics.median(values) if values else math.nan
+# --- statistics ----------------------------------------------------------------------------------
+def ratio(num: float, den: float) -> float:
+    """num / den for times: a miss (inf) in the denominator is 0, in both 1."""
+    if math.isinf(den):
+        return 1.0 if math.isinf(num) else 0.0
+    return num / den if den > 0 else math.nan
 
 
-def ratio(none_t: float, arm_t: float) -> float:
-    if math.isinf(arm_t):
-        return 0.0
-    return none_t / arm_t if arm_t > 0 else math.nan
+def bootstrap(values: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Median of ``values`` and the 2.5 / 97.5 percentiles of the medians of resamples."""
+    if not values:
+        return math.nan, math.nan, math.nan
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(reps))
+    return statistics.median(values), meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
 
 
-def fmt_t(t: float) -> str:
-    return "   miss" if math.isinf(t) else f"{t:7.1f}"
+def commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        return head + ("+dirty" if dirty else "") if head else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# --- the bench -----------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    task: str
+    seeds: int
+    schedule: int
+    starts: list[str]
+    val_every: int
+    min_window: int = EvidenceConfig().min_window
+
+
+def specs_for(p: Plan, cache: str, work: str) -> list[Spec]:
+    """Every run of a task, each seed's runs shuffled together (arms interleaved in time)."""
+    budget = int(BUDGET * p.schedule)
+    out: list[Spec] = []
+    for seed in range(p.seeds):
+        runs: list[Spec] = []
+        base = {"seed": seed, "schedule": p.schedule, "val_every": p.val_every, "cache": cache, "work": work,
+                "min_window": p.min_window}
+        grid_mults = {MULTIPLIERS[s] * g for s in p.starts for g in GRID} - {MULTIPLIERS[s] for s in p.starts}
+        for s in p.starts:
+            runs.append(Spec(p.task, "none", s, MULTIPLIERS[s], budget=budget, **base))  # type: ignore[arg-type]
+            runs.append(Spec(p.task, "evidence", s, MULTIPLIERS[s], budget=budget, **base))  # type: ignore[arg-type]
+        runs.append(Spec(p.task, "null", "good", 1.0, budget=budget, **base))  # type: ignore[arg-type]
+        for m in sorted(grid_mults):
+            runs.append(Spec(p.task, "grid", "", m, budget=p.schedule, **base))  # type: ignore[arg-type]
+        random.Random(f"{p.task}:{seed}").shuffle(runs)
+        out += runs
+    return out
+
+
+def report(p: Plan, runs: list[Run], result: dict[str, float], goals: list[str]) -> None:
+    t = p.task
+    by = {(r.arm, r.start, r.seed): r for r in runs if r.arm != "grid"}
+    fixed = {(round(r.mult, 9), r.seed): r for r in runs if r.arm in ("grid", "none")}
+    seeds = range(p.seeds)
+    half = int(0.75 * p.schedule)
+    target = statistics.median(next(v for _, s, v, _ in by[("none", "good", i)].curve if s >= half) for i in seeds)
+    good_none = [by[("none", "good", i)].to_target(target) for i in seeds]
+    print(f"\n== {t}: {p.seeds} seed(s), schedule {p.schedule}, budget {int(BUDGET * p.schedule)} steps; target "
+          f"{target:.5g} (none at the good LR, step {half}); none at the good LR reaches it at median "
+          f"{statistics.median(good_none):.4g}")
+    for r in sorted(runs, key=lambda r: (r.start, r.arm, r.seed)):
+        if r.arm == "grid":
+            continue
+        print(f"  {t} {r.arm:8s} {r.start:6s} seed {r.seed:2d}: to target {r.to_target(target):8.4g}, final val "
+              f"{r.final_val:.5g} test {r.final_test:.5g}, executed {r.executed}, lr x{r.final_lr_scale:.3g}; "
+              f"decisions [{' '.join(r.decisions)}]")
+
+    def member(start: str, g: float, seed: int) -> Run:
+        """A grid member: the fixed-LR run at start x g (another start's none run where they coincide)."""
+        return fixed[(round(MULTIPLIERS[start] * g, 9), seed)]
+
+    harm = [ratio(good_none[i], by[("evidence", "good", i)].to_target(target)) for i in seeds]
+    h, lo, hi = bootstrap(harm)
+    finals = [by[("evidence", "good", i)].final_test / by[("none", "good", i)].final_test for i in seeds]
+    f, flo, fhi = bootstrap(finals)
+    silent = sum(not by[("evidence", "good", i)].decisions for i in seeds)
+    result[f"{t}_harm_ratio"], result[f"{t}_harm_ci_lo"], result[f"{t}_final_loss_ratio"] = h, lo, f
+    print(f"  {t} harm ratio (none / evidence time at the good LR) {h:.3f} [{lo:.3f}, {hi:.3f}]; final loss ratio "
+          f"{f:.3f} [{flo:.3f}, {fhi:.3f}]; silent in {silent}/{p.seeds} seeds")
+    null_steps = [by[("none", "good", i)].clock / by[("none", "good", i)].executed
+                  / (by[("null", "good", i)].clock / by[("null", "good", i)].executed) for i in seeds
+                  if by[("null", "good", i)].clock > 0]
+    if not t.startswith("nqm_") and null_steps:
+        result[f"{t}_null_step_ratio"] = statistics.median(null_steps)
+        print(f"  {t} null arm: none's / null's clock per step {result[f'{t}_null_step_ratio']:.3f}")
+    rescue_ok, grid_ok = True, True
+    for s in [x for x in p.starts if x != "good"]:
+        rescue = [ratio(good_none[i], by[("evidence", s, i)].to_target(target)) for i in seeds]
+        grid_ratio = []
+        for i in seeds:
+            members = [member(s, g, i) for g in GRID]
+            winner = min(members, key=lambda r: r.final_val if math.isfinite(r.final_val) else math.inf)
+            cost = sum(r.clock_at(p.schedule) for r in members if r is not winner)
+            grid_ratio.append(ratio(cost + winner.to_target(target), by[("evidence", s, i)].to_target(target)))
+        r_med, r_lo, r_hi = bootstrap(rescue)
+        g_med, g_lo, g_hi = bootstrap(grid_ratio)
+        result[f"{t}_rescue_{s}_ratio"], result[f"{t}_grid_{s}_ratio"] = r_med, g_med
+        none_from = statistics.median(ratio(good_none[i], by[("none", s, i)].to_target(target)) for i in seeds)
+        print(f"  {t} from {s:6s}: rescue ratio {r_med:.3f} [{r_lo:.3f}, {r_hi:.3f}] (none from there {none_from:.3f}); "
+              f"grid / evidence {g_med:.3f} [{g_lo:.3f}, {g_hi:.3f}]")
+        rescue_ok &= r_med >= 1 / 1.5
+        grid_ok &= g_med > 1
+    full = set(p.starts) == set(MULTIPLIERS)
+    harm_ok = h >= 0.98 and lo >= 0.96 and f <= 1.0
+    goals.append(f"  {t}: do no harm {'met' if harm_ok else 'NOT met'}; rescue from every start "
+                 f"{'met' if rescue_ok else 'NOT met'}; better than the grid at every start "
+                 f"{'met' if grid_ok else 'NOT met'}{'' if full else ' (not every start was run)'}")
+
+
+def heal_specs(seeds: int, schedule: int, val_every: int, cache: str, work: str) -> list[Spec]:
+    out = []
+    for seed in range(seeds):
+        base = {"task": "gpt", "start": "good", "mult": 1.0, "seed": seed, "schedule": schedule, "budget": schedule,
+                "val_every": val_every, "cache": cache, "work": work}
+        out.append(Spec(arm="unfaulted", rule="sqrt", **base))  # type: ignore[arg-type]
+        for rule in ("sqrt", "none"):
+            out.append(Spec(arm=f"node loss, rule {rule}", rule=rule, lose_rank_at=schedule // 2,
+                            **base))  # type: ignore[arg-type]
+    return out
+
+
+def print_signals(seeds: int) -> None:
+    for name, task in TASKS.items():
+        roc = signal_roc(task, seeds=seeds)
+        print(f"\nNQM {name}: AUC against the good LR (1: separates in the needed direction), by window position")
+        print(f"{'signal':12s}{'at':>5s}" + "".join(f"{k:>8s}" for k in OFF))
+        for sig in SIGNALS:
+            for frac, cell in roc[sig].items():
+                print(f"{sig:12s}{frac:>5.0%}" + "".join(f"{cell[k]:8.2f}" for k in OFF))
+        print("traj_cos at the shipped thresholds: fraction of windows flagged (+ too low, - too high)")
+        print(f"{'':12s}{'at':>5s}" + "".join(f"{k:>8s}" for k in MULTIPLIERS))
+        for frac, cell in roc["traj_cos"].items():
+            print(f"{'':12s}{frac:>5.0%}" + "".join(f"{cell['fires_' + k]:+8.2f}" for k in MULTIPLIERS))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="1 seed, a short schedule and a scaled-down controller window (< 2 min; not the shipped "
-                         "defaults: a smoke run, not a measurement)")
-    ap.add_argument("--seeds", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None, help="schedule length in steps (the budget is 2x)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run (< 2 min): few seeds, a short gpt")
+    ap.add_argument("--seeds", type=int, default=None, help="NQM seeds (default 20; quick 3, 600-step runs)")
+    ap.add_argument("--gpt-seeds", type=int, default=None, help="gpt seeds (default 10; quick 1)")
+    ap.add_argument("--steps", type=int, default=None, help="gpt schedule length in steps (default 1000; quick 40)")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes")
+    ap.add_argument("--tasks", default="nqm_adam,nqm_nesterov,gpt")
+    ap.add_argument("--out", default="", help="JSON file for the per-seed results (default: a temp file)")
+    ap.add_argument("--signals", action="store_true", help="print the NQM signal ROC and exit")
     args = ap.parse_args()
-    seeds = args.seeds or (1 if args.quick else 5)
-    schedule = args.steps or (60 if args.quick else 400)
-    budget = 2 * schedule
-    val_every = 5 if args.quick else 10
-    shipped = ControllerConfig()
-    settings: dict[str, Any] = {}
-    if args.quick:
-        # Shipped windows would not fit a 60-step schedule: the smoke run scales them down.
-        settings = {"every_steps": 10, "warmup_steps": 10}
-    window = settings.get("every_steps", shipped.every_steps)
-    warmup = settings.get("warmup_steps", shipped.warmup_steps)
+    if args.signals:
+        print_signals(args.seeds or 20)
+        return 0
+    tasks = [t for t in args.tasks.split(",") if t]
+    plans = []
+    for t in tasks:
+        if t.startswith("nqm_"):
+            plans.append(Plan(t, args.seeds or (3 if args.quick else 20), 600 if args.quick else 1000,
+                              list(MULTIPLIERS), 1))
+        elif t == "gpt":
+            steps = args.steps or (40 if args.quick else 1000)
+            starts = ["low10", "good", "high10"] if args.quick else list(MULTIPLIERS)
+            plans.append(Plan(t, args.gpt_seeds or (1 if args.quick else 10), steps, starts, 10,
+                              4 if args.quick else EvidenceConfig().min_window))
+        else:
+            print(f"bench/controller: unknown task {t!r}", file=sys.stderr)
+            return 2
     work = tempfile.mkdtemp(prefix="tg-bench-ctl-")
     cache = os.path.join(work, "cache")
-    Corpus.load(cache, 4_000_000)  # built once here, read by every worker
-    print(f"bench/controller: {seeds} seed(s), schedule {schedule} steps, budget {budget}, eval every {val_every}; "
-          f"controller window {window}, warm-up {warmup}, LR scale [{shipped.lr_scale_min:g}, "
-          f"{shipped.lr_scale_max:g}], rule {shipped.lr_batch_rule}"
-          f"{' (quick: scaled down)' if args.quick else ' (shipped defaults)'}; dp={DP} emulated, "
-          f"{args.jobs} worker(s), torch threads 1", flush=True)
+    rev = commit()
+    print(f"bench/controller: commit {rev}; tasks {', '.join(f'{p.task} ({p.seeds} seeds, {p.schedule} steps)' for p in plans)}"
+          f"{'; quick: a smoke run, not a measurement' if args.quick else ''}; {args.jobs} worker(s)", flush=True)
     t_all = time.perf_counter()
-
-    def task(arm: str, seed: int, lr: float, steps: int, **kw: Any) -> Task:
-        return Task(arm, seed, lr, schedule, steps, val_every, cache, work, **kw)
-
-    def lr_of(power: int) -> float:
-        return DEFAULT_LR * 10.0 ** power
-
-    powers = sorted({s + g for s in STARTS.values() for g in GRID})
+    specs: list[Spec] = []
+    for p in plans:
+        specs += specs_for(p, cache, work)
+    gpt = next((p for p in plans if p.task == "gpt"), None)
+    heal = heal_specs(gpt.seeds, gpt.schedule, gpt.val_every, cache, work) if gpt else []
+    if gpt:
+        Corpus.load(cache, 4_000_000)  # built once here, read by every worker
+        torch.set_num_threads(1)
+        problem = restore_check(cache)
+        if problem:
+            print(f"bench/controller: GPT snapshot/restore check failed: {problem}", file=sys.stderr)
+            return 1
+        print("  gpt snapshot/restore check: parameters and optimizer state restored exactly", flush=True)
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
-        # 1. Fixed-LR runs: the grids' members (to the schedule's end) and 'none' at each start
-        #    (the whole budget: the target is not known yet). None of them sees a controller.
-        fixed_tasks = [(seed, p, task("fixed", seed, lr_of(p), budget if p in STARTS.values() else schedule))
-                       for seed in range(seeds) for p in powers]
-        fixed = {(seed, p): run for (seed, p, _), run in
-                 zip(fixed_tasks, pool.map(run_task, [t for _, _, t in fixed_tasks]), strict=True)}
-        target = statistics.median(fixed[(seed, 0)].val_at(int(0.75 * schedule)) for seed in range(seeds))
-        print(f"  target val loss {target:.4f} (median over seeds of none at lr {DEFAULT_LR:g}, at step "
-              f"{int(0.75 * schedule)} of {schedule}); fixed runs done in {time.perf_counter() - t_all:.0f}s", flush=True)
-
-        # 2. The arms that need the target: schedule-free, the strategies, and the healing arm.
-        arm_tasks: list[tuple[str, str, int, Task]] = []
-        for name, power in STARTS.items():
-            lr = lr_of(power)
-            for seed in range(seeds):
-                arm_tasks.append(("schedulefree", name, seed, task("schedulefree", seed, lr, budget, target=target)))
-                for strategy in STRATEGIES:
-                    arm_tasks.append((strategy, name, seed, task(strategy, seed, lr, budget, target=target,
-                                                                 strategy=strategy, controller=settings)))
-        heal_tasks: list[tuple[str, int, Task]] = []
-        for seed in range(seeds):
-            heal_tasks.append(("unfaulted", seed, task("unfaulted", seed, DEFAULT_LR, schedule, strategy="none",
-                                                       controller={"lr_batch_rule": "sqrt"})))
-            for rule in ("sqrt", "none"):
-                heal_tasks.append((f"node loss, rule {rule}", seed, task(
-                    f"loss-{rule}", seed, DEFAULT_LR, schedule, strategy="none", controller={"lr_batch_rule": rule},
-                    lose_rank_at=schedule // 2)))
-        runs = list(pool.map(run_task, [t for *_, t in arm_tasks] + [t for *_, t in heal_tasks]))
-    arm_runs = runs[:len(arm_tasks)]
-    heal_runs = runs[len(arm_tasks):]
-
-    # Times to target per (arm, start): lists over seeds.
-    times: dict[tuple[str, str], list[float]] = {}
-    for name, power in STARTS.items():
-        for seed in range(seeds):
-            times.setdefault(("none", name), []).append(fixed[(seed, power)].to_target(target))
-            members = [fixed[(seed, power + g)] for g in GRID]
-            winner = min(members, key=lambda r: r.val_at(schedule))
-            cost = sum(r.time_at(schedule) for r in members if r is not winner)
-            times.setdefault(("grid", name), []).append(cost + winner.to_target(target))
-    for (arm, name, seed, _), run in zip(arm_tasks, arm_runs, strict=True):
-        times.setdefault((arm, name), []).append(run.to_target(target))
-        print(f"  {arm:12s} start {name:7s} seed {seed}: {'reached' if math.isfinite(run.to_target(target)) else 'missed'}"
-              f" at {run.to_target(target):.1f}s cpu (wall {run.wall:.1f}s), {run.curve[-1][1]} steps, val "
-              f"{run.curve[-1][2]:.4f}, decisions {run.decisions}, final lr x{run.final_lr_scale:.3g} batch "
-              f"{run.final_batch}", flush=True)
-
-    arms = ["none", "grid", "schedulefree", *STRATEGIES]
-    print()
-    print("CPU seconds to the target (median over seeds; miss: not reached in the budget); x: none's / the arm's")
-    print(f"{'arm':14s}" + "".join(f"{name + ' (lr ' + format(lr_of(p), 'g') + ')':>26s}"
-                                   for name, p in STARTS.items()))
+        runs = list(pool.map(run_spec, specs + heal, chunksize=1))
+    main_runs, heal_runs = runs[:len(specs)], runs[len(specs):]
     result: dict[str, float] = {}
-    for arm in arms:
-        cells = []
-        for name in STARTS:
-            t = median(times[(arm, name)])
-            x = ratio(median(times[("none", name)]), t)
-            if arm != "none":
-                result[f"{arm}_{name}_ratio"] = x
-            if math.isinf(x):
-                cells.append(f"{fmt_t(t)} s  none missed")
-            else:
-                cells.append(f"{fmt_t(t)} s  x{x:5.2f}" if x > 0 else f"{fmt_t(t)} s  x  -  ")
-        print(f"{arm:14s}" + "".join(f"{c:>26s}" for c in cells))
-
-    print("\ngoals:")
-    for strategy in STRATEGIES:
-        harm = result[f"{strategy}_default_ratio"] >= 1 / 1.05
-        rescue = []
-        for name in ("low", "high"):
-            none_t = median(times[("none", name)])
-            mine = median(times[(strategy, name)])
-            rescue.append(math.isfinite(mine) and (math.isinf(none_t) or none_t / mine >= 2.0))
-        grid = all(median(times[(strategy, n)]) < median(times[("grid", n)]) for n in STARTS)
-        print(f"  {strategy:8s} do no harm (default within 1.05x of none): {'met' if harm else 'NOT met'}; "
-              f"rescue from 10x low / 10x high (>= 2x none): {'met' if rescue[0] else 'NOT met'} / "
-              f"{'met' if rescue[1] else 'NOT met'}; better than the grid at every start: {'met' if grid else 'NOT met'}")
-
-    finals: dict[str, list[float]] = {}
-    for (label, _, _), run in zip(heal_tasks, heal_runs, strict=True):
-        finals.setdefault(label, []).append(run.curve[-1][2])
-        if run.events:
-            print(f"  {label}: {run.events[0]}")
-    base = median(finals["unfaulted"])
-    with_rule, without = median(finals["node loss, rule sqrt"]), median(finals["node loss, rule none"])
-    gap_ratio = (without - base) / (with_rule - base) if with_rule != base else math.nan
-    print(f"\nnode loss at step {schedule // 2} of {schedule} (global batch {GLOBAL_BATCH} -> {GLOBAL_BATCH // DP}): "
-          f"val loss at the end, unfaulted {base:.4f}; LR rescaled by sqrt {with_rule:.4f}; not rescaled {without:.4f} "
-          f"(gap to unfaulted {with_rule - base:+.4f} vs {without - base:+.4f})")
-    print(f"target {target:.4f}; total bench wall {time.perf_counter() - t_all:.0f}s")
-    result["rescale_gap_ratio"] = gap_ratio
+    goals: list[str] = []
+    for p in plans:
+        report(p, [r for r in main_runs if r.task == p.task], result, goals)
+    if heal_runs:
+        finals: dict[str, list[float]] = {}
+        for r in heal_runs:
+            finals.setdefault(r.arm, []).append(r.final_val)
+        base = statistics.median(finals["unfaulted"])
+        with_rule, without = statistics.median(finals["node loss, rule sqrt"]), statistics.median(finals["node loss, rule none"])
+        result["rescale_gap_ratio"] = (without - base) / (with_rule - base) if with_rule != base else math.nan
+        print(f"\nnode loss at step {gpt.schedule // 2} of {gpt.schedule} (global batch {GLOBAL_BATCH} -> "  # type: ignore[union-attr]
+              f"{GLOBAL_BATCH // DP}): val at the end, unfaulted {base:.4f}; LR rescaled by sqrt {with_rule:.4f}; "
+              f"not rescaled {without:.4f}")
+    print("\ngoals (do no harm: harm ratio >= 0.98, CI low >= 0.96, final loss ratio <= 1; rescue: >= 1/1.5 from "
+          "every start; grid: its time / evidence's > 1 at every start):")
+    print("\n".join(goals))
+    out = args.out or os.path.join(work, "results.json")
+    with open(out, "w") as fh:
+        json.dump({"commit": rev, "argv": sys.argv[1:], "result": result,
+                   "runs": [asdict(r) for r in runs]}, fh, default=str)
+    print(f"per-seed results: {out}; total bench wall {time.perf_counter() - t_all:.0f}s")
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
     return 0
 

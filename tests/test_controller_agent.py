@@ -151,7 +151,10 @@ def test_controller_in_real_agent_and_training(tmp_path: Path) -> None:
         good = [e for e in changed if e["seq"] < rb["seq"] and e["lr_scale_to"] != 300.0]
         good_lr = good[-1]["lr_scale_to"] if good else 1.0
         assert rb["lr_scale_from"] == 300.0, rb
-        assert math.isclose(rb["lr_scale_to"], min(good_lr, 300.0 * math.sqrt(0.5)) * ccfg.lr_cut), rb
+        # The cut stays inside the bounds (the strategies' draws, seeded from the job, may have
+        # left the last good LR near lr_scale_min).
+        expected = max(ccfg.lr_scale_min, min(good_lr, 300.0 * math.sqrt(0.5)) * ccfg.lr_cut)
+        assert math.isclose(rb["lr_scale_to"], expected), rb
         rolled_back_at = rb["plan_version"]
         hot_at = next(e["plan_version"] for e in changed if e["lr_scale_to"] == 300.0)
         hot = [m for m in r0 if hot_at <= m.plan_version < rolled_back_at]

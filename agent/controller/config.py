@@ -41,7 +41,8 @@ class ControllerConfig:
     batch_max: int = 0
     """Largest global batch in samples (0: the job's configured global batch x 4)."""
     seed: int = 0
-    """Seed for the strategies' own randomness (samplers, Thompson draws)."""
+    """Seed for the strategies' own randomness (samplers, Thompson draws); 0 draws one from the
+    job id and its attempt (every job and restart explores differently)."""
     sampler: Literal["tpe", "gp"] = "tpe"
     """Optuna sampler: tpe (default) or gp (Gaussian process)."""
     storage: str = ""

@@ -32,6 +32,7 @@ import logging
 import math
 import statistics
 import threading
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -177,6 +178,20 @@ def split_batch(total: int, dp: int, unit: int, weights: list[int] | None) -> li
     return [u * unit for u in out]
 
 
+def strategy_seed(seed: int, job: str, agent: Any) -> int:
+    """The strategies' seed: ``seed`` where set, else one drawn from the job and its attempt, so
+    jobs and restarts do not all explore alike.
+
+    >>> strategy_seed(7, "j", None), strategy_seed(0, "j", None) == strategy_seed(0, "j", None)
+    (7, True)
+    """
+    if seed:
+        return seed
+    record = getattr(getattr(agent, "supervisor", None), "jobs", {}).get(job)
+    attempt = getattr(record, "attempt", 0)
+    return zlib.crc32(f"{job}:{attempt}".encode()) & 0x7FFFFFFF
+
+
 def decision_fields(result: WindowResult | None, inputs: dict[str, Any]) -> dict[str, Any]:
     """The event fields of a decision taken at the end of ``result``'s window."""
     objective = None if result is None or not math.isfinite(result.objective) else result.objective
@@ -245,7 +260,8 @@ class Controller:
         plan = agent.plans.get(job)
         batch = sum(plan.batch_sizes) if plan.batch_sizes and len(plan.batch_sizes) == dp else base
         current = Setting(float(plan.lr_scale), int(batch))
-        strategy = self.strategy_factory(self.config, space, job)
+        strategy = self.strategy_factory(replace(self.config, seed=strategy_seed(self.config.seed, job, agent)),
+                                         space, job)
         return JobControl(job, space, strategy, dp, current, current, NoiseScale(self.config.noise_ema),
                           known_version=plan.version)
 

@@ -1,0 +1,235 @@
+"""The evidence controller: silent unless a pre-registered test fires, and every move tentative.
+
+It reads one figure per step besides the loss: the trajectory cosine ``cos(g_t, -(theta_t -
+theta_ref))`` with theta_ref the parameters at the start of the current window (Mechanic-style).
+While the LR is too low the gradient keeps pointing further along the way travelled (the mean is
+clearly positive); once it is too high the iterate bounces in the noise and the gradient points
+back (clearly negative). Thresholds are pre-registered (``EvidenceConfig``), chosen on the NQM's
+nesterov task and checked on its adam task (docs/controller.md has the ROC of every candidate).
+
+A test fires when a window's mean (over its second half, where the reference is old enough)
+crosses a threshold for ``confirm`` windows in a row. Then, and only then:
+1. a forecast of the next window's mean log-loss under the current LR is made from the last two
+   windows (a local power law, log L linear in log t, with the standard error of its prediction);
+2. the caller snapshots the run (``Action.snapshot``) and applies LR x ``factor`` (or / factor);
+3. after one window the observed mean log-loss is compared with the forecast: more than
+   ``forecast_z`` standard errors worse restores the snapshot and closes that direction for good;
+   otherwise the move stands.
+Windows, the first decision and the last are fractions of the planned run (``steps``), so a run of
+any length gets the same number of looks. The LR scale lives in [lr_scale_min, lr_scale_max]
+(1/100..100 by default): evidence moves it, not the bounds. Nothing here is random.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class EvidenceConfig:
+    window: float = 0.02
+    """Window length as a fraction of the planned steps (at least ``min_window`` steps)."""
+    min_window: int = 8
+    start: float = 0.10
+    """No decision before this fraction of the planned run (the warm-up and the first transient)."""
+    stop: float = 0.50
+    """No new move after this fraction (the schedule's decay owns the end of the run)."""
+    high_threshold: float = -0.12
+    """LR too high: window mean trajectory cosine below this."""
+    low_threshold: float = 0.2
+    """LR too low: window mean trajectory cosine above this."""
+    low_persist: float = 0.0
+    """A too-low window counts toward ``confirm`` only when its mean is at least this fraction of
+    the window before: evidence that fades fast is the run's early phase, not a low LR. 0 (the
+    pre-registered default) turns the rule off; 1.0 trades rescue from 3x too low for silence at
+    a good LR (docs/controller.md)."""
+    confirm: int = 2
+    """Consecutive windows a test must fire in before a move."""
+    factor: float = 3.0
+    forecast_z: float = 2.0
+    """A move is worse when its window's mean log-loss is this many standard errors above the forecast."""
+    lr_scale_min: float = 0.01
+    lr_scale_max: float = 100.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0 < self.window <= 0.25, "window", "must be in (0, 0.25]"),
+            (self.min_window >= 4, "min_window", "must be >= 4"),
+            (0 <= self.start < self.stop <= 1, "stop", "must satisfy 0 <= start < stop <= 1"),
+            (self.high_threshold < 0 < self.low_threshold, "low_threshold", "must be > 0 > high_threshold"),
+            (self.confirm >= 1, "confirm", "must be >= 1"),
+            (0 <= self.low_persist <= 1, "low_persist", "must be in [0, 1]"),
+            (self.factor > 1, "factor", "must be > 1"),
+            (self.forecast_z > 0, "forecast_z", "must be > 0"),
+            (0 < self.lr_scale_min <= 1 <= self.lr_scale_max, "lr_scale_max", "must satisfy lr_scale_min <= 1 <= max"),
+        ]
+        for ok, name, msg in checks:
+            if not ok:
+                raise ValueError(f"evidence.{name}: {msg}")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Literal["move", "restore", "keep"]
+    """move: snapshot, then set ``lr_scale``; restore: back to the snapshot at ``lr_scale``;
+    keep: the tentative move stands (nothing to do but drop the snapshot)."""
+    lr_scale: float
+    step: int
+    reason: str
+    direction: int = 0
+    """+1 up, -1 down: the move's direction (or the restored or kept one's)."""
+
+
+@dataclass
+class _Trial:
+    direction: int
+    from_scale: float
+    step: int
+    forecast: float
+    forecast_se: float
+
+
+def loglog_forecast(points: list[tuple[int, float]], at: list[int]) -> tuple[float, float] | None:
+    """Fit log L = a + b log t to ``points`` (step, loss) and forecast the mean log-loss over the
+    steps ``at``: (mean, standard error of that mean, prediction noise of its own window included)."""
+    pts = [(math.log(s), math.log(v)) for s, v in points if s > 0 and v > 0 and math.isfinite(v)]
+    if len(pts) < 6 or not at:
+        return None
+    n = len(pts)
+    mx = sum(x for x, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    if sxx <= 0:
+        return None
+    b = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    a = my - b * mx
+    resid = math.sqrt(sum((y - a - b * x) ** 2 for x, y in pts) / (n - 2))
+    xs = [math.log(s) for s in at]
+    xbar = sum(xs) / len(xs)
+    mean = a + b * xbar
+    # The fit's error at the window's centre plus the new window's own sampling noise.
+    se = resid * math.sqrt(1 / n + (xbar - mx) ** 2 / sxx + 1 / len(xs))
+    return mean, se
+
+
+@dataclass
+class EvidenceController:
+    """One run's controller: ``observe`` every step, act on what it returns."""
+
+    steps: int
+    """The planned run length (the schedule's steps)."""
+    config: EvidenceConfig = field(default_factory=EvidenceConfig)
+    lr_scale: float = 1.0
+    closed: set[int] = field(default_factory=set)
+    """Directions (+1 up, -1 down) a restored move closed."""
+    log: list[Action] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.window = max(c.min_window, round(c.window * self.steps))
+        self._start = max(2 * self.window, round(c.start * self.steps))
+        self._stop = round(c.stop * self.steps)
+        self._points: list[tuple[int, float]] = []
+        """(step, loss) under the current setting since it was last changed (the forecast's data)."""
+        self._cos: list[float] = []
+        self._streak = 0
+        self._trial: _Trial | None = None
+        self._last_mean = 0.0
+
+    def window_start(self, step: int) -> bool:
+        """True when ``step`` (the number of steps done) opens a window: the caller resets theta_ref."""
+        return step % self.window == 0
+
+    def reads(self, step: int) -> bool:
+        """Whether step ``step``'s trajectory cosine is read (the second half of its window): a
+        caller may skip computing it for the other steps."""
+        offset = step % self.window
+        return offset == 0 or offset > self.window // 2
+
+    def observe(self, step: int, loss: float, traj_cos: float) -> Action | None:
+        """Step ``step`` (1-based count of steps done on the current trajectory) ended with this
+        minibatch loss and trajectory cosine. Returns what to do now, or None."""
+        self._points.append((step, loss))
+        if self.reads(step):
+            self._cos.append(traj_cos)
+        if not math.isfinite(loss) and self._trial is not None:
+            self._cos, self._streak = [], 0  # the trial window's cosines go with it
+            return self._end_trial(step, math.inf)
+        if step % self.window:
+            return None
+        cos, self._cos = self._cos, []
+        mean = statistics.fmean(cos) if cos else 0.0
+        direction = self._direction(mean)
+        if self._trial is not None:
+            window = [math.log(v) if v > 0 else -math.inf for s, v in self._points if s > step - self.window]
+            trial = self._trial
+            action = self._end_trial(step, statistics.fmean(window))
+            # A kept move whose own window still shows the same evidence counts as its first look.
+            self._streak = direction if action.kind == "keep" and direction == trial.direction else 0
+            return action
+        if not self._start <= step <= self._stop or direction == 0 or direction in self.closed:
+            self._streak = 0
+            return None
+        prev, self._last_mean = self._last_mean, mean
+        if direction > 0 and self._streak > 0 and mean < self.config.low_persist * prev:
+            self._streak = 1  # a too-low signal that is fading is the schedule's early phase, not a low LR
+            return None
+        self._streak = self._streak + direction if self._streak * direction > 0 else direction
+        if abs(self._streak) < self.config.confirm:
+            return None
+        return self._move(step, direction, mean)
+
+    def _direction(self, mean: float) -> int:
+        return 1 if mean > self.config.low_threshold else -1 if mean < self.config.high_threshold else 0
+
+    def _move(self, step: int, direction: int, mean: float) -> Action | None:
+        c = self.config
+        # Evidence twice past its threshold takes two steps of ``factor`` at once, on a direction's
+        # first move only: later moves are near the good LR, where a double step overshoots.
+        strength = mean / (c.low_threshold if direction > 0 else c.high_threshold)
+        first = not any(a.kind == "move" and a.direction == direction for a in self.log)
+        factor = c.factor ** (2 if strength >= 2 and first else 1)
+        target = min(c.lr_scale_max, max(c.lr_scale_min, self.lr_scale * factor ** direction))
+        if math.isclose(target, self.lr_scale):
+            return None
+        recent = [(s, v) for s, v in self._points if s > step - 2 * self.window]
+        forecast = loglog_forecast(recent, list(range(step + 1, step + self.window + 1)))
+        if forecast is None:
+            return None
+        self._trial = _Trial(direction, self.lr_scale, step, *forecast)
+        self._streak = 0
+        word = "low" if direction > 0 else "high"
+        self.lr_scale = target
+        return self._act("move", step, direction, f"LR too {word}: window trajectory cosine {mean:+.3f} beyond "
+                         f"{c.low_threshold if direction > 0 else c.high_threshold:+g} for {c.confirm} windows; "
+                         f"LR x{factor ** direction:.3g} tentatively, "
+                         f"forecast mean log-loss {forecast[0]:.4f} +- {forecast[1]:.4f}")
+
+    def _end_trial(self, step: int, observed: float) -> Action:
+        trial = self._trial
+        assert trial is not None
+        self._trial = None
+        z = (observed - trial.forecast) / trial.forecast_se if trial.forecast_se > 0 else math.inf
+        if not z <= self.config.forecast_z:
+            self.closed.add(trial.direction)
+            self.lr_scale = trial.from_scale
+            # Back at the snapshot's step: the points before the move still describe this setting.
+            self._points = [(s, v) for s, v in self._points if s <= trial.step]
+            return self._act("restore", trial.step, trial.direction, f"move worse than forecast: mean log-loss {observed:.4f} vs "
+                             f"{trial.forecast:.4f} +- {trial.forecast_se:.4f} (z {z:+.1f}); restored, direction "
+                             f"{'up' if trial.direction > 0 else 'down'} closed")
+        self._points = [(s, v) for s, v in self._points if s > trial.step]
+        return self._act("keep", step, trial.direction, f"move within forecast: mean log-loss {observed:.4f} vs {trial.forecast:.4f} "
+                         f"+- {trial.forecast_se:.4f} (z {z:+.1f}); kept")
+
+    def _act(self, kind: Literal["move", "restore", "keep"], step: int, direction: int, reason: str) -> Action:
+        action = Action(kind, self.lr_scale, step, reason, direction)
+        self.log.append(action)
+        return action
+
+    @property
+    def moves(self) -> int:
+        return sum(a.kind == "move" for a in self.log)
