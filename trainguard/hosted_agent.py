@@ -161,8 +161,12 @@ def host_agent(*, job: str, environ: Mapping[str, str], metrics_addr: str | None
     try:
         client = _wait_ready(proc, state_dir, log_path)
         paths = AgentPaths.for_state_dir(state_dir)
+        metrics = ""
+        if metrics_addr:
+            with open(paths.metrics_addr_file) as fh:
+                metrics = f", metrics http://{fh.read().strip()}/metrics"
         err.write(f"trainguard: no node agent here; hosting one for this job (pid {proc.pid}, state "
-                  f"{state_dir}, events {os.path.join(paths.events_dir, 'events.jsonl')})\n")
+                  f"{state_dir}, events {os.path.join(paths.events_dir, 'events.jsonl')}{metrics})\n")
         for note in feature_notes(client):
             err.write(f"trainguard: {note}\n")
         err.flush()

@@ -211,3 +211,18 @@ def test_a_running_agent_named_by_trainguard_state_dir_is_used(agent_factory: An
     assert "hosting" not in res.stderr
     assert res.stdout.strip() == f"[rank0]:{agent.state_dir} viaenv"
     assert agent.client().job("viaenv")["state"] == "succeeded"
+
+
+def test_run_killed_outright_takes_its_agent_and_ranks_along(user: User) -> None:
+    """SIGKILL leaves no handler to run: the kernel's parent-death signal stops the hosted agent,
+    which stops the ranks."""
+    progress = user.home / "progress"
+    progress.mkdir()
+    os.chown(progress, user.uid, user.uid)
+    cmd = user.run("--nproc-per-node", "2", "train.py", "--steps", "100000", "--step-sleep", "0.02",
+                   "--progress", str(progress))
+    wait_for(lambda: step_of(progress) >= 5 or cmd.poll() is not None, 120, "5 steps")
+    assert cmd.poll() is None, cmd.communicate()
+    cmd.kill()
+    cmd.communicate(timeout=60)
+    wait_for(lambda: not user.processes(), 60, "no process of the user left")
