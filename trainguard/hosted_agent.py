@@ -42,6 +42,10 @@ STOP_TIMEOUT_S = 30.0
 _PR_SET_PDEATHSIG = 1
 _DIR_NAME_MAX = 24
 """Characters of the job id kept in the private directory's name (socket paths stay short)."""
+_STATE_NAME_MAX = _DIR_NAME_MAX + 10
+"""The longest state dir name below the private root (``<job>.<random>`` and its slash)."""
+_SOCKET_PATH_MAX = 107
+"""The longest path a Unix socket may have (sun_path, less its terminating NUL)."""
 
 
 class NoAgent(Exception):
@@ -81,6 +85,8 @@ def private_root(environ: Mapping[str, str]) -> str:
         if st is not None and os.path.isdir(runtime) and not os.path.islink(runtime) \
                 and st.st_uid == os.geteuid() and not st.st_mode & 0o022:
             base = os.path.join(runtime, "trainguard")
+    if len(base) + _STATE_NAME_MAX + len("/run/telemetry.sock") > _SOCKET_PATH_MAX:
+        base = ""  # a socket path past the kernel's limit: the short fallback instead
     base = base or os.path.join(tempfile.gettempdir(), f"trainguard-{os.geteuid()}")
     ensure_agent_dir(base, mode=0o700, takeover=False)
     return base
