@@ -92,7 +92,7 @@ def private_root(environ: Mapping[str, str]) -> str:
     return base
 
 
-def memory_root_for(state_dir: str) -> tuple[str, str]:
+def _shm_dirs(state_dir: str) -> tuple[str, str]:
     """(this user's directory under /dev/shm, the hosted agent's memory tier inside it)."""
     shm = f"/dev/shm/trainguard-{os.geteuid()}" if os.path.isdir("/dev/shm") \
         else os.path.join(state_dir, "shm")
@@ -150,10 +150,12 @@ def feature_notes(client: ApiClient) -> list[str]:
 def host_agent(*, job: str, environ: Mapping[str, str], metrics_addr: str | None = None,
                python: str = sys.executable, err: TextIO = sys.stderr) -> Iterator[NodeAgent]:
     """Start the daemon for this user and ``job`` in a private state dir; stop it on leaving."""
-    root = private_root(environ)
     safe_job = "".join(c if c.isalnum() or c in "-_." else "-" for c in job)[:_DIR_NAME_MAX] or "job"
-    state_dir = tempfile.mkdtemp(prefix=f"{safe_job}.", dir=root)  # 0700, made here and only here
-    shm, memory_root = memory_root_for(state_dir)
+    try:
+        state_dir = tempfile.mkdtemp(prefix=f"{safe_job}.", dir=private_root(environ))  # 0700, made here only
+        shm, memory_root = _shm_dirs(state_dir)
+    except OSError as exc:  # another user's directory, or a symlink, where ours belongs: never used
+        raise NoAgent(f"no private directory for an agent of this job: {exc}") from None
     config = os.path.join(state_dir, "agent.toml")
     fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as fh:

@@ -226,3 +226,17 @@ def test_run_killed_outright_takes_its_agent_and_ranks_along(user: User) -> None
     cmd.kill()
     cmd.communicate(timeout=60)
     wait_for(lambda: not user.processes(), 60, "no process of the user left")
+
+
+def test_a_private_dir_planted_by_another_user_is_refused(user: User, tmp_path: Path) -> None:
+    """Another identity's symlink where the hosted agent's private root belongs: one line, no agent,
+    and nothing written through the link."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (user.home / "trainguard").symlink_to(elsewhere)  # made by root, not the user
+    cmd = user.run("--nproc-per-node", "1", "train.py", "--steps", "3")
+    out, err = cmd.communicate(timeout=120)
+    assert cmd.returncode == 1 and err.count("\n") == 1, err
+    assert err.startswith("trainguard: no private directory for an agent of this job") and "Traceback" not in err
+    assert list(elsewhere.iterdir()) == []
+    assert user.processes() == []
