@@ -125,8 +125,7 @@ def open_store(cfg: RdzvConfig, timeout_s: float) -> tuple[dist.TCPStore, bool]:
     timeout = datetime.timedelta(seconds=timeout_s)
     if is_local(cfg.host):
         try:
-            return dist.TCPStore(cfg.host, cfg.port, is_master=True, wait_for_workers=False, timeout=timeout,
-                                 multi_tenant=True), True
+            return dist.TCPStore(cfg.host, cfg.port, is_master=True, wait_for_workers=False, timeout=timeout), True
         except (RuntimeError, OSError):
             pass  # the port is served already (a second node on this machine): join as a client
     deadline = time.monotonic() + timeout_s
