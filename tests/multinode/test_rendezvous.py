@@ -4,13 +4,19 @@ and a node coming to a running round with room ends it; the agent side refuses m
 
 from __future__ import annotations
 
+import io
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import free_port
 from trainguard.agent.lifecycle.rdzvjobs import block_from
+from trainguard.multinode import Driver
+from trainguard.noderanks import ChildRanks
 from trainguard.rendezvous import RdzvConfig, Rendezvous, Round
 
 
@@ -81,3 +87,21 @@ def test_agreed_step_is_the_newest_every_node_holds() -> None:
 def test_malformed_blocks_are_refused_with_one_line(body: dict, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         block_from(body)
+
+
+def test_max_restarts_counts_failures_once_over_every_node(tmp_path: Path) -> None:
+    """Both nodes' ranks fail in every round: each round is one failure, not one per node, and
+    past --max-restarts every node stops with the ranks' exit status."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    command = [sys.executable, "-c", f"import os; open(os.path.join({str(marks)!r}, "
+               "os.environ['RANK'] + '-' + os.environ['TORCHELASTIC_RESTART_COUNT']), 'w'); raise SystemExit(3)"]
+    rdzvs = nodes(2, low=2, high=2)
+    errs = [io.StringIO(), io.StringIO()]
+    drivers = [Driver(r, ChildRanks(command, JobSpec("t1", 2, command=command, max_restarts=1), {}, out=io.StringIO()),
+                      nproc=2, run_id="t1", max_restarts=1, err=e) for r, e in zip(rdzvs, errs, strict=True)]
+    with ThreadPoolExecutor(2) as pool:
+        codes = list(pool.map(lambda d: d.run(), drivers))
+    assert codes == [3, 3], [e.getvalue() for e in errs]
+    assert sorted(p.name for p in marks.iterdir()) == sorted(f"{r}-{c}" for r in range(4) for c in (0, 1))
+    assert all("no restarts left (--max-restarts 1" in e.getvalue() for e in errs)
