@@ -106,6 +106,10 @@ class Node:
             time.sleep(0.1)
         return state
 
+    def cut(self) -> None:
+        """This node's link down: it loses every peer and the peers lose it, silently."""
+        run("ip", "-n", self.ns, "link", "set", "eth0", "down")
+
     def kill(self) -> None:
         """SIGKILL everything in this node: its launcher, agent and ranks."""
         kill_all_in(self.ns)
