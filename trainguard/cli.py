@@ -343,6 +343,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     for note in launch.notes:
         print(f"trainguard: {note}", file=sys.stderr)
     environ = dict(os.environ)
+    if launch.rdzv is not None and (args.detach or args.nodes > 1):
+        return _fail("--nnodes with --rdzv-endpoint runs this node's share in the foreground; --detach and --nodes "
+                     "are for jobs the cluster places", EXIT_USAGE)
+    if launch.no_agent and launch.rdzv is not None:
+        return _run_nodes(launch, environ, None)
     if launch.no_agent:
         return _run_agentless(launch, args, environ)
     if args.agent:
@@ -351,6 +356,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             client.health()
         except ApiClientError as exc:
             return _fail(f"{exc}; leave --agent out and this command uses this node's agent or hosts one")
+        if launch.rdzv is not None:
+            return _run_nodes(launch, environ, client)
         return _submit_and_follow(client, launch, args, environ)
     from trainguard.hosted_agent import NoAgent, local_agent
 
@@ -364,6 +371,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             if node.hosted and (args.detach or args.nodes > 1):
                 return _fail("--detach and --nodes need a node agent that outlives this command "
                              "(`trainguard agent`); none runs here", EXIT_USAGE)
+            if launch.rdzv is not None:
+                return _run_nodes(launch, environ, node.client)
             return _submit_and_follow(node.client, launch, args, environ, signals=node.hosted)
     except NoAgent as exc:
         return _fail(str(exc))
@@ -389,6 +398,12 @@ def _submit_and_follow(client: Any, launch: torchrun_args.Launch, args: argparse
         return 0
     code = follow(client, job)
     return 128 + got[0] if got else code
+
+
+def _run_nodes(launch: torchrun_args.Launch, environ: dict[str, str], client: Any) -> int:
+    from trainguard.multinode import run_nodes  # imports torch (the rendezvous store): not for every command
+
+    return run_nodes(launch, environ, client)
 
 
 def _run_agentless(launch: torchrun_args.Launch, args: argparse.Namespace, environ: dict[str, str]) -> int:

@@ -491,6 +491,18 @@ class Supervisor:
                              severity="warning", job=job, cause=cause, action="restart")
         self._launch(record)
 
+    def hold(self, job: str) -> JobRecord | None:
+        """Stop the ranks of a job whose next attempt someone else decides (``rdzvjobs``) and
+        leave it restarting until that attempt is handed here; None for an unknown job."""
+        with self._lock:
+            record = self.jobs.get(job)
+            if record is None or record.state.finished or record.state == JobState.STOPPING:
+                return record
+            if record.state != JobState.RESTARTING:
+                self._set_state(record, JobState.RESTARTING)
+            self.launcher.stop(record.ranks, min(self.stop_grace_s, 2.0), hard=True)
+        return record
+
     def restart(self, job: str, cause: str, *, spec: JobSpec | None = None) -> None:
         """Stop what is left of the job and start every rank again (same world size, or the
         given ``spec``: a smaller world without an excluded rank)."""
@@ -508,8 +520,9 @@ class Supervisor:
                 self.launcher.stop(record.ranks, min(self.stop_grace_s, 2.0), hard=True)
                 report = record.on_failure
         if report is not None:
+            who = "trainguard run" if record.block is not None and record.block.rendezvous else "the cluster leader"
             self.events.emit("job_restart_requested", f"job {job}: {cause}; local ranks stopped, "
-                             "asking the cluster leader to restart every node's ranks",
+                             f"asking {who} to restart every node's ranks",
                              severity="warning", job=job, cause=cause, action="restart")
             report(job, cause)
             return
