@@ -113,5 +113,8 @@ def test_max_restarts_counts_failures_once_over_every_node(tmp_path: Path) -> No
     with ThreadPoolExecutor(2) as pool:
         codes = list(pool.map(lambda d: d.run(), drivers))
     assert codes == [3, 3], [e.getvalue() for e in errs]
-    assert sorted(p.name for p in marks.iterdir()) == sorted(f"{r}-{c}" for r in range(4) for c in (0, 1))
+    # A node's ranks may be torn down before they ran once the other node ended the round, so not
+    # every rank marks every round; no rank ever ran a third round, and the second ran.
+    counts = {p.name.split("-")[1] for p in marks.iterdir()}
+    assert counts == {"0", "1"}, sorted(p.name for p in marks.iterdir())
     assert all("no restarts left (--max-restarts 1" in e.getvalue() for e in errs)
