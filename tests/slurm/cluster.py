@@ -75,7 +75,7 @@ def _kill_all_in(ns: str) -> None:
 
 
 def sweep_stale() -> None:
-    """Removes namespaces and munge directories left by a test process that no longer exists (one
+    """Removes namespaces, munge directories and memory roots left by a test process that no longer exists (one
     killed before its clean-up ran); those of live test processes are left alone."""
     for line in run("ip", "netns", "list", check=False).splitlines():
         ns = line.split()[0] if line.split() else ""
@@ -83,7 +83,7 @@ def sweep_stale() -> None:
         if ns.startswith(PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             _kill_all_in(ns)
             run("ip", "netns", "del", ns, check=False)
-    for path in Path("/tmp").glob(f"{PREFIX}*"):
+    for path in [*Path("/tmp").glob(f"{PREFIX}*"), *Path("/dev/shm").glob(f"{PREFIX}*")]:
         pid = path.name[len(PREFIX):].split("-", 1)[0]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(path, ignore_errors=True)
@@ -103,7 +103,15 @@ class Node:
     ns: str
     addr: str
     bridge_port: str
+    root: Path
+    shm: Path
     proc: subprocess.Popen[bytes] | None = None
+    agent: subprocess.Popen[bytes] | None = None
+
+    @property
+    def state_dir(self) -> Path:
+        """The node daemon's state directory (``agents=True``); its ranks' ``TRAINGUARD_STATE_DIR``."""
+        return self.root / "agent"
 
     def pids(self) -> list[int]:
         return _pids_in(self.ns)
@@ -113,17 +121,21 @@ class SlurmCluster:
     """slurmctld in the controller's namespace, one slurmd per node, one munged for all."""
 
     def __init__(self, root: Path, nodes: Iterable[str] = ("n1", "n2"), *, cpus: int = 2,
-                 slurmd_timeout: int = 3, message_timeout: int = 2) -> None:
+                 slurmd_timeout: int = 3, message_timeout: int = 2, agents: bool = False) -> None:
         """``slurmd_timeout``/``message_timeout``: how soon the controller marks a silent node DOWN
-        (Slurm's defaults, 300 s and 10 s, take minutes; these take seconds)."""
+        (Slurm's defaults, 300 s and 10 s, take minutes; these take seconds). ``agents``: a
+        ``trainguard agent`` on every node as its daemon, which Slurm's TaskProlog names to each
+        task in ``TRAINGUARD_STATE_DIR`` (as a site would name a daemon not at the default paths)."""
         require_slurm()
         sweep_stale()
         self.root = root
         self.run_id = secrets.token_hex(3)
         base = f"{PREFIX}{os.getpid()}-{self.run_id}"
         self.ctl_ns = f"{base}-ctl"
-        self.nodes = {name: Node(name, f"{base}-{name}", f"{SUBNET}.{11 + i}", f"v{self.run_id}{i}")
+        self.nodes = {name: Node(name, f"{base}-{name}", f"{SUBNET}.{11 + i}", f"v{self.run_id}{i}",
+                                 root / "nodes" / name, Path("/dev/shm") / f"{base}-{name}")
                       for i, name in enumerate(nodes)}
+        self.agents = agents
         self.cpus = cpus
         self.slurmd_timeout = slurmd_timeout
         self.message_timeout = message_timeout
@@ -147,6 +159,11 @@ class SlurmCluster:
             d.mkdir(parents=True, exist_ok=True)
         for node in self.nodes.values():
             (self.root / "spool" / node.name).mkdir(parents=True, exist_ok=True)
+            node.root.mkdir(parents=True, exist_ok=True)
+        prolog = self.etc / "task-prolog.sh"
+        prolog.write_text(f'#!/bin/sh\necho "export TRAINGUARD_STATE_DIR={self.root}/nodes/$(hostname)/agent"\n'
+                          if self.agents else "#!/bin/sh\n")
+        prolog.chmod(0o755)
         self.hosts_file.write_text(f"127.0.0.1 localhost\n{CTL_ADDR} {CTL_NAME}\n"
                                    + "".join(f"{n.addr} {n.name}\n" for n in self.nodes.values()))
         self.conf.write_text(self.slurm_conf())
@@ -155,8 +172,34 @@ class SlurmCluster:
         self.slurmctld = self._daemon(self.ctl_ns, CTL_NAME, ["slurmctld", "-D", "-f", str(self.conf)], "slurmctld")
         for node in self.nodes.values():
             node.proc = self._daemon(node.ns, node.name, ["slurmd", "-D", "-f", str(self.conf)], f"slurmd-{node.name}")
+            if self.agents:
+                node.agent = self._start_agent(node)
         self.wait_states(dict.fromkeys(self.nodes, "idle"), timeout)
+        for node in self.nodes.values():
+            if node.agent is not None:
+                self._wait_agent(node, timeout)
         return self
+
+    def _start_agent(self, node: Node) -> subprocess.Popen[bytes]:
+        cfg = node.root / "agent.toml"
+        # one cgroup tree and one /dev/shm for every namespace: cgroups off, a memory root per node
+        cfg.write_text(f'[agent]\nnode = "{node.name}"\ninterval_s = 0.25\n'
+                       '[collectors]\nebpf = false\ngpu = false\n[launcher]\ncgroups = "off"\n'
+                       f'[checkpoint]\nmemory_root = "{node.shm}"\nmemory_every = 4\nmemory_keep = 3\n')
+        argv = [sys.executable, "-m", "trainguard", "agent", "--state-dir", str(node.state_dir), "--config", str(cfg),
+                "--metrics-addr", "127.0.0.1:0"]
+        return self._daemon(node.ns, node.name, argv, f"agent-{node.name}")
+
+    def _wait_agent(self, node: Node, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        sock = node.state_dir / "run" / "agent.sock"
+        while not sock.exists():
+            assert node.agent is not None
+            if node.agent.poll() is not None:
+                raise RuntimeError(f"agent on {node.name} exited {node.agent.returncode}\n{self.diagnose()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"agent on {node.name} not up in {timeout} s\n{self.diagnose()}")
+            time.sleep(0.1)
 
     def slurm_conf(self) -> str:
         r = self.root
@@ -172,6 +215,7 @@ class SlurmCluster:
             "ReturnToService=2\n"
             f"SlurmdTimeout={self.slurmd_timeout}\nMessageTimeout={self.message_timeout}\n"
             "KillWait=2\nInactiveLimit=0\nWaitTime=0\n"
+            f"TaskProlog={self.etc}/task-prolog.sh\n"
             f"StateSaveLocation={r}/state\nSlurmdSpoolDir={r}/spool/%n\n"
             f"SlurmctldPidFile={r}/run/slurmctld.pid\nSlurmdPidFile={r}/run/slurmd-%n.pid\n"
             f"SlurmctldLogFile={self.logs}/slurmctld.log\nSlurmdLogFile={self.logs}/slurmd-%n.log\n"
@@ -329,8 +373,9 @@ class SlurmCluster:
                 except ProcessLookupError:
                     pass
             time.sleep(0.1)
-        if node.proc is not None:
-            node.proc.wait(15)
+        for proc in (node.proc, node.agent):
+            if proc is not None:
+                proc.wait(15)
         return at
 
     # -- diagnosis -----------------------------------------------------------------------------
@@ -354,6 +399,8 @@ class SlurmCluster:
         for node in self.nodes.values():
             if node.proc is not None:
                 yield f"slurmd {node.name}", node.proc
+            if node.agent is not None:
+                yield f"agent {node.name}", node.agent
 
     def close(self) -> None:
         """Everything in every namespace is SIGKILLed (jobs, step daemons, slurmd, slurmctld,
@@ -375,6 +422,8 @@ class SlurmCluster:
         for ns in reversed(self.namespaces):
             run("ip", "netns", "del", ns, check=False)
         shutil.rmtree(self.munge_dir, ignore_errors=True)
+        for node in self.nodes.values():
+            shutil.rmtree(node.shm, ignore_errors=True)
 
     def __enter__(self) -> SlurmCluster:
         try:

@@ -18,3 +18,11 @@ def test_two_idle_nodes_run_a_step_each_under_its_own_name(slurm: SlurmCluster) 
             "print(socket.gethostbyname(socket.gethostname()), os.path.dirname(trainguard.__path__[0]))")
     out = slurm.client("srun", "-N2", "--ntasks-per-node=1", "python", "-c", code).stdout.splitlines()
     assert sorted(out) == [f"10.232.0.11 {REPO}", f"10.232.0.12 {REPO}"]
+
+
+def test_with_node_daemons_each_task_finds_its_own_nodes_agent(slurm_agents: SlurmCluster) -> None:
+    out = slurm_agents.client("srun", "-N2", "--ntasks-per-node=1", "sh", "-c",
+                              'echo "$(hostname) $TRAINGUARD_STATE_DIR"; trainguard status --json --state-dir "$TRAINGUARD_STATE_DIR"').stdout
+    for name, node in slurm_agents.nodes.items():
+        assert f"{name} {node.state_dir}\n" in out, out
+        assert f'"node": "{name}"' in out, out
