@@ -32,7 +32,7 @@ def test_scancel_stops_the_ranks_the_node_daemons_run(slurm_agents: SlurmCluster
                for n, node in slurm_agents.nodes.items()}
 
     def rank_pids() -> dict[str, int]:
-        pids = {}
+        pids: dict[str, int] = {}
         for name, client in clients.items():
             try:
                 ranks = client.job(job)["ranks"]
