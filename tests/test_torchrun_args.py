@@ -123,8 +123,9 @@ def test_nproc_words(script: Path) -> None:
 
 
 @pytest.mark.parametrize(("argv", "env", "message"), [
-    (["--nnodes", "2"], {}, "--nnodes 2: several nodes meet at a rendezvous (--rdzv-endpoint"),
-    (["--nnodes", "2:4", "--rdzv-endpoint", "n0:29400"], {}, "multi-node rendezvous at n0:29400 is not supported"),
+    (["--nnodes", "2"], {}, "--nnodes 2: several nodes meet at a rendezvous: give --rdzv-endpoint"),
+    (["--nnodes", "2:4", "--rdzv-endpoint", "n0:29400"], {}, "several nodes meet through --rdzv-backend c10d"),
+    (["--nnodes", "2:4", "--rdzv-endpoint", "n0:29400", "--rdzv-backend", "c10d"], {}, "--rdzv-id: several nodes"),
     ([], {"PET_NNODES": "2"}, "PET_NNODES=2: several nodes"),
     (["--nnodes", "2", "--standalone"], {}, "--standalone runs one node"),
     (["--nnodes", "0"], {}, "--nnodes 0: must be >= 1"),
@@ -242,3 +243,18 @@ def test_detach_without_an_agent_is_refused(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert res.returncode == 2 and res.stderr.startswith("trainguard: --detach and --nodes need an agent"), res.stderr
     assert res.stderr.count("\n") == 1
+
+
+def test_several_nodes_meet_at_the_c10d_endpoint_from_flags_or_pet(script: Path) -> None:
+    flags = launch(["--nnodes", "1:3", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head",
+                    "--rdzv-id", "j7", "--node-rank", "1", "--rdzv-conf", "last_call_timeout=3,is_host=1",
+                    str(script)])
+    pet = launch([str(script)], {"PET_NNODES": "1:3", "PET_NPROC_PER_NODE": "2", "PET_RDZV_BACKEND": "c10d",
+                                 "PET_RDZV_ENDPOINT": "head", "PET_RDZV_ID": "j7", "PET_NODE_RANK": "1",
+                                 "PET_RDZV_CONF": "last_call_timeout=3"})
+    for got in (flags, pet):
+        assert got.rdzv is not None and got.nproc == 2 and got.job == "j7"
+        assert (got.rdzv.host, got.rdzv.port, got.rdzv.run_id) == ("head", 29400, "j7")
+        assert (got.rdzv.min_nodes, got.rdzv.max_nodes, got.rdzv.node_rank) == (1, 3, 1)
+        assert got.rdzv.conf == {"last_call_s": 3.0}
+    assert launch(["--nnodes", "1:3", str(script)]).rdzv is None  # no endpoint: one node

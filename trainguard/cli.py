@@ -322,6 +322,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     for note in launch.notes:
         print(f"trainguard: {note}", file=sys.stderr)
     environ = dict(os.environ)
+    if launch.rdzv is not None and (args.detach or args.nodes > 1):
+        return _fail("--nnodes with --rdzv-endpoint runs this node's share in the foreground; --detach and --nodes "
+                     "are for jobs the cluster places", EXIT_USAGE)
+    if launch.no_agent and launch.rdzv is not None:
+        return _run_nodes(launch, environ, None)
     if launch.no_agent:
         return _run_agentless(launch, args, environ)
     if not args.state_dir and not args.agent:
@@ -336,12 +341,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             return _run_agentless(launch, args, environ)
         return _fail(f"{exc}; point at a running agent with --state-dir DIR, or run without one: "
                      "trainguard run --no-agent ...")
+    if launch.rdzv is not None:
+        return _run_nodes(launch, environ, client)
     spec = job_spec(launch.command, nproc=launch.nproc, nodes=args.nodes, job=launch.job,
                     max_restarts=launch.max_restarts, hang_timeout_s=args.hang_timeout, environ=environ)
     job = client.submit_job(spec)
     if _submitted_only(job, args):
         return 0
     return follow(client, job)
+
+
+def _run_nodes(launch: torchrun_args.Launch, environ: dict[str, str], client: Any) -> int:
+    from trainguard.multinode import run_nodes  # imports torch (the rendezvous store): not for every command
+
+    return run_nodes(launch, environ, client)
 
 
 def _run_agentless(launch: torchrun_args.Launch, args: argparse.Namespace, environ: dict[str, str]) -> int:

@@ -56,6 +56,50 @@ def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
             p.wait()
 
 
+class LocalRanks:
+    """One attempt's ranks of this node as child processes of this one, their output prefixed
+    with the rank on ``out``: ranks ``block.rank_offset`` .. ``+ block.nproc - 1`` of
+    ``block.world_size``, with torchrun's environment for ``attempt``."""
+
+    def __init__(self, command: list[str], spec: JobSpec, block: RankBlock, attempt: int, base: dict[str, str], *,
+                 cwd: str | None = None, out: TextIO = sys.stdout, lock: threading.Lock | None = None) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.pumps: list[threading.Thread] = []
+        self.offset = block.rank_offset
+        lock = lock or threading.Lock()
+        for local in range(block.nproc):
+            rank = block.rank_offset + local
+            env = dict(base)
+            env.update({"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(block.world_size),
+                        "LOCAL_WORLD_SIZE": str(block.nproc), "GROUP_RANK": str(block.group_rank),
+                        "MASTER_ADDR": block.master_addr, "MASTER_PORT": str(block.master_port)})
+            env.update(torchrun_env(spec, block, attempt, rank))
+            env.update(block.env)
+            proc = subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            assert proc.stdout is not None
+            t = threading.Thread(target=_pump, args=(rank, proc.stdout, out, lock), daemon=True)
+            t.start()
+            self.procs.append(proc)
+            self.pumps.append(t)
+
+    def failed(self) -> tuple[int, int] | None:
+        """(global rank, exit status) of a rank that exited non-zero, if any."""
+        for local, p in enumerate(self.procs):
+            code = p.poll()
+            if code not in (None, 0):
+                return self.offset + local, _status(code)
+        return None
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def stop(self, grace_s: float) -> None:
+        _stop(self.procs, grace_s)
+        for t in self.pumps:
+            t.join(timeout=2)
+
+
 def run_standalone(command: list[str], nproc: int, *, max_restarts: int = 3, job: str | None = None,
                    cwd: str | None = None, environ: dict[str, str] | None = None, out: TextIO = sys.stdout,
                    err: TextIO = sys.stderr, grace_s: float = 5.0) -> int:
@@ -69,38 +113,18 @@ def run_standalone(command: list[str], nproc: int, *, max_restarts: int = 3, job
     while True:
         attempt += 1
         block = RankBlock(0, nproc, nproc, "127.0.0.1", free_port())
-        procs: list[subprocess.Popen[bytes]] = []
-        pumps: list[threading.Thread] = []
-        for rank in range(nproc):
-            env = dict(base)
-            env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                        "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": block.master_addr,
-                        "MASTER_PORT": str(block.master_port)})
-            env.update(torchrun_env(spec, block, attempt, rank))
-            proc = subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-            assert proc.stdout is not None
-            t = threading.Thread(target=_pump, args=(rank, proc.stdout, out, lock), daemon=True)
-            t.start()
-            procs.append(proc)
-            pumps.append(t)
+        ranks = LocalRanks(command, spec, block, attempt, base, cwd=cwd, out=out, lock=lock)
         failed: tuple[int, int] | None = None
         try:
-            while failed is None and any(p.poll() is None for p in procs):
-                for rank, p in enumerate(procs):
-                    code = p.poll()
-                    if code not in (None, 0):
-                        failed = (rank, _status(code))
-                        break
+            while failed is None and ranks.running():
+                failed = ranks.failed()
                 time.sleep(0.05)
             if failed is None:
-                failed = next(((r, _status(p.returncode)) for r, p in enumerate(procs) if p.returncode), None)
+                failed = ranks.failed()
         except KeyboardInterrupt:
-            _stop(procs, grace_s)
+            ranks.stop(grace_s)
             return 130
-        _stop(procs, grace_s)
-        for t in pumps:
-            t.join(timeout=2)
+        ranks.stop(grace_s)
         if failed is None:
             return 0
         rank, code = failed

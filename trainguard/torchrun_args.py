@@ -5,7 +5,8 @@ replaced by ``trainguard run`` runs the same way on one node.
 ``--nproc_per_node``) on the ``run`` parser; ``resolve`` turns what was parsed, with torchrun's
 ``PET_*`` environment as the defaults (flags win, as in torchrun), into one ``Launch``: the rank
 command, the rank count, the job id and how to run it. Bad values raise ``UsageError`` with one
-line for the user. Rendezvous across nodes is not here yet: ``--nnodes`` above 1 is refused.
+line for the user. Several nodes (``--nnodes`` above 1, or ``MIN:MAX`` with MAX above 1 and an
+endpoint) meet through the c10d backend: ``Launch.rdzv`` says how (``trainguard.multinode``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trainguard.agent.wire import valid_job_id
 
@@ -35,11 +36,33 @@ any command, after --:
 
 torchrun's PET_* environment (PET_NPROC_PER_NODE, PET_NNODES, PET_RDZV_ID, PET_STANDALONE, ...)
 gives the defaults of the flags of the same name; a flag given on the command line wins.
-multi-node rendezvous (--nnodes above 1) is not supported by trainguard run yet."""
+several nodes, each running the same line (docs/multinode.md):
+  trainguard run --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29400 \
+      --rdzv-id JOB train.py"""
 
 
 class UsageError(ValueError):
     """A flag or PET_* value trainguard run cannot use: one line for the user, exit code 2."""
+
+
+# torchrun's --rdzv-conf keys this rendezvous uses (seconds), and what each sets.
+RDZV_CONF = {"last_call_timeout": "last_call_s", "join_timeout": "join_timeout_s",
+             "keep_alive_interval": "keepalive_s", "keep_alive_max_attempt": "keepalive_misses"}
+DEFAULT_PORT = 29400
+
+
+@dataclass(frozen=True)
+class Rdzv:
+    """Where and how the nodes meet (torchrun's c10d rendezvous)."""
+
+    host: str
+    port: int
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    node_rank: int | None = None
+    conf: dict[str, float] = field(default_factory=dict)
+    """``RDZV_CONF`` options given, by the ``RdzvConfig`` field they set."""
 
 
 @dataclass
@@ -51,6 +74,8 @@ class Launch:
     standalone: bool = False
     """torchrun's --standalone: one node, its own rendezvous on a free port."""
     no_agent: bool = False
+    rdzv: Rdzv | None = None
+    """Set when nodes meet at a rendezvous endpoint (several nodes)."""
     notes: list[str] = field(default_factory=list)
     """One-line remarks for the user (flags accepted but without effect on one node)."""
 
@@ -58,7 +83,6 @@ class Launch:
 # torchrun flags that change nothing a rank sees here: accepted (so a torchrun line runs unchanged),
 # named in a one-line note when given. (dest, spellings, metavar, why)
 NO_EFFECT = (
-    ("rdzv_conf", ("--rdzv-conf", "--rdzv_conf"), "K=V,...", "rendezvous options apply to multi-node rendezvous"),
     ("monitor_interval", ("--monitor-interval", "--monitor_interval"), "S", "the agent watches the ranks itself"),
     ("start_method", ("--start-method", "--start_method"), "METHOD", "ranks are processes of their own"),
     ("role", ("--role",), "NAME", "ROLE_NAME is default"),
@@ -103,6 +127,8 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
     _flag(r, "--no-python", "--no_python", help="SCRIPT is a program: run it without python (PET_NO_PYTHON)")
     _flag(r, "--run-path", "--run_path", help="run SCRIPT as a python file, as torchrun's runpy.run_path "
           "(PET_RUN_PATH)")
+    r.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", metavar="K=V,...",
+                   help="rendezvous options of several nodes: " + ", ".join(RDZV_CONF) + " (PET_RDZV_CONF)")
     for dest, names, metavar, why in NO_EFFECT:
         r.add_argument(*names, dest=dest, metavar=metavar, help=f"torchrun's; accepted, no effect here: {why}")
 
@@ -211,26 +237,22 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str], cwd: str | Non
     standalone = bool(args.standalone) if args.standalone is not None else _env_flag(environ, "PET_STANDALONE")
     text, src = _pick(args.nnodes, environ, "PET_NNODES", "1")
     assert text is not None
-    low, _high = parse_nnodes(text, src or "--nnodes ")
+    low, high = parse_nnodes(text, src or "--nnodes ")
     endpoint, esrc = _pick(args.rdzv_endpoint, environ, "PET_RDZV_ENDPOINT", None)
     if endpoint:
         _endpoint(endpoint, esrc or "--rdzv-endpoint ")
-    if low > 1:
-        if standalone:
-            raise UsageError(f"{src or '--nnodes '}{text}: --standalone runs one node")
-        if not endpoint:
-            raise UsageError(f"{src or '--nnodes '}{text}: several nodes meet at a rendezvous (--rdzv-endpoint "
-                             "HOST:PORT on every node), which trainguard run does not support yet; on one node "
-                             "use --nnodes 1, or --nodes N to have the cluster place the ranks")
-        raise UsageError(f"{src or '--nnodes '}{text}: multi-node rendezvous at {endpoint} is not supported by "
-                         "trainguard run yet; on one node use --nnodes 1")
-    rank_text, rsrc = _pick(args.node_rank, environ, "PET_NODE_RANK", "0")
-    assert rank_text is not None
-    if _int(rank_text, rsrc or "--node-rank ", 0) != 0:
-        raise UsageError(f"{rsrc or '--node-rank '}{rank_text}: on one node (--nnodes 1) the node rank is 0")
+    rank_text, rsrc = _pick(args.node_rank, environ, "PET_NODE_RANK", None)
+    node_rank = None if rank_text is None else _int(rank_text, rsrc or "--node-rank ", 0)
     backend, bsrc = _pick(args.rdzv_backend, environ, "PET_RDZV_BACKEND", "static")
     if backend not in BACKENDS:
         raise UsageError(f"{bsrc or '--rdzv-backend '}{backend}: trainguard run supports {' or '.join(BACKENDS)}")
+    rdzv = None
+    if high > 1 and not standalone and (low > 1 or endpoint):
+        rdzv = _rdzv(args, environ, text, src, low, high, endpoint, backend, node_rank)
+    elif low > 1:
+        raise UsageError(f"{src or '--nnodes '}{text}: --standalone runs one node")
+    elif node_rank:
+        raise UsageError(f"{rsrc or '--node-rank '}{rank_text}: on one node (--nnodes 1) the node rank is 0")
     nproc_text, nsrc = _pick(args.nproc, environ, "PET_NPROC_PER_NODE", "1")
     assert nproc_text is not None
     nproc = _nproc(nproc_text, nsrc)
@@ -244,9 +266,12 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str], cwd: str | Non
             continue
         if port:
             _int(value, vsrc or f"{flag} ", 1, 65535)
-        if not vsrc:  # a PET_* value left in the environment is no reason to speak up
+        if not vsrc and rdzv is None:  # a PET_* value left in the environment is no reason to speak up
             notes.append(f"{flag} {value}: not used on one node; each attempt's ranks meet on a fresh free port of "
                          "this node (MASTER_ADDR and MASTER_PORT tell them)")
+    if rdzv is None and args.rdzv_conf is not None:
+        notes.append(f"--rdzv-conf {args.rdzv_conf}: no effect here (rendezvous options apply to multi-node "
+                     "rendezvous)")
     for dest, names, _metavar, why in NO_EFFECT:
         if getattr(args, dest) is not None:
             flag = next(n for n in names if n.startswith("--"))
@@ -264,5 +289,45 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str], cwd: str | Non
     module, no_python, run_path = explicit
     command = rank_command(list(args.cmd), module=module, no_python=no_python, run_path=run_path, environ=environ,
                            cwd=cwd)
+    if rdzv is not None and job is None:
+        raise UsageError("--rdzv-id: several nodes need the same rendezvous id on every node (e.g. the job id)")
+    if rdzv is not None:
+        rdzv = replace(rdzv, run_id=job or rdzv.run_id)
     return Launch(command, nproc, job=job, max_restarts=max_restarts, standalone=standalone,
-                  no_agent=bool(args.no_agent), notes=notes)
+                  no_agent=bool(args.no_agent), rdzv=rdzv, notes=notes)
+
+
+def _rdzv_conf(text: str, what: str) -> dict[str, float]:
+    conf: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"{what}{text}: expected KEY=VALUE,...")
+        if key not in RDZV_CONF:
+            continue  # torchrun's other keys (is_host, read_timeout, ...) change nothing here
+        try:
+            number = float(value)
+        except ValueError:
+            raise UsageError(f"{what}{item}: not a number") from None
+        if number <= 0 or (key == "keep_alive_max_attempt" and number != int(number)):
+            raise UsageError(f"{what}{item}: must be a positive {'whole ' if key.endswith('attempt') else ''}number")
+        conf[RDZV_CONF[key]] = int(number) if key == "keep_alive_max_attempt" else number
+    return conf
+
+
+def _rdzv(args: argparse.Namespace, environ: Mapping[str, str], text: str, src: str, low: int, high: int,
+          endpoint: str | None, backend: str, node_rank: int | None) -> Rdzv:
+    """Several nodes: they meet at the c10d endpoint."""
+    if not endpoint:
+        raise UsageError(f"{src or '--nnodes '}{text}: several nodes meet at a rendezvous: give --rdzv-endpoint "
+                         "HOST[:PORT] (the same on every node)")
+    if backend != "c10d":
+        raise UsageError(f"{src or '--nnodes '}{text}: several nodes meet through --rdzv-backend c10d, not {backend}")
+    if node_rank is not None and node_rank >= high:
+        raise UsageError(f"--node-rank {node_rank}: must be below the most nodes ({high})")
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or host.endswith(":"):
+        host, port = endpoint, ""
+    conf_text, csrc = _pick(args.rdzv_conf, environ, "PET_RDZV_CONF", "")
+    conf = _rdzv_conf(conf_text or "", csrc or "--rdzv-conf ")
+    return Rdzv(host.strip("[]"), int(port) if port else DEFAULT_PORT, "", low, high, node_rank, conf)

@@ -1,0 +1,124 @@
+"""``trainguard run --nnodes`` on two nodes (network namespaces) meeting at a c10d rendezvous:
+a rank killed on one node restarts both nodes' ranks together; with ``--nnodes 1:2`` a node
+lost for good lets the other go on alone; bad flags say one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.multinode.nodes import REPO, Nodes, trainguard_run
+
+PLAIN = str(REPO / "tests" / "multinode" / "train_plain.py")
+
+
+def wait_for(what: str, predicate, timeout: float = 60.0, logs: tuple[Path, ...] = ()):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+            raise AssertionError(f"timed out waiting for {what}\n{tails}")
+        time.sleep(0.1)
+
+
+def started(out: Path, rank: int, restart: int) -> dict | None:
+    path = out / f"start-r{rank}-c{restart}"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def step_of(out: Path, rank: int, restart: int) -> int:
+    try:
+        return int((out / f"step-r{rank}-c{restart}").read_text() or -1)
+    except (OSError, ValueError):
+        return -1
+
+
+def finish(proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"launcher still running:\n{log.read_text()[-3000:]}") from None
+
+
+@pytest.mark.xdist_group("multinode")
+def test_no_agent_rank_kill_restarts_both_nodes(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = (tmp_path / "a.log", tmp_path / "b.log")
+    with Nodes(tmp_path, ["node-a", "node-b"]) as nodes:
+        a, b = nodes["node-a"], nodes["node-b"]
+        flags = ("--no-agent", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-id", "plain1", "--max-restarts", "2",
+                 PLAIN, str(out), "60")
+        pa = trainguard_run(a, a, *flags, log=logs[0])
+        pb = trainguard_run(b, a, *flags, log=logs[1])
+        wait_for("step 10 everywhere", lambda: all(step_of(out, r, 0) >= 10 for r in range(4)), logs=logs)
+        victim = started(out, 2, 0)
+        assert victim is not None and victim["GROUP_RANK"] == "1"
+        os.kill(victim["pid"], signal.SIGKILL)
+        # Every rank of both nodes comes back in the next attempt, which they all agree on.
+        envs = wait_for("restart 1 on every rank", lambda: [started(out, r, 1) for r in range(4)]
+                        if all(started(out, r, 1) for r in range(4)) else None, logs=logs)
+        assert finish(pa, logs[0]) == 0, logs[0].read_text()[-3000:]
+        assert finish(pb, logs[1]) == 0, logs[1].read_text()[-3000:]
+    for rank, env in enumerate(envs):
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "4" and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["LOCAL_RANK"] == str(rank % 2) and env["GROUP_RANK"] == str(rank // 2)
+        assert env["TORCHELASTIC_RUN_ID"] == "plain1"
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+    assert all(step_of(out, r, 1) == 59 for r in range(4))
+    assert not any((out / f"start-r{r}-c2").exists() for r in range(4))
+    assert "rank 2 on node-b exited with 137" in logs[0].read_text()
+
+
+@pytest.mark.xdist_group("multinode")
+def test_lost_node_leaves_the_other_going_on_alone(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = (tmp_path / "a.log", tmp_path / "b.log")
+    with Nodes(tmp_path, ["node-a", "node-b"]) as nodes:
+        a, b = nodes["node-a"], nodes["node-b"]
+        flags = ("--no-agent", "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-id", "elastic1",
+                 "--rdzv-conf", "last_call_timeout=4,keep_alive_interval=1,keep_alive_max_attempt=3",
+                 PLAIN, str(out), "100")
+        pa = trainguard_run(a, a, *flags, log=logs[0])
+        pb = trainguard_run(b, a, *flags, log=logs[1])
+        wait_for("step 10 on 4 ranks", lambda: all(step_of(out, r, 0) >= 10 for r in range(4)), logs=logs)
+        b.kill()
+        pb.wait(timeout=10)
+        alone = wait_for("node a alone", lambda: started(out, 0, 1), logs=logs)
+        assert finish(pa, logs[0], timeout=90) == 0, logs[0].read_text()[-3000:]
+    assert alone["WORLD_SIZE"] == "2" and started(out, 1, 1)["WORLD_SIZE"] == "2"
+    assert step_of(out, 0, 1) == 99 and step_of(out, 1, 1) == 99
+    assert not (out / "start-r2-c1").exists()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--nnodes", "2", "--no-agent", "x.py"], "--rdzv-endpoint"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-backend", "static", "--no-agent", "x.py"], "c10d"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-backend", "c10d", "--no-agent", "x.py"], "--rdzv-id"),
+    (["--nnodes", "2:1", "--rdzv-endpoint", "h:1", "--no-agent", "x.py"], "MAX is below MIN"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-backend", "c10d", "--rdzv-id", "j",
+      "--rdzv-conf", "last_call_timeout=x", "--no-agent", "x.py"], "not a number"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-backend", "c10d", "--rdzv-id", "j", "--node-rank", "2",
+      "--no-agent", "x.py"], "--node-rank 2"),
+])
+def test_bad_multinode_flags_say_one_line(tmp_path: Path, flags: list[str], words: str) -> None:
+    (tmp_path / "x.py").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", *flags], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], proc.stderr

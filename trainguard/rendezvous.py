@@ -1,0 +1,287 @@
+"""Nodes meeting at a rendezvous endpoint through torch's c10d TCPStore, as torchrun's c10d
+backend does: the node whose address is the endpoint's host serves the store, the others connect.
+
+The protocol, under the key prefix ``trainguard/<run id>/``: ``round`` counts the rounds; a node
+joins round ``r`` by taking a number from ``r<r>/count`` and writing what it brings
+(``r<r>/node/<n>``). The round closes (``r<r>/closed`` = how many joined) at once when the most
+nodes came, or when at least the fewest came and no one more joined for the last-call time. The
+node first in order (``--node-rank``, then arrival) picks the master port. While the round runs,
+each node beats ``r<r>/beat/<group rank>``; any node ends the round by setting ``r<r>/restart``
+(first writer wins; the winner counts a failure in ``failures`` and writes ``r<r>/verdict``), and
+the others see it by polling. A node that comes to a closed round with room left ends it too, as
+torchrun's agents restart when ``num_nodes_waiting() > 0``. This module imports torch: it runs in
+``trainguard run``'s own process, never in the agent.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from trainguard.agent.lifecycle.launcher import free_port
+
+DEFAULT_PORT = 29400
+"""torchrun's c10d endpoint port when HOST has none."""
+
+
+class RendezvousError(RuntimeError):
+    """The nodes could not meet (no store, no quorum in time): one line for the user."""
+
+
+@dataclass(frozen=True)
+class RdzvConfig:
+    host: str
+    port: int
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    nproc: int
+    node_rank: int | None = None
+    """Orders the nodes (group rank) where given; arrival order otherwise."""
+    last_call_s: float = 30.0
+    """torchrun's last_call_timeout: how long a round with enough nodes waits for more."""
+    join_timeout_s: float = 600.0
+    """torchrun's join_timeout: how long a round waits for its fewest nodes."""
+    keepalive_s: float = 5.0
+    keepalive_misses: int = 3
+    """A peer whose beat does not move for ``keepalive_s * keepalive_misses`` is lost."""
+    poll_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(f"nodes {self.min_nodes}:{self.max_nodes}: MIN must be 1..MAX")
+        for name in ("last_call_s", "join_timeout_s", "keepalive_s", "poll_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+
+@dataclass(frozen=True)
+class Round:
+    """One closed round as this node sees it: what its ranks' torchrun environment says."""
+
+    number: int
+    nodes: int
+    group_rank: int
+    rank_offset: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    """Failures before this round, cluster-wide (torchrun's TORCHELASTIC_RESTART_COUNT)."""
+    members: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a round ended: the cause, whether it was a failure, failures so far, the exit status."""
+
+    cause: str
+    failure: bool
+    failures: int
+    code: int
+
+
+def is_local(host: str) -> bool:
+    """Whether ``host`` names this machine: an address of it can be bound here."""
+    try:
+        addrs = {str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return False
+    for addr in addrs:
+        family = socket.AF_INET6 if ipaddress.ip_address(addr).version == 6 else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr, 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def local_address(host: str, port: int) -> str:
+    """The address of this node that reaches ``host``: the one the others reach it at."""
+    try:
+        info = socket.getaddrinfo(host, port, proto=socket.IPPROTO_UDP)[0]
+        with socket.socket(info[0], socket.SOCK_DGRAM) as s:
+            s.connect(info[4])  # no packet is sent: only the route is looked up
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def open_store(cfg: RdzvConfig, timeout_s: float) -> tuple[dist.TCPStore, bool]:
+    """The store at the endpoint: served here when the endpoint's host is this machine (a client
+    when another process already serves the port), else reached as a client."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if is_local(cfg.host):
+        try:
+            return dist.TCPStore(cfg.host, cfg.port, is_master=True, wait_for_workers=False, timeout=timeout,
+                                 multi_tenant=True), True
+        except (RuntimeError, OSError):
+            pass  # the port is served already (a second node on this machine): join as a client
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return dist.TCPStore(cfg.host, cfg.port, is_master=False, timeout=datetime.timedelta(seconds=10)), False
+        except (RuntimeError, OSError) as exc:
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"rendezvous endpoint {cfg.host}:{cfg.port} unreachable: "
+                                      f"{str(exc).splitlines()[0]}") from None
+            time.sleep(1.0)
+
+
+class Rendezvous:
+    """This node's side of the rendezvous protocol (see the module doc)."""
+
+    def __init__(self, cfg: RdzvConfig, store: Any | None = None, *, addr: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.serving = False
+        if store is None:
+            store, self.serving = open_store(cfg, cfg.join_timeout_s)
+        self.store = store
+        self.addr = addr or local_address(cfg.host, cfg.port)
+        self.hostname = socket.gethostname()
+        self.next = -1
+        self.token = f"{self.addr}/{os.getpid()}/{time.time_ns()}"
+        self._beats: dict[int, tuple[int, float]] = {}
+
+    def _key(self, name: str) -> str:
+        return f"trainguard/{self.cfg.run_id}/{name}"
+
+    def _has(self, name: str) -> bool:
+        return bool(self.store.check([self._key(name)]))
+
+    def _get(self, name: str) -> str:
+        return bytes(self.store.get(self._key(name))).decode()
+
+    def _counter(self, name: str) -> int:
+        return int(self.store.add(self._key(name), 0))
+
+    # --- rounds -----------------------------------------------------------------------------------
+    def join(self) -> Round:
+        """Join the next open round and wait until it closes; raises ``RendezvousError`` when the
+        fewest nodes do not come within the join timeout."""
+        deadline = self.clock() + self.cfg.join_timeout_s
+        while True:
+            r = max(self.next, self._counter("round"))
+            # A round someone ended but whose successor is not counted yet: wait for the count.
+            while self._has(f"r{r}/restart") and self._counter("round") <= r:
+                self._check(deadline)
+                time.sleep(self.cfg.poll_s)
+            if self._has(f"r{r}/restart"):
+                continue
+            got = self._join_round(r, deadline)
+            if got is not None:
+                self.next = r + 1
+                return got
+
+    def _check(self, deadline: float) -> None:
+        if self.clock() > deadline:
+            raise RendezvousError(f"rendezvous {self.cfg.run_id}: fewer than {self.cfg.min_nodes} node(s) came "
+                                  f"within {self.cfg.join_timeout_s:.0f} s")
+
+    def _join_round(self, r: int, deadline: float) -> Round | None:
+        me = int(self.store.add(self._key(f"r{r}/count"), 1))
+        self.store.set(self._key(f"r{r}/node/{me}"), json.dumps({
+            "addr": self.addr, "host": self.hostname, "nproc": self.cfg.nproc, "node_rank": self.cfg.node_rank}))
+        seen, since = 0, self.clock()
+        while not self._has(f"r{r}/closed"):
+            if self._has(f"r{r}/restart"):
+                return None  # ended before it closed (a node gave up on it): the next one
+            count = self._counter(f"r{r}/count")
+            if count != seen:
+                seen, since = count, self.clock()
+            if count >= self.cfg.max_nodes:
+                self.store.compare_set(self._key(f"r{r}/closed"), "", str(self.cfg.max_nodes))
+            elif count >= self.cfg.min_nodes and self.clock() - since >= self.cfg.last_call_s:
+                self.store.compare_set(self._key(f"r{r}/closed"), "", str(count))
+            else:
+                self._check(deadline)
+                time.sleep(self.cfg.poll_s)
+        nodes = int(self._get(f"r{r}/closed"))
+        if me > nodes:
+            # Came after the round closed: a round with room left ends so that this node joins
+            # the next one (torchrun's num_nodes_waiting); a full one is waited out.
+            if nodes < self.cfg.max_nodes:
+                self.end(r, f"node {self.hostname} ({self.addr}) joined", failure=False)
+            while not self._has(f"r{r}/restart"):
+                self._check(deadline)
+                time.sleep(self.cfg.poll_s)
+            return None
+        self.store.wait([self._key(f"r{r}/node/{i}") for i in range(1, nodes + 1)])
+        members = [dict(json.loads(self._get(f"r{r}/node/{i}")), arrival=i) for i in range(1, nodes + 1)]
+        members.sort(key=lambda m: (m["node_rank"] if m["node_rank"] is not None else nodes + m["arrival"],
+                                    m["arrival"]))
+        group = next(g for g, m in enumerate(members) if m["arrival"] == me)
+        offset = sum(int(m["nproc"]) for m in members[:group])
+        world = sum(int(m["nproc"]) for m in members)
+        if group == 0:
+            self.store.set(self._key(f"r{r}/master"), f"{self.addr}:{free_port(self.addr)}")
+        self.store.wait([self._key(f"r{r}/master")])
+        master_addr, _, master_port = self._get(f"r{r}/master").rpartition(":")
+        self._beats = {}
+        return Round(r, nodes, group, offset, world, master_addr, int(master_port), self._counter("failures"),
+                     members)
+
+    # --- while a round runs -----------------------------------------------------------------------
+    def end(self, r: int, cause: str, *, failure: bool = True, code: int = 1) -> Verdict:
+        """End round ``r`` for every node (the first cause given wins) and return the verdict."""
+        mine = json.dumps({"cause": cause, "by": self.token})
+        if bytes(self.store.compare_set(self._key(f"r{r}/restart"), "", mine)).decode() == mine:
+            failures = int(self.store.add(self._key("failures"), 1 if failure else 0))
+            self.store.set(self._key(f"r{r}/verdict"), json.dumps(
+                {"cause": cause, "failure": failure, "failures": failures, "code": code}))
+            self.store.add(self._key("round"), 1)
+        return self.verdict(r)
+
+    def ended(self, r: int) -> bool:
+        return self._has(f"r{r}/restart")
+
+    def verdict(self, r: int) -> Verdict:
+        self.store.wait([self._key(f"r{r}/verdict")])
+        v = json.loads(self._get(f"r{r}/verdict"))
+        return Verdict(str(v["cause"]), bool(v["failure"]), int(v["failures"]), int(v["code"]))
+
+    def beat(self, rnd: Round) -> list[int]:
+        """Beat for this node and return the group ranks of peers whose beat stopped moving."""
+        self.store.add(self._key(f"r{rnd.number}/beat/{rnd.group_rank}"), 1)
+        now, lost = self.clock(), []
+        for g in range(rnd.nodes):
+            if g == rnd.group_rank:
+                continue
+            value = self._counter(f"r{rnd.number}/beat/{g}")
+            last = self._beats.get(g)
+            if last is None or last[0] != value:
+                self._beats[g] = (value, now)
+            elif now - last[1] > self.cfg.keepalive_s * self.cfg.keepalive_misses:
+                lost.append(g)
+        return lost
+
+    def finish(self, rnd: Round, timeout_s: float = 30.0) -> bool:
+        """This node's ranks finished: wait until every node's did (True) or the round ended
+        another way (False). The node serving the store waits for the others to see it."""
+        r = rnd.number
+        self.store.add(self._key(f"r{r}/done"), 1)
+        deadline = self.clock() + timeout_s
+        while self._counter(f"r{r}/done") < rnd.nodes:
+            if self.ended(r):
+                return False
+            if self.clock() > deadline:
+                return True  # the others went away after their own ranks finished
+            time.sleep(self.cfg.poll_s)
+        self.store.add(self._key(f"r{r}/left"), 1)
+        if self.serving:
+            while self._counter(f"r{r}/left") < rnd.nodes and self.clock() < deadline:
+                time.sleep(self.cfg.poll_s)
+        return True
