@@ -30,6 +30,7 @@ from trainguard.agent.lifecycle.rankenv import RankUser, RankUserError
 from trainguard.agent.lifecycle.records import RecordStore
 from trainguard.agent.lifecycle.supervisor import Supervisor
 from trainguard.agent.paths import AgentPaths, agent_tag
+from trainguard.agent.privilege import FEATURE_OFF, features_off
 from trainguard.agent.recovery.activity import descends_from
 from trainguard.agent.sdnotify import Notifier
 
@@ -143,6 +144,10 @@ class Agent:
             pid=os.getpid(),
             collectors={k: v[0] for k, v in self.collector_state.items()},
         )
+        for feature, message in features_off(euid=os.geteuid(), ebpf_wanted=cfg.collectors.ebpf,
+                                             collectors=self.collector_state, cgroups_mode=cfg.launcher.cgroups,
+                                             cgroups_reason=self.cgroups_reason):
+            self.events.emit(FEATURE_OFF, message, feature=feature)
         if not cfg.launcher.user and os.geteuid() == 0:
             # Said once per start: whoever may submit a job (the control socket's group, an admin
             # token) may then run code as root, without capabilities but as uid 0.
@@ -757,10 +762,8 @@ class Agent:
                 sup.stop_all("agent shutdown")
             sup.close()
             launcher = sup.launcher
-            if self.cfg.agent.on_stop == "stop_ranks" and getattr(launcher, "cgroups", None) is not None:
-                for job in list(launcher.job_cgroups):
-                    launcher.close_job(job)  # no stray left, no cgroup left (left ranks keep theirs)
-                launcher.cgroups.close()
+            if self.cfg.agent.on_stop == "stop_ranks" and hasattr(launcher, "close_all"):
+                launcher.close_all()  # no stray, warm launcher or cgroup left (left ranks keep theirs)
         for part in ("api", "telemetry", "checkpoints"):
             obj = getattr(self, part, None)
             if obj is not None:

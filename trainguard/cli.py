@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -79,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--detach", action="store_true", help="submit and print the job id")
     r.add_argument("--no-agent", action="store_true", help="no agent: run and restart the ranks from this process")
     r.add_argument("--state-dir", metavar="DIR", help="the agent whose files are under DIR (default: $TRAINGUARD_STATE_DIR)")
+    r.add_argument("--metrics-addr", metavar="HOST:PORT",
+                   help="/metrics of the agent this command hosts where no node agent runs (default: off)")
     r.add_argument("--agent", metavar="HOST:PORT", help="a remote agent over TCP")
     r.add_argument("--token-file", metavar="FILE", help="bearer token file for --agent")
     _add_tls(r)
@@ -311,7 +314,6 @@ def _submitted_only(job: str, args: argparse.Namespace) -> bool:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from trainguard.environment import ENV_STATE_DIR
-    from trainguard.runcmd import follow, job_spec
 
     try:
         launch = torchrun_args.resolve(args, os.environ)
@@ -329,26 +331,51 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _run_nodes(launch, environ, None)
     if launch.no_agent:
         return _run_agentless(launch, args, environ)
-    if not args.state_dir and not args.agent:
-        args.state_dir = os.environ.get(ENV_STATE_DIR) or None  # where the ranks' API looks too
-    client = make_client(args)
+    if args.agent:
+        client = make_client(args)
+        try:
+            client.health()
+        except ApiClientError as exc:
+            return _fail(f"{exc}; leave --agent out and this command uses this node's agent or hosts one")
+        if launch.rdzv is not None:
+            return _run_nodes(launch, environ, client)
+        return _submit_and_follow(client, launch, args, environ)
+    from trainguard.hosted_agent import NoAgent, local_agent
+
     try:
-        client.health()
-    except ApiClientError as exc:  # no agent: say how to get one, not a traceback
-        if launch.standalone and not args.agent:
-            print(f"trainguard: {exc}; --standalone runs the ranks from this process instead (no telemetry, "
-                  "snapshots or hang verdicts)", file=sys.stderr)
-            return _run_agentless(launch, args, environ)
-        return _fail(f"{exc}; point at a running agent with --state-dir DIR, or run without one: "
-                     "trainguard run --no-agent ...")
-    if launch.rdzv is not None:
-        return _run_nodes(launch, environ, client)
+        with local_agent(args.state_dir, environ, job=launch.job or "run", metrics_addr=args.metrics_addr) as node:
+            if node.state_dir:
+                environ[ENV_STATE_DIR] = node.state_dir  # where the ranks' trainguard.init() looks
+            if node.hosted and (args.detach or args.nodes > 1):
+                return _fail("--detach and --nodes need a node agent that outlives this command "
+                             "(`trainguard agent`); none runs here", EXIT_USAGE)
+            if launch.rdzv is not None:
+                return _run_nodes(launch, environ, node.client)
+            return _submit_and_follow(node.client, launch, args, environ, signals=node.hosted)
+    except NoAgent as exc:
+        return _fail(str(exc))
+
+
+def _submit_and_follow(client: Any, launch: torchrun_args.Launch, args: argparse.Namespace,
+                       environ: dict[str, str], *, signals: bool = False) -> int:
+    """Submit the job and follow it; ``signals``: SIGTERM stops the job as Ctrl-C does (a hosted
+    agent goes with this command), and the exit code says which signal it was."""
+    from trainguard.runcmd import follow, job_spec
+
+    got: list[int] = []
+    if signals:
+        def stop(signum: int, _frame: Any) -> None:
+            got.append(signum)
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)
     spec = job_spec(launch.command, nproc=launch.nproc, nodes=args.nodes, job=launch.job,
                     max_restarts=launch.max_restarts, hang_timeout_s=args.hang_timeout, environ=environ)
     job = client.submit_job(spec)
     if _submitted_only(job, args):
         return 0
-    return follow(client, job)
+    code = follow(client, job)
+    return 128 + got[0] if got else code
 
 
 def _run_nodes(launch: torchrun_args.Launch, environ: dict[str, str], client: Any) -> int:
@@ -366,6 +393,8 @@ def _run_agentless(launch: torchrun_args.Launch, args: argparse.Namespace, envir
                      EXIT_USAGE)
     if args.hang_timeout:
         print("trainguard: --hang-timeout needs the agent (it watches the ranks); ignored without one", file=sys.stderr)
+    print("trainguard: --no-agent: no snapshots, restores or hang verdicts; a restart starts the script "
+          "from its beginning", file=sys.stderr)
     restarts = 3 if launch.max_restarts is None else launch.max_restarts
     return run_standalone(resolve_command(launch.command, environ.get("PATH")), launch.nproc, max_restarts=restarts,
                           job=launch.job, environ=environ)

@@ -218,6 +218,8 @@ class Launcher:
         self.mode = mode
         self.clock = clock
         self.zygotes: dict[str, Zygote] = {}
+        self._closing: set[Zygote] = set()
+        """Warm launchers a job's end is closing on its own thread (``close_all`` waits for them)."""
         self.warm_failures = 0
         self.cgroups = cgroups
         self.job_cgroups: dict[str, JobCgroup] = {}
@@ -342,12 +344,28 @@ class Launcher:
             return f"path:{script}", list(cmd[2:])
         return None
 
+    def close_all(self, timeout: float = 5.0) -> None:
+        """Agent shutdown: every job's warm launcher and cgroup goes, and no warm launcher a job's
+        end is still closing outlives the agent (an agent run by ``trainguard run`` leaves nothing)."""
+        for job in set(self.zygotes) | set(self.job_cgroups):
+            self.close_job(job)
+        for zygote in list(self._closing):
+            try:
+                zygote.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                zygote.proc.kill()
+                zygote.proc.wait()
+        if self.cgroups is not None:
+            self.cgroups.close()
+
     def close_job(self, job: str) -> None:
         """The job ended: its warm launcher goes, then everything left in its cgroup, then the cgroup."""
         try:
             zygote = self.zygotes.pop(job, None)
             if zygote is not None:
+                self._closing.add(zygote)
                 zygote.close()
+                self._closing.discard(zygote)
             self.logs.forget(job)
             env_dir = self.env_dirs.pop(job, None)
             if env_dir is not None:
