@@ -4,7 +4,8 @@ munged with its own key and socket, every daemon in the foreground.
 The controller's namespace holds a bridge with the controller's address; each node namespace gets
 a veth into that bridge and an address in 10.232.0.0/24 (no route out, so nothing leaves). Each
 daemon runs with its own hostname and /etc/hosts through ``nsenter --net`` plus ``unshare --mount
---uts`` (``ip netns exec`` remounts /sys, which hides the cgroup tree slurmd 22.05 needs). Clients
+--uts`` (``ip netns exec`` remounts /sys, which hides the cgroup tree slurmd 22.05 needs), and each
+node has a /dev/shm of its own. Clients
 (``sbatch``, ``srun``, ``sinfo``, ``scontrol``) run in the controller's namespace. Jobs see the
 repository under test on PYTHONPATH and this interpreter's directory first on PATH, so
 ``trainguard`` and ``python`` in a batch script are the code under test.
@@ -75,7 +76,7 @@ def _kill_all_in(ns: str) -> None:
 
 
 def sweep_stale() -> None:
-    """Removes namespaces, munge directories and memory roots left by a test process that no longer exists (one
+    """Removes namespaces and munge directories left by a test process that no longer exists (one
     killed before its clean-up ran); those of live test processes are left alone."""
     for line in run("ip", "netns", "list", check=False).splitlines():
         ns = line.split()[0] if line.split() else ""
@@ -83,16 +84,18 @@ def sweep_stale() -> None:
         if ns.startswith(PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             _kill_all_in(ns)
             run("ip", "netns", "del", ns, check=False)
-    for path in [*Path("/tmp").glob(f"{PREFIX}*"), *Path("/dev/shm").glob(f"{PREFIX}*")]:
+    for path in Path("/tmp").glob(f"{PREFIX}*"):
         pid = path.name[len(PREFIX):].split("-", 1)[0]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _in_host(ns: str, hostname: str, hosts_file: Path, argv: list[str]) -> list[str]:
+def _in_host(ns: str, hostname: str, hosts_file: Path, argv: list[str], *, own_shm: bool = False) -> list[str]:
     """argv run in ``ns``'s network, with its own hostname and /etc/hosts (private mount and UTS
-    namespaces, so neither leaks to the machine)."""
-    script = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
+    namespaces, so neither leaks to the machine); ``own_shm``: a /dev/shm of its own too, as a
+    real node has (its tmpfs goes when the last process of the mount namespace ends)."""
+    shm = "mount -t tmpfs -o mode=1777 tmpfs /dev/shm && " if own_shm else ""
+    script = f'hostname "$1" && mount --bind "$2" /etc/hosts && {shm}shift 2 && exec "$@"'
     return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--uts", "--", "sh", "-c", script, "sh",
             hostname, str(hosts_file), *argv]
 
@@ -104,7 +107,6 @@ class Node:
     addr: str
     bridge_port: str
     root: Path
-    shm: Path
     proc: subprocess.Popen[bytes] | None = None
     agent: subprocess.Popen[bytes] | None = None
 
@@ -133,7 +135,7 @@ class SlurmCluster:
         base = f"{PREFIX}{os.getpid()}-{self.run_id}"
         self.ctl_ns = f"{base}-ctl"
         self.nodes = {name: Node(name, f"{base}-{name}", f"{SUBNET}.{11 + i}", f"v{self.run_id}{i}",
-                                 root / "nodes" / name, Path("/dev/shm") / f"{base}-{name}")
+                                 root / "nodes" / name)
                       for i, name in enumerate(nodes)}
         self.agents = agents
         self.cpus = cpus
@@ -171,24 +173,31 @@ class SlurmCluster:
         self._network()
         self.slurmctld = self._daemon(self.ctl_ns, CTL_NAME, ["slurmctld", "-D", "-f", str(self.conf)], "slurmctld")
         for node in self.nodes.values():
-            node.proc = self._daemon(node.ns, node.name, ["slurmd", "-D", "-f", str(self.conf)], f"slurmd-{node.name}")
-            if self.agents:
-                node.agent = self._start_agent(node)
+            node.proc = self._daemon(node.ns, node.name, ["slurmd", "-D", "-f", str(self.conf)], f"slurmd-{node.name}",
+                                     own_shm=True)
         self.wait_states(dict.fromkeys(self.nodes, "idle"), timeout)
-        for node in self.nodes.values():
-            if node.agent is not None:
+        if self.agents:
+            for node in self.nodes.values():
+                node.agent = self._start_agent(node)
+            for node in self.nodes.values():
                 self._wait_agent(node, timeout)
         return self
 
     def _start_agent(self, node: Node) -> subprocess.Popen[bytes]:
+        """The agent joins slurmd's namespaces (network, hostname, mounts): it shares the node's
+        /dev/shm with the ranks Slurm starts there."""
+        assert node.proc is not None
         cfg = node.root / "agent.toml"
-        # one cgroup tree and one /dev/shm for every namespace: cgroups off, a memory root per node
+        # one cgroup tree for every namespace: job cgroups would collide
         cfg.write_text(f'[agent]\nnode = "{node.name}"\ninterval_s = 0.25\n'
                        '[collectors]\nebpf = false\ngpu = false\n[launcher]\ncgroups = "off"\n'
-                       f'[checkpoint]\nmemory_root = "{node.shm}"\nmemory_every = 4\nmemory_keep = 3\n')
-        argv = [sys.executable, "-m", "trainguard", "agent", "--state-dir", str(node.state_dir), "--config", str(cfg),
+                       '[checkpoint]\nmemory_every = 4\nmemory_keep = 3\n')
+        argv = ["nsenter", f"--target={node.proc.pid}", "--net", "--uts", "--mount", "--", sys.executable, "-m",
+                "trainguard", "agent", "--state-dir", str(node.state_dir), "--config", str(cfg),
                 "--metrics-addr", "127.0.0.1:0"]
-        return self._daemon(node.ns, node.name, argv, f"agent-{node.name}")
+        with open(self.logs / f"agent-{node.name}.out", "ab") as out:
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=self.env(), cwd=REPO)
 
     def _wait_agent(self, node: Node, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -268,9 +277,10 @@ class SlurmCluster:
         run("ip", "netns", "add", ns)
         self.namespaces.append(ns)
 
-    def _daemon(self, ns: str, hostname: str, argv: list[str], log: str) -> subprocess.Popen[bytes]:
+    def _daemon(self, ns: str, hostname: str, argv: list[str], log: str, *,
+                own_shm: bool = False) -> subprocess.Popen[bytes]:
         with open(self.logs / f"{log}.out", "ab") as out:
-            return subprocess.Popen(_in_host(ns, hostname, self.hosts_file, argv), stdout=out,
+            return subprocess.Popen(_in_host(ns, hostname, self.hosts_file, argv, own_shm=own_shm), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env())
 
     # -- clients -------------------------------------------------------------------------------
@@ -422,8 +432,6 @@ class SlurmCluster:
         for ns in reversed(self.namespaces):
             run("ip", "netns", "del", ns, check=False)
         shutil.rmtree(self.munge_dir, ignore_errors=True)
-        for node in self.nodes.values():
-            shutil.rmtree(node.shm, ignore_errors=True)
 
     def __enter__(self) -> SlurmCluster:
         try:

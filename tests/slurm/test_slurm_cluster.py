@@ -18,6 +18,10 @@ def test_two_idle_nodes_run_a_step_each_under_its_own_name(slurm: SlurmCluster) 
             "print(socket.gethostbyname(socket.gethostname()), os.path.dirname(trainguard.__path__[0]))")
     out = slurm.client("srun", "-N2", "--ntasks-per-node=1", "python", "-c", code).stdout.splitlines()
     assert sorted(out) == [f"10.232.0.11 {REPO}", f"10.232.0.12 {REPO}"]
+    # and a /dev/shm of its own, as a real node has
+    out = slurm.client("srun", "-N2", "--ntasks-per-node=1", "sh", "-c",
+                       'touch "/dev/shm/tgsl-$(hostname)"; echo $(hostname) $(ls /dev/shm)').stdout.splitlines()
+    assert sorted(out) == ["n1 tgsl-n1", "n2 tgsl-n2"]
 
 
 def test_with_node_daemons_each_task_finds_its_own_nodes_agent(slurm_agents: SlurmCluster) -> None:
