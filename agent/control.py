@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard.agent import __version__
 from trainguard.agent.api.handler import ApiError, Blob, BlobReader, Json
+from trainguard.agent.lifecycle import rdzvjobs
 from trainguard.agent.lifecycle.jobs import JobSpec, JobSpecError
 from trainguard.agent.wire import WireError
 
@@ -122,6 +123,12 @@ class AgentControl:
         except ValueError as exc:
             raise ApiError(409, str(exc)) from None
         return {"job": job_spec.job}
+
+    def job_attempt(self, job: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return rdzvjobs.attempt(self.agent, job, body)
+        except ValueError as exc:
+            raise ApiError(409 if "not active" in str(exc) or "already" in str(exc) else 400, str(exc)) from None
 
     def get_job(self, job: str) -> dict[str, Any]:
         result: dict[str, Any] = self._job(job).to_dict()

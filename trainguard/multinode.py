@@ -9,71 +9,24 @@ ends it too. Then all nodes meet again in the next round, fewer of them when one
 ``--nnodes MIN:MAX`` allows it. ``--max-restarts`` bounds the failures over the whole cluster.
 
 The ranks run as ``Ranks``: child processes of this one (``--no-agent``) or the local agent's
-(``agentranks``), which hands its snapshots to the restarted ranks.
+(``noderanks``), which hands its snapshots to the restarted ranks.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol, TextIO
+from dataclasses import replace
+from typing import Any, TextIO
 
 from trainguard.agent.cluster.netif import interface_for
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import RankBlock
-from trainguard.agentranks import AgentRanks
+from trainguard.noderanks import AgentRanks, ChildRanks, Ranks
 from trainguard.rendezvous import RdzvConfig, Rendezvous, RendezvousError, Round, Verdict
 from trainguard.runcmd import resolve_command
-from trainguard.standalone import LocalRanks
 from trainguard.torchrun_args import Launch
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How this node's ranks of a round ended: all succeeded, or ``rank`` failed with ``code``."""
-
-    ok: bool
-    rank: int = -1
-    code: int = 0
-
-
-class Ranks(Protocol):
-    """This node's ranks, one round at a time."""
-
-    def start(self, rnd: Round, block: RankBlock) -> None: ...
-
-    def poll(self) -> Outcome | None:
-        """None while they run; how they ended otherwise."""
-
-    def stop(self) -> None: ...
-
-
-class ChildRanks:
-    """``--no-agent``: the ranks are child processes of this one."""
-
-    def __init__(self, command: list[str], spec: JobSpec, base: dict[str, str], *, cwd: str | None = None,
-                 out: TextIO = sys.stdout, grace_s: float = 5.0) -> None:
-        self.command, self.spec, self.base, self.cwd, self.out, self.grace_s = command, spec, base, cwd, out, grace_s
-        self.lock = threading.Lock()
-        self.ranks: LocalRanks | None = None
-
-    def start(self, rnd: Round, block: RankBlock) -> None:
-        self.ranks = LocalRanks(self.command, self.spec, block, rnd.number + 1, self.base, cwd=self.cwd,
-                                out=self.out, lock=self.lock)
-
-    def poll(self) -> Outcome | None:
-        assert self.ranks is not None
-        failed = self.ranks.failed()
-        if failed is not None:
-            return Outcome(False, *failed)
-        return None if self.ranks.running() else Outcome(True)
-
-    def stop(self) -> None:
-        if self.ranks is not None:
-            self.ranks.stop(self.grace_s)
 
 
 def round_block(rnd: Round, nproc: int, run_id: str, max_restarts: int, addr: str) -> RankBlock:
@@ -126,11 +79,16 @@ class Driver:
             self.say(f"rendezvous store {self.rdzv.cfg.host}:{self.rdzv.cfg.port} lost ({first}); stopped this "
                      "node's ranks")
             return 1
+        finally:
+            self.ranks.close()
 
     def _round(self, rnd: Round) -> Verdict | None:
         """Run one round; None when every node's ranks finished, else why the round ended."""
         block = round_block(rnd, self.nproc, self.run_id, self.max_restarts, self.rdzv.addr)
-        self.ranks.start(rnd, block)
+        step = self.rdzv.agree_step(rnd, self.ranks.offer(block))
+        if step is not None:
+            self.say(f"round {rnd.number}: every node's ranks resume from their snapshots of step {step}")
+        self.ranks.start(rnd, replace(block, snapshot_step=step))
         next_beat = 0.0
         try:
             while True:

@@ -5,7 +5,8 @@ The protocol, under the key prefix ``trainguard/<run id>/``: ``round`` counts th
 joins round ``r`` by taking a number from ``r<r>/count`` and writing what it brings
 (``r<r>/node/<n>``). The round closes (``r<r>/closed`` = how many joined) at once when the most
 nodes came, or when at least the fewest came and no one more joined for the last-call time. The
-node first in order (``--node-rank``, then arrival) picks the master port. While the round runs,
+node first in order (``--node-rank``, then the order of the round before, then arrival) picks
+the master port. While the round runs,
 each node beats ``r<r>/beat/<group rank>``; any node ends the round by setting ``r<r>/restart``
 (first writer wins; the winner counts a failure in ``failures`` and writes ``r<r>/verdict``), and
 the others see it by polling. A node that comes to a closed round with room left ends it too, as
@@ -153,6 +154,8 @@ class Rendezvous:
         self.addr = addr or local_address(cfg.host, cfg.port)
         self.hostname = socket.gethostname()
         self.next = -1
+        self.last_group: int | None = None
+        """This node's group rank in the round before (None before the first)."""
         self.token = f"{self.addr}/{os.getpid()}/{time.time_ns()}"
         self._beats: dict[int, tuple[int, float]] = {}
 
@@ -194,7 +197,8 @@ class Rendezvous:
     def _join_round(self, r: int, deadline: float) -> Round | None:
         me = int(self.store.add(self._key(f"r{r}/count"), 1))
         self.store.set(self._key(f"r{r}/node/{me}"), json.dumps({
-            "addr": self.addr, "host": self.hostname, "nproc": self.cfg.nproc, "node_rank": self.cfg.node_rank}))
+            "addr": self.addr, "host": self.hostname, "nproc": self.cfg.nproc, "node_rank": self.cfg.node_rank,
+            "last": self.last_group}))
         seen, since = 0, self.clock()
         while not self._has(f"r{r}/closed"):
             if self._has(f"r{r}/restart"):
@@ -221,8 +225,11 @@ class Rendezvous:
             return None
         self.store.wait([self._key(f"r{r}/node/{i}") for i in range(1, nodes + 1)])
         members = [dict(json.loads(self._get(f"r{r}/node/{i}")), arrival=i) for i in range(1, nodes + 1)]
-        members.sort(key=lambda m: (m["node_rank"] if m["node_rank"] is not None else nodes + m["arrival"],
-                                    m["arrival"]))
+        # --node-rank first; then the order of the round before, so that each node keeps its ranks
+        # (and the snapshots of them it holds); newcomers last, by arrival.
+        far = self.cfg.max_nodes + nodes
+        members.sort(key=lambda m: (far if m["node_rank"] is None else m["node_rank"],
+                                    far if m.get("last") is None else m["last"], m["arrival"]))
         group = next(g for g, m in enumerate(members) if m["arrival"] == me)
         offset = sum(int(m["nproc"]) for m in members[:group])
         world = sum(int(m["nproc"]) for m in members)
@@ -231,8 +238,21 @@ class Rendezvous:
         self.store.wait([self._key(f"r{r}/master")])
         master_addr, _, master_port = self._get(f"r{r}/master").rpartition(":")
         self._beats = {}
+        self.last_group = group
         return Round(r, nodes, group, offset, world, master_addr, int(master_port), self._counter("failures"),
                      members)
+
+    def agree_step(self, rnd: Round, steps: list[int]) -> int | None:
+        """The newest of ``steps`` (what this node's ranks can resume at) that every node of the
+        round offers too; None when there is none."""
+        r = rnd.number
+        self.store.set(self._key(f"r{r}/steps/{rnd.group_rank}"), json.dumps(sorted(steps)))
+        keys = [self._key(f"r{r}/steps/{g}") for g in range(rnd.nodes)]
+        self.store.wait(keys)
+        common = set(steps)
+        for key in keys:
+            common &= set(json.loads(bytes(self.store.get(key)).decode()))
+        return max(common) if common else None
 
     # --- while a round runs -----------------------------------------------------------------------
     def end(self, r: int, cause: str, *, failure: bool = True, code: int = 1) -> Verdict:

@@ -139,6 +139,11 @@ class ApiClient:
     def stop_job(self, job: str, **options: Any) -> dict[str, Any]:
         return self._json("POST", f"/v1/jobs/{_seg(job)}/stop", options)
 
+    def job_attempt(self, job: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One round of ``trainguard run --nnodes`` on this node (``agent.lifecycle.rdzvjobs``)."""
+        result: dict[str, Any] = self._json("POST", f"/v1/jobs/{_seg(job)}/attempt", body)
+        return result
+
     def job_output(self, job: str, rank: int, offset: int = 0, limit: int = 64 << 10) -> dict[str, Any]:
         result: dict[str, Any] = self._json("GET", f"/v1/jobs/{_seg(job)}/output?rank={rank}&offset={offset}&limit={limit}")
         return result

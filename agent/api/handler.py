@@ -103,6 +103,9 @@ class ApiHandler(Protocol):
     def checkpoint_now(self, job: str, options: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/jobs/<job>/checkpoint."""
 
+    def job_attempt(self, job: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/jobs/<job>/attempt: a round of ``trainguard run --nnodes`` (``agent.lifecycle.rdzvjobs``)."""
+
     def drain(self, job: str, target: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/jobs/<job>/drain with ``{"rank": r}`` or ``{"node": n}``."""
 

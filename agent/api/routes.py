@@ -18,6 +18,7 @@ GET      /v1/jobs/<id>/follow?since&offsets read  get_job, job_output of each ra
 GET      /v1/jobs/<id>/plan               read    get_plan(id)
 PUT      /v1/jobs/<id>/plan               admin   update_plan(id, body)
 POST     /v1/jobs/<id>/checkpoint         admin   checkpoint_now(id, body)
+POST     /v1/jobs/<id>/attempt            admin   job_attempt(id, body)  (trainguard run --nnodes)
 POST     /v1/jobs/<id>/drain              admin   drain(id, body)
 POST     /v1/jobs/<id>/telemetry          admin*  ingest_telemetry(id, body)  (other nodes' ranks)
 GET      /v1/checkpoints?job=             read    list_checkpoints(job)
@@ -240,6 +241,7 @@ ROUTES: tuple[Route, ...] = (
     _r("GET", _JOB + r"/plan", READ, lambda h, c: h.get_plan(_job(c))),
     _r("PUT", _JOB + r"/plan", ADMIN, lambda h, c: h.update_plan(_job(c), c.body)),
     _r("POST", _JOB + r"/checkpoint", ADMIN, lambda h, c: h.checkpoint_now(_job(c), c.body)),
+    _r("POST", _JOB + r"/attempt", ADMIN, lambda h, c: h.job_attempt(_job(c), c.body)),
     _r("POST", _JOB + r"/drain", ADMIN, lambda h, c: h.drain(_job(c), c.body)),
     _r("POST", _JOB + r"/telemetry", ADMIN, lambda h, c: h.ingest_telemetry(_job(c), c.body),
        node_of=_telemetry_sender),

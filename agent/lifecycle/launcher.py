@@ -138,6 +138,10 @@ class RankBlock:
     socket_ifname: str = ""
     """The interface holding this node's advertised address: gloo and NCCL bind there unless the
     job's environment names one (the hostname may resolve to loopback, which peers cannot reach)."""
+    rendezvous: bool = False
+    """Handed by ``trainguard run --nnodes`` (``rdzvjobs``), not by the cluster leader: the ranks
+    restore their own snapshots of ``snapshot_step``, the step every node's ranks hold."""
+    snapshot_step: int | None = field(default=None, compare=False)
 
 
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

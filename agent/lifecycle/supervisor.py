@@ -491,6 +491,18 @@ class Supervisor:
                              severity="warning", job=job, cause=cause, action="restart")
         self._launch(record)
 
+    def hold(self, job: str) -> JobRecord | None:
+        """Stop the ranks of a job whose next attempt someone else decides (``rdzvjobs``) and
+        leave it restarting until that attempt is handed here; None for an unknown job."""
+        with self._lock:
+            record = self.jobs.get(job)
+            if record is None or record.state.finished or record.state == JobState.STOPPING:
+                return record
+            if record.state != JobState.RESTARTING:
+                self._set_state(record, JobState.RESTARTING)
+            self.launcher.stop(record.ranks, min(self.stop_grace_s, 2.0), hard=True)
+        return record
+
     def restart(self, job: str, cause: str, *, spec: JobSpec | None = None) -> None:
         """Stop what is left of the job and start every rank again (same world size, or the
         given ``spec``: a smaller world without an excluded rank)."""

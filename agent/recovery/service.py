@@ -187,6 +187,8 @@ class RecoveryService:
             "TRAINGUARD_CKPT_MEMORY_ROOT": self.checkpoints.settings.memory_root,
             "TRAINGUARD_CKPT_MEMORY_EVERY": str(self.checkpoints.settings.memory_interval),
         }
+        if record.block is not None and record.block.rendezvous:
+            return self._rendezvous_env(record, env)
         if record.block is not None:
             # A job spanning nodes: the cluster leader chose the step and this agent assembled it
             # from the nodes' parts (``agent.cluster.gang``); the block carries the result.
@@ -250,6 +252,31 @@ class RecoveryService:
             tier=restored.tier,
             step=restored.info.step,
         )
+        return env
+
+    def _rendezvous_env(self, record: JobRecord, env: dict[str, str]) -> dict[str, str]:
+        """This node's ranks of a ``trainguard run --nnodes`` round: they snapshot as on one node
+        and restore the step every node's ranks hold, which the nodes agreed at the rendezvous."""
+        assert record.block is not None
+        job, step = record.job, record.block.snapshot_step
+        snapshots = SnapshotSet(self.checkpoints.settings.memory_root, job)
+        record.restore_max_step = None
+        if not self.agent.cfg.checkpoint.snapshots:
+            record.restored_from = None
+            return env
+        every = self.agent.cfg.checkpoint.snapshot_every
+        env[ENV_SNAPSHOT_DIR] = str(snapshots.dir)
+        env[ENV_SNAPSHOT_EVERY] = str(every) if every > 0 else "auto"
+        if step is None:
+            snapshots.clear()  # a new world or no step common to every node: from scratch
+            record.restored_from = None
+            return env
+        snapshots.keep_only(step)
+        env[ENV_SNAPSHOT_STEP] = str(step)
+        record.restored_from = {"tier": "snapshot", "step": step, "path": str(snapshots.dir), "fallback": None}
+        self.agent.events.emit("restore_selected", f"job {job}: ranks restore step {step} from their snapshots in "
+                               "shared memory (the newest step every node's ranks hold)",
+                               job=job, tier="snapshot", step=step, fallback=None, settled_s=0.0)
         return env
 
     def _tell_snapshot_problems(self, job: str, snapshots: SnapshotSet) -> None:

@@ -57,6 +57,10 @@ def sweep_stale() -> None:
         if ns.startswith(PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             kill_all_in(ns)
             run("ip", "netns", "del", ns, check=False)
+    for path in Path("/dev/shm").glob(f"{PREFIX}*"):
+        pid = path.name[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass
@@ -65,6 +69,7 @@ class Node:
     ns: str
     addr: str
     hosts_file: Path
+    shm: Path
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def popen(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -78,6 +83,26 @@ class Node:
                                     env=environ)
         self.procs.append(proc)
         return proc
+
+    def start_agent(self, root: Path, timeout: float = 60.0) -> Path:
+        """This node's ``trainguard agent`` (snapshots after every step, no cgroups, no eBPF);
+        returns its state directory once its API answers."""
+        state = root / f"state-{self.name}"
+        state.mkdir()
+        cfg = root / f"agent-{self.name}.toml"
+        cfg.write_text(f'[agent]\nnode = "{self.name}"\ninterval_s = 0.25\n[collectors]\nebpf = false\ngpu = false\n'
+                       '[launcher]\ncgroups = "off"\n'
+                       f'[checkpoint]\nmemory_root = "{self.shm}"\nsnapshot_every = 1\nmemory_every = 100000\n'
+                       'disk_every = 100000\nobject_every = 100000\n')
+        log = root / f"agent-{self.name}.log"
+        proc = self.popen([sys.executable, "-m", "trainguard", "agent", "--state-dir", str(state), "--config", str(cfg),
+                           "--metrics-addr", "127.0.0.1:0"], log)
+        deadline = time.monotonic() + timeout
+        while not (state / "run" / "agent.sock").exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"agent on {self.name} not up:\n{log.read_text()[-3000:]}")
+            time.sleep(0.1)
+        return state
 
     def kill(self) -> None:
         """SIGKILL everything in this node: its launcher, agent and ranks."""
@@ -101,7 +126,8 @@ class Nodes:
         for i, name in enumerate(names):
             hosts_file = root / f"hosts-{name}"
             hosts_file.write_text(hosts)
-            self.nodes[name] = Node(name, f"{PREFIX}{os.getpid()}-{run_id}-{i}", f"{SUBNET}.{11 + i}", hosts_file)
+            self.nodes[name] = Node(name, f"{PREFIX}{os.getpid()}-{run_id}-{i}", f"{SUBNET}.{11 + i}", hosts_file,
+                                    Path("/dev/shm") / f"{PREFIX}{os.getpid()}-{run_id}-{name}")
         self.run_id = run_id
 
     def __getitem__(self, name: str) -> Node:
@@ -142,6 +168,8 @@ class Nodes:
                     proc.kill()
         for ns in reversed(self.namespaces):
             run("ip", "netns", "del", ns, check=False)
+        for node in self.nodes.values():
+            shutil.rmtree(node.shm, ignore_errors=True)
 
     def __exit__(self, *exc: object) -> None:
         self.close()

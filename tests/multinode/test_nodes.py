@@ -17,6 +17,7 @@ import pytest
 from tests.multinode.nodes import REPO, Nodes, trainguard_run
 
 PLAIN = str(REPO / "tests" / "multinode" / "train_plain.py")
+API = str(REPO / "tests" / "multinode" / "train_api.py")
 
 
 def wait_for(what: str, predicate, timeout: float = 60.0, logs: tuple[Path, ...] = ()):  # noqa: ANN001, ANN201
@@ -51,6 +52,50 @@ def finish(proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> i
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"launcher still running:\n{log.read_text()[-3000:]}") from None
+
+
+def steps_of(out: Path, rank: int) -> list[tuple[int, int, str]]:
+    lines = (out / f"steps-r{rank}").read_text().splitlines() if (out / f"steps-r{rank}").exists() else []
+    return [(int(c), int(s), d) for c, s, d in (line.split() for line in lines if len(line.split()) == 3)]
+
+
+@pytest.mark.xdist_group("multinode")
+def test_rank_kill_under_node_agents_resumes_both_nodes_from_snapshots(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = (tmp_path / "a.log", tmp_path / "b.log")
+    steps = 60
+    with Nodes(tmp_path, ["node-a", "node-b"]) as nodes:
+        a, b = nodes["node-a"], nodes["node-b"]
+        states = [a.start_agent(tmp_path), b.start_agent(tmp_path)]
+        flags = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-id", "api1", "--max-restarts", "2", API, str(out),
+                 str(steps))
+        pa = trainguard_run(a, a, "--state-dir", str(states[0]), *flags, log=logs[0])
+        pb = trainguard_run(b, a, "--state-dir", str(states[1]), *flags, log=logs[1])
+        wait_for("step 15 everywhere", lambda: all(any(s >= 15 for _c, s, _d in steps_of(out, r)) for r in range(4)),
+                 logs=logs)
+        victim = started(out, 2, 0)
+        assert victim is not None and victim["GROUP_RANK"] == "1"
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_for("restart 1 on every rank", lambda: all(started(out, r, 1) for r in range(4)), logs=logs)
+        assert finish(pa, logs[0]) == 0, logs[0].read_text()[-3000:]
+        assert finish(pb, logs[1]) == 0, logs[1].read_text()[-3000:]
+    lines = [steps_of(out, r) for r in range(4)]
+    envs = [started(out, r, 1) for r in range(4)]
+    # The last step every rank finished before the kill; the ranks resume at most one step before it ends.
+    last = min(max(s for c, s, _d in rank_lines if c == 0) for rank_lines in lines)
+    resumed = {e["start"] for e in envs}
+    assert len(resumed) == 1, envs
+    start = resumed.pop()
+    assert last <= start <= last + 2, (last, start)
+    for rank, (env, rank_lines) in enumerate(zip(envs, lines, strict=True)):
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "1" and env["TRAINGUARD_ATTEMPT"] == "2"
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "4"
+        # Restored state is the state after step start - 1 of the first attempt: nothing trained twice on it.
+        before = {s: d for c, s, d in rank_lines if c == 0}
+        assert env["digest"] == before[start - 1], (rank, start)
+        after = [s for c, s, _d in rank_lines if c == 1]
+        assert after == list(range(start, steps)), (rank, after[:5])
 
 
 @pytest.mark.xdist_group("multinode")
