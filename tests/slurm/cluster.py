@@ -109,6 +109,7 @@ class Node:
     root: Path
     proc: subprocess.Popen[bytes] | None = None
     agent: subprocess.Popen[bytes] | None = None
+    killed: bool = False
 
     @property
     def state_dir(self) -> Path:
@@ -358,7 +359,7 @@ class SlurmCluster:
         """Waits until each named node is in its state (sinfo's short names: idle, alloc, down ...)."""
         deadline = time.monotonic() + timeout
         while True:
-            for name, proc in self._daemons():
+            for name, proc in self._daemons(alive=True):
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited {proc.returncode}\n{self.diagnose()}")
             states = self.node_states()
@@ -374,6 +375,7 @@ class SlurmCluster:
         """SIGKILL of every process in the node's namespace (slurmd, step daemons, tasks) at once;
         returns when."""
         node = self.nodes[name]
+        node.killed = True
         at = time.time()
         deadline = time.monotonic() + 15
         while (pids := node.pids()) and time.monotonic() < deadline:
@@ -403,10 +405,13 @@ class SlurmCluster:
 
     # -- teardown ------------------------------------------------------------------------------
 
-    def _daemons(self) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    def _daemons(self, alive: bool = False) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+        """Every daemon started; ``alive``: those not killed on purpose."""
         if self.slurmctld is not None:
             yield "slurmctld", self.slurmctld
         for node in self.nodes.values():
+            if alive and node.killed:
+                continue
             if node.proc is not None:
                 yield f"slurmd {node.name}", node.proc
             if node.agent is not None:
