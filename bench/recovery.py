@@ -51,6 +51,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import recovery_multinode  # noqa: E402
 from trainguard.agent.api.client import ApiClient  # noqa: E402
 from trainguard.agent.lifecycle.launcher import free_port  # noqa: E402
 from trainguard.agent.recovery.service import default_memory_root  # noqa: E402
@@ -469,7 +470,14 @@ def main() -> int:
                     help="seconds of training between kills in the full run (steps sized from a measured step)")
     ap.add_argument("--peers-venv", default=os.environ.get("TRAINGUARD_PEERS_VENV", ""),
                     help="venv with nvidia-resiliency-ext and torchft (bench/peers_venv.sh makes one): adds their arms")
+    ap.add_argument("--multinode", action="store_true",
+                    help="only the multi-node arm: 2 nodes x 2 ranks as network namespaces (root), trainguard run "
+                    "vs torchrun (bench/recovery_multinode.py)")
     args = ap.parse_args()
+    if args.multinode:
+        ours, theirs = recovery_multinode.measure("quick" if args.quick else "full", Path(args.peers_venv) if args.peers_venv else None)
+        print(recovery_multinode.report(ours, theirs))
+        return 0 if ours.ok and theirs.ok else 1
     disk_every = 500  # trainguard's shipped disk interval (checkpoint.disk_every)
     nproc, n_kills = (2, 2) if args.quick else (4, 4)
     work = Path(tempfile.mkdtemp(prefix="tg-recovery-"))

@@ -14,6 +14,7 @@ The ranks run as ``Ranks``: child processes of this one (``--no-agent``) or the 
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -138,4 +139,10 @@ def run_nodes(launch: Launch, environ: dict[str, str], client: Any | None, *, ou
         ranks = ChildRanks(command, spec, base, out=out)
     else:
         ranks = AgentRanks(client, command, launch.job, launch.nproc, max_restarts, environ, out=out, err=err)
+    # A batch system ends a step with SIGTERM: this node's ranks stop with it, as on Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
     return Driver(rdzv, ranks, nproc=launch.nproc, run_id=launch.job, max_restarts=max_restarts, err=err).run()
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt

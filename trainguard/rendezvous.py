@@ -40,12 +40,17 @@ class RendezvousError(RuntimeError):
 
 @dataclass(frozen=True)
 class RdzvConfig:
+    """How this node meets the others (torchrun's c10d rendezvous parameters)."""
+
     host: str
+    """The endpoint's host: the node whose address it is serves the store."""
     port: int
     run_id: str
+    """The rendezvous id (the job id), the same on every node: the store's key prefix."""
     min_nodes: int
     max_nodes: int
     nproc: int
+    """Ranks this node brings to each round."""
     node_rank: int | None = None
     """Orders the nodes (group rank) where given; arrival order otherwise."""
     last_call_s: float = 30.0
@@ -56,6 +61,7 @@ class RdzvConfig:
     keepalive_misses: int = 3
     """A peer whose beat does not move for ``keepalive_s * keepalive_misses`` is lost."""
     poll_s: float = 0.1
+    """How often a waiting or running node looks at the store."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_nodes <= self.max_nodes:
@@ -125,8 +131,7 @@ def open_store(cfg: RdzvConfig, timeout_s: float) -> tuple[dist.TCPStore, bool]:
     timeout = datetime.timedelta(seconds=timeout_s)
     if is_local(cfg.host):
         try:
-            return dist.TCPStore(cfg.host, cfg.port, is_master=True, wait_for_workers=False, timeout=timeout,
-                                 multi_tenant=True), True
+            return dist.TCPStore(cfg.host, cfg.port, is_master=True, wait_for_workers=False, timeout=timeout), True
         except (RuntimeError, OSError):
             pass  # the port is served already (a second node on this machine): join as a client
     deadline = time.monotonic() + timeout_s

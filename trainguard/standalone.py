@@ -20,7 +20,7 @@ import uuid
 from typing import IO, TextIO
 
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.agent.lifecycle.launcher import RankBlock, free_port, torchrun_env
+from trainguard.agent.lifecycle.launcher import SOCKET_IFNAME_VARS, RankBlock, free_port, torchrun_env
 from trainguard.runcmd import prefixed
 
 
@@ -75,6 +75,9 @@ class LocalRanks:
                         "MASTER_ADDR": block.master_addr, "MASTER_PORT": str(block.master_port)})
             env.update(torchrun_env(spec, block, attempt, rank))
             env.update(block.env)
+            if block.socket_ifname:
+                for key in SOCKET_IFNAME_VARS:
+                    env.setdefault(key, block.socket_ifname)
             proc = subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             assert proc.stdout is not None

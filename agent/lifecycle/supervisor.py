@@ -520,8 +520,9 @@ class Supervisor:
                 self.launcher.stop(record.ranks, min(self.stop_grace_s, 2.0), hard=True)
                 report = record.on_failure
         if report is not None:
+            who = "trainguard run" if record.block is not None and record.block.rendezvous else "the cluster leader"
             self.events.emit("job_restart_requested", f"job {job}: {cause}; local ranks stopped, "
-                             "asking the cluster leader to restart every node's ranks",
+                             f"asking {who} to restart every node's ranks",
                              severity="warning", job=job, cause=cause, action="restart")
             report(job, cause)
             return

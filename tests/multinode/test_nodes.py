@@ -129,7 +129,10 @@ def test_no_agent_rank_kill_restarts_both_nodes(tmp_path: Path) -> None:
 
 
 @pytest.mark.xdist_group("multinode")
-def test_lost_node_leaves_the_other_going_on_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["killed", "cut"])
+def test_lost_node_leaves_the_other_going_on_alone(tmp_path: Path, how: str) -> None:
+    """Node b's launcher and ranks SIGKILLed (its peers' collectives fail), or its link cut (its
+    keep-alive stops: the peers' collectives would wait for gloo's timeout)."""
     out = tmp_path / "out"
     out.mkdir()
     logs = (tmp_path / "a.log", tmp_path / "b.log")
@@ -141,13 +144,18 @@ def test_lost_node_leaves_the_other_going_on_alone(tmp_path: Path) -> None:
         pa = trainguard_run(a, a, *flags, log=logs[0])
         pb = trainguard_run(b, a, *flags, log=logs[1])
         wait_for("step 10 on 4 ranks", lambda: all(step_of(out, r, 0) >= 10 for r in range(4)), logs=logs)
-        b.kill()
-        pb.wait(timeout=10)
+        if how == "killed":
+            b.kill()
+            pb.wait(timeout=10)
+        else:
+            b.cut()
         alone = wait_for("node a alone", lambda: started(out, 0, 1), logs=logs)
         assert finish(pa, logs[0], timeout=90) == 0, logs[0].read_text()[-3000:]
     assert alone["WORLD_SIZE"] == "2" and started(out, 1, 1)["WORLD_SIZE"] == "2"
     assert step_of(out, 0, 1) == 99 and step_of(out, 1, 1) == 99
     assert not (out / "start-r2-c1").exists()
+    if how == "cut":
+        assert "node(s) node-b lost (no keep-alive)" in logs[0].read_text()
 
 
 @pytest.mark.parametrize("flags, words", [

@@ -1,0 +1,107 @@
+"""The rendezvous protocol on one machine's loopback, with a real TCPStore: rounds close with the
+nodes that came, keep the nodes' order across rounds, end for everyone when one node ends them,
+and a node coming to a running round with room ends it; the agent side refuses malformed blocks."""
+
+from __future__ import annotations
+
+import io
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from trainguard.agent.lifecycle.jobs import JobSpec
+from trainguard.agent.lifecycle.launcher import free_port
+from trainguard.agent.lifecycle.rdzvjobs import block_from
+from trainguard.multinode import Driver
+from trainguard.noderanks import ChildRanks
+from trainguard.rendezvous import RdzvConfig, Rendezvous, Round
+
+
+def nodes(n: int, *, low: int, high: int, nproc: tuple[int, ...] = (), **conf: float) -> list[Rendezvous]:
+    port = free_port()
+    out = []
+    for i in range(n):
+        cfg = RdzvConfig("127.0.0.1", port, "t1", low, high, nproc[i] if nproc else 2, poll_s=0.02, **conf)
+        out.append(Rendezvous(cfg))
+    return out
+
+
+def join_all(rdzvs: list[Rendezvous]) -> list[Round]:
+    with ThreadPoolExecutor(len(rdzvs)) as pool:
+        return list(pool.map(lambda r: r.join(), rdzvs))
+
+
+def test_a_round_gives_each_node_its_ranks_and_the_order_holds_across_rounds() -> None:
+    rdzvs = nodes(3, low=3, high=3, nproc=(2, 1, 3))
+    assert rdzvs[0].serving and not rdzvs[1].serving
+    first = join_all(rdzvs)
+    assert {r.world_size for r in first} == {6} and sorted(r.group_rank for r in first) == [0, 1, 2]
+    by_group = sorted(first, key=lambda r: r.group_rank)
+    sizes = [(2, 1, 3)[first.index(r)] for r in by_group]
+    assert [r.rank_offset for r in by_group] == [0, sizes[0], sizes[0] + sizes[1]]
+    assert len({(r.master_addr, r.master_port) for r in first}) == 1
+    verdict = rdzvs[2].end(first[0].number, "rank 5 died", code=137)
+    assert all(r.ended(first[0].number) for r in rdzvs)
+    assert (verdict.failures, verdict.code, verdict.failure) == (1, 137, True)
+    assert rdzvs[0].verdict(first[0].number) == verdict  # the first cause wins for every node
+    second = join_all(list(reversed(rdzvs)))[::-1]
+    assert [(r.group_rank, r.rank_offset) for r in second] == [(r.group_rank, r.rank_offset) for r in first]
+    assert {r.number for r in second} == {1} and {r.restart_count for r in second} == {1}
+
+
+def test_min_nodes_close_after_the_last_call_and_a_latecomer_ends_the_round() -> None:
+    a, b = nodes(2, low=1, high=2, last_call_s=0.3)
+    alone = a.join()
+    assert (alone.nodes, alone.world_size) == (1, 2)
+    got: list[Round] = []
+    late = threading.Thread(target=lambda: got.append(b.join()))
+    late.start()
+    late.join(timeout=0.1)
+    assert a.verdict(alone.number).failure is False  # b asked for a new round: not a failure
+    both = a.join()
+    late.join(timeout=10)
+    assert both.nodes == 2 and got[0].nodes == 2 and both.restart_count == 0
+
+
+def test_agreed_step_is_the_newest_every_node_holds() -> None:
+    rdzvs = nodes(2, low=2, high=2)
+    rounds = join_all(rdzvs)
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda p: p[0].agree_step(p[1], p[2]), zip(rdzvs, rounds, ([5, 6, 7], [6, 8]), strict=True)))
+    assert got == [6, 6]
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"rank_offset": 0, "nproc": 2, "world_size": 1, "master_addr": "h", "master_port": 1, "group_rank": 0,
+      "attempt": 1}, "must lie in world_size"),
+    ({"rank_offset": 0, "nproc": 2, "world_size": 2, "master_addr": "h", "master_port": 1, "group_rank": 0,
+      "attempt": True}, "block.attempt"),
+    ({"rank_offset": 0, "nproc": 2, "world_size": 2, "master_addr": "h", "master_port": 1, "group_rank": 0,
+      "attempt": 1, "snapshot_step": "7"}, "snapshot_step"),
+    ({"rank_offset": 0, "nproc": 2, "world_size": 2, "master_addr": "h", "master_port": 1, "group_rank": 0,
+      "attempt": 1, "env": {"A": 1}}, "block.env"),
+])
+def test_malformed_blocks_are_refused_with_one_line(body: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        block_from(body)
+
+
+def test_max_restarts_counts_failures_once_over_every_node(tmp_path: Path) -> None:
+    """Both nodes' ranks fail in every round: each round is one failure, not one per node, and
+    past --max-restarts every node stops with the ranks' exit status."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    command = [sys.executable, "-c", f"import os; open(os.path.join({str(marks)!r}, "
+               "os.environ['RANK'] + '-' + os.environ['TORCHELASTIC_RESTART_COUNT']), 'w'); raise SystemExit(3)"]
+    rdzvs = nodes(2, low=2, high=2)
+    errs = [io.StringIO(), io.StringIO()]
+    drivers = [Driver(r, ChildRanks(command, JobSpec("t1", 2, command=command, max_restarts=1), {}, out=io.StringIO()),
+                      nproc=2, run_id="t1", max_restarts=1, err=e) for r, e in zip(rdzvs, errs, strict=True)]
+    with ThreadPoolExecutor(2) as pool:
+        codes = list(pool.map(lambda d: d.run(), drivers))
+    assert codes == [3, 3], [e.getvalue() for e in errs]
+    assert sorted(p.name for p in marks.iterdir()) == sorted(f"{r}-{c}" for r in range(4) for c in (0, 1))
+    assert all("no restarts left (--max-restarts 1" in e.getvalue() for e in errs)
