@@ -12,7 +12,9 @@ with ``--peers-venv`` (bench/peers_venv.sh), the peers as shipped beside the sam
 (e) torchft: lighthouse + Manager, one replica group per rank under its own torchrun, the killed
     group rejoining with a survivor's live state (bench/torchft_train.py: the same model, data,
     optimizer and schedule); also with gradients averaged by manager.allreduce when its DDP
-    wrapper as shipped does not survive the kills.
+    wrapper as shipped does not survive the kills;
+(f) no-daemon: `trainguard run` where no node agent runs, hosting one itself (bench/nodaemon.py),
+    against the torchrun arm (b): the ``nodaemon_*`` figures of RESULT.
 
 Per failure: kill -> first resumed step (resume), steps lost (kill step - restored step), lost
 time (resume + recomputing the lost steps), trainguard's recovery timeline from its job_resumed
@@ -56,6 +58,9 @@ from trainguard.agent.api.client import ApiClient  # noqa: E402
 from trainguard.agent.lifecycle.launcher import free_port  # noqa: E402
 from trainguard.agent.recovery.service import default_memory_root  # noqa: E402
 from trainguard.trainer.testing import tiny_config  # noqa: E402
+
+sys.path.append(str(REPO / "bench"))  # its sibling modules also when loaded by path (the smoke tests)
+import nodaemon  # noqa: E402
 
 NAN = float("nan")
 
@@ -510,6 +515,7 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.1f}")
     torchrun = run_torchrun("torchrun", nproc, trainer, kills, disk_every, work)
     ours = run_trainguard(nproc, trainer, kills, work)
+    hosted = nodaemon.run_hosted(nproc, trainer, kills, work, sys.modules[__name__])
     # Iso-overhead: the disk interval at which torchrun's saves cost what trainguard's checkpointing
     # costs per step (its own save stall measured in the run above; a short calibration when that
     # run saved nothing).
@@ -539,12 +545,14 @@ def main() -> int:
     else:
         print("torchft: not run (no --peers-venv with torchft; bench/peers_venv.sh makes one)")
 
+    results.append(hosted)
     print(f"\ntorchrun DCP-to-disk save stall {stall * 1000:.1f} ms; trainguard checkpoint overhead "
           f"{ours.overhead * 100:.2f}% of step time -> iso-overhead torchrun interval: every {iso_every} steps")
     print(f"\n{'run':<14} {'ok':<4} {'fail':>4} {'detect_s':>9} {'resume_s':>9} {'steps_lost':>10} {'lost_s/fail':>11} "
           f"{'step_s':>7} {'overhead':>9} {'effective':>9} {'in_steps':>8}")
     labels = {"trainguard": "trainguard", "torchrun": f"torchrun/{disk_every}", "torchrun-iso": f"torchrun/{iso_every}",
-              "ft_launcher": f"ft_launcher/{iso_every}", "torchft": "torchft", "torchft-allreduce": "torchft/allreduce"}
+              "ft_launcher": f"ft_launcher/{iso_every}", "torchft": "torchft", "torchft-allreduce": "torchft/allreduce",
+              nodaemon.NAME: "no-daemon"}
     for r in results:
         det = [f.detect_s for f in r.failures if f.detect_s is not None]
         print(f"{labels[r.name]:<14} {'yes' if r.ok else 'NO':<4} {len(r.failures):>4} {_fmt(statistics.median(det) if det else NAN, '.3f'):>9} "
@@ -580,7 +588,7 @@ def main() -> int:
     ratio_disk = torchrun.lost_per_failure / ours.lost_per_failure if ours.failures and torchrun.failures else NAN
     ratio_iso = iso.lost_per_failure / ours.lost_per_failure if ours.failures and iso.failures else NAN
     peers = ""
-    for r in results[3:]:
+    for r in results[3:-1]:
         ratio = r.lost_per_failure / ours.lost_per_failure if ours.failures and r.failures else NAN
         peers += f" {r.name.replace('-', '_')}_resume_s={r.resume_median:.2f} {r.name.replace('-', '_')}_lost_time_ratio={ratio:.2f}"
     print(
@@ -595,7 +603,8 @@ def main() -> int:
         f"snapshot_growth_ms={small.get('snapshot_growth_ms', NAN):.3f} "
         f"snapshot_memcpy_growth_ratio={_ratio(small.get('snapshot_growth_ms', NAN), small.get('memcpy_growth_ms', NAN)):.2f} "
         f"large_snapshot_memcpy_ratio={large['stall_ms'] / large['memcpy_ms']:.2f} "
-        f"large_state_mb={large['state_mb']:.0f}{peers}"
+        f"large_state_mb={large['state_mb']:.0f}{peers} nodaemon_resume_s={hosted.resume_median:.2f} "
+        f"nodaemon_steps_lost={hosted.steps_lost_mean:.2f} nodaemon_lost_time_ratio={_ratio(torchrun.lost_per_failure, hosted.lost_per_failure):.2f}"
     )
     return 0 if all(r.ok for r in results) else 1
 

@@ -78,10 +78,10 @@ def test_quick_recovery_bench_runs_every_arm_peers_included() -> None:
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])  # nonzero: an arm did not finish
     result = result_line(out.stdout)
     for key in ("lost_time_ratio", "iso_lost_time_ratio", "ft_launcher_lost_time_ratio", "torchft_lost_time_ratio",
-                "in_kept_steps", "snapshot_growth_ms", "snapshot_memcpy_growth_ratio"):
+                "nodaemon_lost_time_ratio", "in_kept_steps", "snapshot_growth_ms", "snapshot_memcpy_growth_ratio"):
         assert key in result and not math.isnan(float(result[key])), (key, result)
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line[:1].isalpha() and " yes " in line}
-    for arm in ("trainguard", "ft_launcher", "torchft"):
+    for arm in ("trainguard", "ft_launcher", "torchft", "no-daemon"):
         found = [name for name in rows if name.split("/")[0] == arm]
         assert found and rows[found[0]][2] == "2", (arm, out.stdout[-3000:])  # both kills seen and recovered
 
@@ -114,3 +114,23 @@ def test_torchft_train_recovers_a_kill_in_its_smallest_configuration(ddp: str, t
     else:
         assert res.ok, res.note
     assert res.final_step == 40 and len(res.failures) == 1, (res.final_step, res.failures)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_no_daemon_arm_recovers_a_kill_in_its_smallest_configuration(tmp_path: Path) -> None:
+    """bench/nodaemon.py (the recovery bench's no-daemon arm) on its own: `trainguard run` hosting
+    its agent, 2 ranks, 40 steps of the bench's smallest model, one kill of rank 1."""
+    spec = importlib.util.spec_from_file_location("recovery_bench", REPO / "bench" / "recovery.py")
+    assert spec is not None and spec.loader is not None
+    recovery = sys.modules.setdefault("recovery_bench", importlib.util.module_from_spec(spec))
+    if not hasattr(recovery, "run_torchft"):
+        spec.loader.exec_module(recovery)
+    cache = str(tmp_path / "corpus")
+    trainer = tiny_config(cache, steps=40, parallel={"dp": 2, "dp_mode": "ddp"},
+                          model={"layers": 2, "d_model": 64, "heads": 4, "context": 64}).to_dict()
+    build_corpus(cache, trainer["data"]["max_bytes"])
+    res = recovery.nodaemon.run_hosted(2, trainer, [20], tmp_path, recovery)
+    assert res.ok, (res.note, (tmp_path / "trainguard-nodaemon.log").read_text()[-3000:])
+    assert res.final_step == 40 and len(res.failures) == 1, (res.final_step, res.failures)
+    assert res.failures[0].steps_lost <= 1, res.failures

@@ -346,6 +346,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         with local_agent(args.state_dir, environ, job=launch.job or "run", metrics_addr=args.metrics_addr) as node:
             if node.state_dir:
                 environ[ENV_STATE_DIR] = node.state_dir  # where the ranks' trainguard.init() looks
+            if args.metrics_addr and not node.hosted:
+                print("trainguard: --metrics-addr is for an agent this command hosts; the node agent serves its "
+                      "own /metrics", file=sys.stderr)
             if node.hosted and (args.detach or args.nodes > 1):
                 return _fail("--detach and --nodes need a node agent that outlives this command "
                              "(`trainguard agent`); none runs here", EXIT_USAGE)

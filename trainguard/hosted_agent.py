@@ -42,6 +42,10 @@ STOP_TIMEOUT_S = 30.0
 _PR_SET_PDEATHSIG = 1
 _DIR_NAME_MAX = 24
 """Characters of the job id kept in the private directory's name (socket paths stay short)."""
+_STATE_NAME_MAX = _DIR_NAME_MAX + 10
+"""The longest state dir name below the private root (``<job>.<random>`` and its slash)."""
+_SOCKET_PATH_MAX = 107
+"""The longest path a Unix socket may have (sun_path, less its terminating NUL)."""
 
 
 class NoAgent(Exception):
@@ -81,12 +85,14 @@ def private_root(environ: Mapping[str, str]) -> str:
         if st is not None and os.path.isdir(runtime) and not os.path.islink(runtime) \
                 and st.st_uid == os.geteuid() and not st.st_mode & 0o022:
             base = os.path.join(runtime, "trainguard")
+    if len(base) + _STATE_NAME_MAX + len("/run/telemetry.sock") > _SOCKET_PATH_MAX:
+        base = ""  # a socket path past the kernel's limit: the short fallback instead
     base = base or os.path.join(tempfile.gettempdir(), f"trainguard-{os.geteuid()}")
     ensure_agent_dir(base, mode=0o700, takeover=False)
     return base
 
 
-def memory_root_for(state_dir: str) -> tuple[str, str]:
+def _shm_dirs(state_dir: str) -> tuple[str, str]:
     """(this user's directory under /dev/shm, the hosted agent's memory tier inside it)."""
     shm = f"/dev/shm/trainguard-{os.geteuid()}" if os.path.isdir("/dev/shm") \
         else os.path.join(state_dir, "shm")
@@ -144,10 +150,12 @@ def feature_notes(client: ApiClient) -> list[str]:
 def host_agent(*, job: str, environ: Mapping[str, str], metrics_addr: str | None = None,
                python: str = sys.executable, err: TextIO = sys.stderr) -> Iterator[NodeAgent]:
     """Start the daemon for this user and ``job`` in a private state dir; stop it on leaving."""
-    root = private_root(environ)
     safe_job = "".join(c if c.isalnum() or c in "-_." else "-" for c in job)[:_DIR_NAME_MAX] or "job"
-    state_dir = tempfile.mkdtemp(prefix=f"{safe_job}.", dir=root)  # 0700, made here and only here
-    shm, memory_root = memory_root_for(state_dir)
+    try:
+        state_dir = tempfile.mkdtemp(prefix=f"{safe_job}.", dir=private_root(environ))  # 0700, made here only
+        shm, memory_root = _shm_dirs(state_dir)
+    except OSError as exc:  # another user's directory, or a symlink, where ours belongs: never used
+        raise NoAgent(f"no private directory for an agent of this job: {exc}") from None
     config = os.path.join(state_dir, "agent.toml")
     fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as fh:
@@ -161,8 +169,12 @@ def host_agent(*, job: str, environ: Mapping[str, str], metrics_addr: str | None
     try:
         client = _wait_ready(proc, state_dir, log_path)
         paths = AgentPaths.for_state_dir(state_dir)
+        metrics = ""
+        if metrics_addr:
+            with open(paths.metrics_addr_file) as fh:
+                metrics = f", metrics http://{fh.read().strip()}/metrics"
         err.write(f"trainguard: no node agent here; hosting one for this job (pid {proc.pid}, state "
-                  f"{state_dir}, events {os.path.join(paths.events_dir, 'events.jsonl')})\n")
+                  f"{state_dir}, events {os.path.join(paths.events_dir, 'events.jsonl')}{metrics})\n")
         for note in feature_notes(client):
             err.write(f"trainguard: {note}\n")
         err.flush()

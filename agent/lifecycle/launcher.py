@@ -478,9 +478,11 @@ class Launcher:
                     ENV_SOCKET: ctx.telemetry_socket,
                     ENV_PLAN: ctx.plan_path,
                     ENV_JOB: spec.job,
-                    ENV_JOB_SPEC: json.dumps(spec.trainer),
                 }
             )
+            if not spec.is_command or spec.trainer:
+                # A command's own TRAINGUARD_JOB_SPEC stays (the trainer's worker run as a command).
+                env[ENV_JOB_SPEC] = json.dumps(spec.trainer)
             if spec.is_command:
                 env.update(torchrun_env(spec, block, attempt, rank))
             if env_overrides:

@@ -211,3 +211,32 @@ def test_a_running_agent_named_by_trainguard_state_dir_is_used(agent_factory: An
     assert "hosting" not in res.stderr
     assert res.stdout.strip() == f"[rank0]:{agent.state_dir} viaenv"
     assert agent.client().job("viaenv")["state"] == "succeeded"
+
+
+def test_run_killed_outright_takes_its_agent_and_ranks_along(user: User) -> None:
+    """SIGKILL leaves no handler to run: the kernel's parent-death signal stops the hosted agent,
+    which stops the ranks."""
+    progress = user.home / "progress"
+    progress.mkdir()
+    os.chown(progress, user.uid, user.uid)
+    cmd = user.run("--nproc-per-node", "2", "train.py", "--steps", "100000", "--step-sleep", "0.02",
+                   "--progress", str(progress))
+    wait_for(lambda: step_of(progress) >= 5 or cmd.poll() is not None, 120, "5 steps")
+    assert cmd.poll() is None, cmd.communicate()
+    cmd.kill()
+    cmd.communicate(timeout=60)
+    wait_for(lambda: not user.processes(), 60, "no process of the user left")
+
+
+def test_a_private_dir_planted_by_another_user_is_refused(user: User, tmp_path: Path) -> None:
+    """Another identity's symlink where the hosted agent's private root belongs: one line, no agent,
+    and nothing written through the link."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (user.home / "trainguard").symlink_to(elsewhere)  # made by root, not the user
+    cmd = user.run("--nproc-per-node", "1", "train.py", "--steps", "3")
+    out, err = cmd.communicate(timeout=120)
+    assert cmd.returncode == 1 and err.count("\n") == 1, err
+    assert err.startswith("trainguard: no private directory for an agent of this job") and "Traceback" not in err
+    assert list(elsewhere.iterdir()) == []
+    assert user.processes() == []
