@@ -6,7 +6,9 @@ with torchrun's environment (TORCHELASTIC_RESTART_COUNT: the failures before the
 cluster-wide). While they run the node polls them and the round: a rank failing here ends the
 round for every node, a round another node ended stops the ranks here, a peer whose beat stopped
 ends it too. Then all nodes meet again in the next round, fewer of them when one was lost and
-``--nnodes MIN:MAX`` allows it. ``--max-restarts`` bounds the failures over the whole cluster.
+``--nnodes MIN:MAX`` allows it. ``--max-restarts`` bounds the failures over the whole cluster;
+where the ranks' progress is known (under an agent) only those in a row without progress count,
+the crash-loop guard of one node.
 
 The ranks run as ``Ranks``: child processes of this one (``--no-agent``) or the local agent's
 (``noderanks``), which hands its snapshots to the restarted ranks.
@@ -61,11 +63,16 @@ class Driver:
                 verdict = self._round(rnd)
                 if verdict is None:
                     return 0
-                if verdict.failure and verdict.failures > self.max_restarts:
-                    self.say(f"{verdict.cause}; no restarts left (--max-restarts {self.max_restarts}, counted over "
-                             "every node)")
+                if verdict.failure and verdict.streak > self.max_restarts:
+                    if verdict.streak == verdict.failures:
+                        self.say(f"{verdict.cause}; no restarts left (--max-restarts {self.max_restarts}, counted "
+                                 "over every node)")
+                    else:
+                        self.say(f"{verdict.cause}; crash loop: {verdict.streak - 1} restarts without progress "
+                                 f"(--max-restarts {self.max_restarts}), giving up")
                     return verdict.code or 1
-                what = f"restart {verdict.failures} of {self.max_restarts}" if verdict.failure else "not a failure"
+                what = (f"restart {verdict.failures}, {verdict.streak} of {self.max_restarts} without progress"
+                        if verdict.failure else "not a failure")
                 self.say(f"{verdict.cause}; every node restarts its ranks ({what})")
         except RendezvousError as exc:
             self.ranks.stop()
@@ -97,7 +104,7 @@ class Driver:
                 if outcome is not None and not outcome.ok:
                     host = rnd.members[rnd.group_rank]["host"]
                     return self.rdzv.end(rnd.number, f"rank {outcome.rank} on {host} exited with {outcome.code}",
-                                         code=outcome.code)
+                                         code=outcome.code, progressed=self.ranks.progressed())
                 if outcome is not None:
                     if self.rdzv.finish(rnd):
                         return None
@@ -109,7 +116,8 @@ class Driver:
                     lost = self.rdzv.beat(rnd)
                     if lost:
                         names = ", ".join(str(rnd.members[g]["host"]) for g in lost)
-                        return self.rdzv.end(rnd.number, f"node(s) {names} lost (no keep-alive)")
+                        return self.rdzv.end(rnd.number, f"node(s) {names} lost (no keep-alive)",
+                                             progressed=self.ranks.progressed())
                 time.sleep(self.rdzv.cfg.poll_s)
         finally:
             self.ranks.stop()

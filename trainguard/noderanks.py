@@ -40,6 +40,9 @@ class Ranks(Protocol):
     def poll(self) -> Outcome | None:
         """None while they run; how they ended otherwise."""
 
+    def progressed(self) -> bool | None:
+        """Whether this round's ranks trained past the newest step before it (None: not known)."""
+
     def offer(self, block: RankBlock) -> list[int]:
         """The snapshot steps every rank of ``block`` holds here (what a restart could resume at)."""
 
@@ -72,6 +75,9 @@ class ChildRanks:
     def offer(self, block: RankBlock) -> list[int]:
         return []  # no snapshots without an agent
 
+    def progressed(self) -> bool | None:
+        return None  # no telemetry without an agent: every failure counts, as torchrun counts them
+
     def stop(self) -> None:
         if self.ranks is not None:
             self.ranks.stop(self.grace_s)
@@ -101,6 +107,8 @@ class AgentRanks:
         self.follower = OutputFollower(out)
         self.seen = int(client.events(since=0, limit=1)["next"])
         self.attempt = 0
+        self.step_before = self.step_now = -1
+        """The job's newest reported step when this round started, and now (the agent's telemetry)."""
         self.failed: tuple[int, int] | None = None
 
     def offer(self, block: RankBlock) -> list[int]:
@@ -108,7 +116,11 @@ class AgentRanks:
 
     def start(self, rnd: Round, block: RankBlock) -> None:
         self.attempt, self.failed = block.attempt, None
-        self.client.job_attempt(self.job, {"start": block_body(block), "spec": self.spec})
+        info = self.client.job_attempt(self.job, {"start": block_body(block), "spec": self.spec})
+        self.step_before = self.step_now = int(info.get("progress_step", -1))
+
+    def progressed(self) -> bool | None:
+        return self.step_now > self.step_before
 
     def poll(self) -> Outcome | None:
         got = self.client.follow_job(self.job, self.seen, self.follower.offsets)
@@ -125,6 +137,7 @@ class AgentRanks:
             elif e["kind"] in NOTABLE and e["kind"] not in _QUIET:
                 self.err.write(f"trainguard: {e['kind']}: {e['message']}\n")
         info = got["job"]
+        self.step_now = max(self.step_now, int(info.get("progress_step", -1)))
         state = info.get("state")
         if state == "succeeded":
             return Outcome(True)

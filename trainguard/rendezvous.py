@@ -95,6 +95,8 @@ class Verdict:
     failure: bool
     failures: int
     code: int
+    streak: int = 0
+    """Failures in a row without progress (the crash-loop guard's count)."""
 
 
 def is_local(host: str) -> bool:
@@ -260,13 +262,21 @@ class Rendezvous:
         return max(common) if common else None
 
     # --- while a round runs -----------------------------------------------------------------------
-    def end(self, r: int, cause: str, *, failure: bool = True, code: int = 1) -> Verdict:
-        """End round ``r`` for every node (the first cause given wins) and return the verdict."""
+    def end(self, r: int, cause: str, *, failure: bool = True, code: int = 1, progressed: bool | None = None
+            ) -> Verdict:
+        """End round ``r`` for every node (the first cause given wins) and return the verdict.
+        ``progressed``: whether the round's ranks trained past the newest step before it (None:
+        not known, so that every failure counts as one without progress)."""
         mine = json.dumps({"cause": cause, "by": self.token})
         if bytes(self.store.compare_set(self._key(f"r{r}/restart"), "", mine)).decode() == mine:
             failures = int(self.store.add(self._key("failures"), 1 if failure else 0))
+            # Only the round's one winner writes the streak: a read and a write are enough.
+            streak = int(self._get("streak")) if self._has("streak") else 0
+            if failure:
+                streak = 1 if progressed else streak + 1
+                self.store.set(self._key("streak"), str(streak))
             self.store.set(self._key(f"r{r}/verdict"), json.dumps(
-                {"cause": cause, "failure": failure, "failures": failures, "code": code}))
+                {"cause": cause, "failure": failure, "failures": failures, "code": code, "streak": streak}))
             self.store.add(self._key("round"), 1)
         return self.verdict(r)
 
@@ -276,7 +286,7 @@ class Rendezvous:
     def verdict(self, r: int) -> Verdict:
         self.store.wait([self._key(f"r{r}/verdict")])
         v = json.loads(self._get(f"r{r}/verdict"))
-        return Verdict(str(v["cause"]), bool(v["failure"]), int(v["failures"]), int(v["code"]))
+        return Verdict(str(v["cause"]), bool(v["failure"]), int(v["failures"]), int(v["code"]), int(v["streak"]))
 
     def beat(self, rnd: Round) -> list[int]:
         """Beat for this node and return the group ranks of peers whose beat stopped moving."""

@@ -66,6 +66,16 @@ def test_min_nodes_close_after_the_last_call_and_a_latecomer_ends_the_round() ->
     assert both.nodes == 2 and got[0].nodes == 2 and both.restart_count == 0
 
 
+def test_the_crash_loop_count_restarts_where_a_round_made_progress() -> None:
+    (node,) = nodes(1, low=1, high=1)
+    streaks = []
+    for progressed in (False, False, True, False, None):
+        rnd = node.join()
+        streaks.append(node.end(rnd.number, "rank 0 died", progressed=progressed).streak)
+    assert streaks == [1, 2, 1, 2, 3]
+    assert node.verdict(rnd.number).failures == 5
+
+
 def test_agreed_step_is_the_newest_every_node_holds() -> None:
     rdzvs = nodes(2, low=2, high=2)
     rounds = join_all(rdzvs)
