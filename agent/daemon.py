@@ -133,6 +133,11 @@ class Agent:
             self._metrics_server, self.metrics_port = serve_metrics(self.exporter.registry, host, port, limits=limits,
                                                                     tls=self._metrics_tls())
             _write_whole(self.paths.metrics_addr_file, f"{host}:{self.metrics_port}\n")
+        # Before the API answers: whoever sees the agent up finds them in the log.
+        for feature, message in features_off(euid=os.geteuid(), ebpf_wanted=cfg.collectors.ebpf,
+                                             collectors=self.collector_state, cgroups_mode=cfg.launcher.cgroups,
+                                             cgroups_reason=self.cgroups_reason):
+            self.events.emit(FEATURE_OFF, message, feature=feature)
         self._start_api()
         self._watch_threads()
         with open(self.paths.pid_file, "w") as fh:
@@ -144,10 +149,6 @@ class Agent:
             pid=os.getpid(),
             collectors={k: v[0] for k, v in self.collector_state.items()},
         )
-        for feature, message in features_off(euid=os.geteuid(), ebpf_wanted=cfg.collectors.ebpf,
-                                             collectors=self.collector_state, cgroups_mode=cfg.launcher.cgroups,
-                                             cgroups_reason=self.cgroups_reason):
-            self.events.emit(FEATURE_OFF, message, feature=feature)
         if not cfg.launcher.user and os.geteuid() == 0:
             # Said once per start: whoever may submit a job (the control socket's group, an admin
             # token) may then run code as root, without capabilities but as uid 0.

@@ -194,9 +194,10 @@ def _wait_ready(proc: subprocess.Popen[bytes], state_dir: str, log_path: str) ->
             return client
         if proc.poll() is not None:
             raise NoAgent(f"the agent hosted for this job exited with {proc.returncode}: "
-                          f"{_last_line(log_path) or 'no output'} (log {log_path})")
+                          f"{_last_line(log_path) or 'no output'} (log {log_path}; --no-agent runs without one)")
         if time.monotonic() > deadline:
-            raise NoAgent(f"the agent hosted for this job did not answer in {START_TIMEOUT_S:.0f}s (log {log_path})")
+            raise NoAgent(f"the agent hosted for this job did not answer in {START_TIMEOUT_S:.0f}s "
+                          f"(log {log_path}; --no-agent runs without one)")
         time.sleep(0.05)
 
 
