@@ -76,8 +76,8 @@ def _kill_all_in(ns: str) -> None:
 
 
 def sweep_stale() -> None:
-    """Removes namespaces and munge directories left by a test process that no longer exists (one
-    killed before its clean-up ran); those of live test processes are left alone."""
+    """Removes namespaces and /tmp directories (munge's, the agents') left by a test process that
+    no longer exists (one killed before its clean-up ran); those of live test processes stay."""
     for line in run("ip", "netns", "list", check=False).splitlines():
         ns = line.split()[0] if line.split() else ""
         pid = ns[len(PREFIX):].split("-", 1)[0]
@@ -107,14 +107,12 @@ class Node:
     addr: str
     bridge_port: str
     root: Path
+    state_dir: Path
+    """The node daemon's state directory (``agents=True``), its ranks' ``TRAINGUARD_STATE_DIR``:
+    under /tmp, as its socket paths must fit AF_UNIX's 108 bytes."""
     proc: subprocess.Popen[bytes] | None = None
     agent: subprocess.Popen[bytes] | None = None
     killed: bool = False
-
-    @property
-    def state_dir(self) -> Path:
-        """The node daemon's state directory (``agents=True``); its ranks' ``TRAINGUARD_STATE_DIR``."""
-        return self.root / "agent"
 
     def pids(self) -> list[int]:
         return _pids_in(self.ns)
@@ -136,7 +134,7 @@ class SlurmCluster:
         base = f"{PREFIX}{os.getpid()}-{self.run_id}"
         self.ctl_ns = f"{base}-ctl"
         self.nodes = {name: Node(name, f"{base}-{name}", f"{SUBNET}.{11 + i}", f"v{self.run_id}{i}",
-                                 root / "nodes" / name)
+                                 root / "nodes" / name, Path("/tmp") / base / name / "agent")
                       for i, name in enumerate(nodes)}
         self.agents = agents
         self.cpus = cpus
@@ -151,20 +149,23 @@ class SlurmCluster:
         self.logs = root / "log"
         self.conf = self.etc / "slurm.conf"
         self.hosts_file = self.etc / "hosts"
-        # munged refuses a socket or key below a directory others cannot search (pytest's are 0700)
-        self.munge_dir = Path("/tmp") / base
-        self.munge_socket = self.munge_dir / "run" / "munge.sock"
+        # munged refuses a socket or key below a directory others cannot search (pytest's are 0700),
+        # and unix socket paths must be short: both live under /tmp
+        self.short_dir = Path("/tmp") / base
+        self.munge_socket = self.short_dir / "run" / "munge.sock"
 
     # -- set-up --------------------------------------------------------------------------------
 
     def start(self, timeout: float = 60.0) -> SlurmCluster:
         for d in (self.etc, self.rundir, self.logs, self.root / "state", self.root / "jobs"):
             d.mkdir(parents=True, exist_ok=True)
+        self.short_dir.mkdir(mode=0o755)
         for node in self.nodes.values():
             (self.root / "spool" / node.name).mkdir(parents=True, exist_ok=True)
             node.root.mkdir(parents=True, exist_ok=True)
+            node.state_dir.parent.mkdir(mode=0o700)
         prolog = self.etc / "task-prolog.sh"
-        prolog.write_text(f'#!/bin/sh\necho "export TRAINGUARD_STATE_DIR={self.root}/nodes/$(hostname)/agent"\n'
+        prolog.write_text(f'#!/bin/sh\necho "export TRAINGUARD_STATE_DIR={self.short_dir}/$(hostname)/agent"\n'
                           if self.agents else "#!/bin/sh\n")
         prolog.chmod(0o755)
         self.hosts_file.write_text(f"127.0.0.1 localhost\n{CTL_ADDR} {CTL_NAME}\n"
@@ -236,8 +237,7 @@ class SlurmCluster:
         )
 
     def _start_munged(self) -> None:
-        self.munge_dir.mkdir(mode=0o755)
-        key_dir = self.munge_dir / "key"
+        key_dir = self.short_dir / "key"
         key_dir.mkdir(mode=0o700)
         self.munge_socket.parent.mkdir(mode=0o755)
         key = key_dir / "munge.key"
@@ -436,7 +436,7 @@ class SlurmCluster:
             self.munged.wait(10)
         for ns in reversed(self.namespaces):
             run("ip", "netns", "del", ns, check=False)
-        shutil.rmtree(self.munge_dir, ignore_errors=True)
+        shutil.rmtree(self.short_dir, ignore_errors=True)
 
     def __enter__(self) -> SlurmCluster:
         try:
