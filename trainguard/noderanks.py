@@ -112,6 +112,10 @@ class AgentRanks:
         self.failed: tuple[int, int] | None = None
 
     def offer(self, block: RankBlock) -> list[int]:
+        if not self.attempt:
+            # This launcher's first round starts fresh, as torchrun's does: snapshots the agent holds
+            # from an earlier run with the same id are not this run's.
+            return []
         return [int(s) for s in self.client.job_attempt(self.job, {"offer": block_body(block)})["steps"]]
 
     def start(self, rnd: Round, block: RankBlock) -> None:
