@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,8 @@ START_TIMEOUT_S = 60.0
 """How long a hosted agent may take to answer its control socket (imports on a loaded node)."""
 STOP_TIMEOUT_S = 30.0
 """How long a hosted agent may take to stop the job's ranks and itself before it is killed."""
+KEEP_STATE_DIRS = 8
+"""State dirs of finished hosted agents kept per user (their event logs and rank logs)."""
 _PR_SET_PDEATHSIG = 1
 _DIR_NAME_MAX = 24
 """Characters of the job id kept in the private directory's name (socket paths stay short)."""
@@ -90,6 +93,27 @@ def private_root(environ: Mapping[str, str]) -> str:
     base = base or os.path.join(tempfile.gettempdir(), f"trainguard-{os.geteuid()}")
     ensure_agent_dir(base, mode=0o700, takeover=False)
     return base
+
+
+def prune_old(root: str, keep: int = KEEP_STATE_DIRS) -> list[str]:
+    """Remove all but the ``keep`` newest state dirs of finished hosted agents under ``root`` (one
+    whose agent still runs keeps its pid file, one just made is left alone); returns those removed."""
+    found = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+            found.append((st.st_mtime, path))
+    removed = []
+    young = time.time() - START_TIMEOUT_S  # an agent still starting has no pid file yet
+    for mtime, path in sorted(found, reverse=True)[keep:]:
+        if mtime < young and not os.path.exists(AgentPaths.for_state_dir(path).pid_file):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def _shm_dirs(state_dir: str) -> tuple[str, str]:
@@ -152,7 +176,9 @@ def host_agent(*, job: str, environ: Mapping[str, str], metrics_addr: str | None
     """Start the daemon for this user and ``job`` in a private state dir; stop it on leaving."""
     safe_job = "".join(c if c.isalnum() or c in "-_." else "-" for c in job)[:_DIR_NAME_MAX] or "job"
     try:
-        state_dir = tempfile.mkdtemp(prefix=f"{safe_job}.", dir=private_root(environ))  # 0700, made here only
+        root = private_root(environ)
+        prune_old(root)
+        state_dir = tempfile.mkdtemp(prefix=f"{safe_job}.", dir=root)  # 0700, made here only
         shm, memory_root = _shm_dirs(state_dir)
     except OSError as exc:  # another user's directory, or a symlink, where ours belongs: never used
         raise NoAgent(f"no private directory for an agent of this job: {exc}") from None
