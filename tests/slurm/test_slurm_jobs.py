@@ -85,14 +85,16 @@ def diagnosis(slurm: SlurmCluster, out: Path, job_output: Path) -> Callable[[], 
     return text
 
 
-def memory_checkpoints(job_output: Path) -> list[int]:
-    """Steps of the memory-tier checkpoints the nodes' hosted agents committed, from the event
-    logs whose paths ``trainguard run`` printed."""
+def memory_checkpoints(slurm: SlurmCluster, job_output: Path) -> list[int]:
+    """Steps of the memory-tier checkpoints the nodes' agents committed, from their event logs: the
+    node daemons', or those of the agents ``trainguard run`` hosted (it printed their paths)."""
     text = job_output.read_text(errors="replace") if job_output.exists() else ""
+    logs = [Path(p) for p in re.findall(r"hosting one for this job \(pid \d+, state \S+, events (\S+)\)", text)]
+    logs += [n.state_dir / "events" / "events.jsonl" for n in slurm.nodes.values() if slurm.agents]
     steps = []
-    for path in re.findall(r"hosting one for this job \(pid \d+, state \S+, events (\S+)\)", text):
+    for path in logs:
         try:
-            lines = Path(path).read_text().splitlines()
+            lines = path.read_text().splitlines()
         except FileNotFoundError:
             continue
         for line in lines:
@@ -155,7 +157,7 @@ def lose_a_node(slurm: SlurmCluster, tmp_path: Path) -> tuple[dict[str, Any], li
     # a short last call: the round after the loss waits that long for a second node
     job, ranks, out, diag = start_job(slurm, tmp_path, "1:2", sbatch=("--no-kill",), srun="--no-kill",
                                       run="--rdzv-conf last_call_timeout=3")
-    committed = wait_until(lambda: memory_checkpoints(tmp_path / "job.out"), 120, "a memory-tier checkpoint", diag)
+    committed = wait_until(lambda: memory_checkpoints(slurm, tmp_path / "job.out"), 120, "a memory-tier checkpoint", diag)
     slurm.kill_node("n2")
 
     def alone() -> list[dict[str, Any]]:
@@ -171,8 +173,11 @@ def lose_a_node(slurm: SlurmCluster, tmp_path: Path) -> tuple[dict[str, Any], li
     return resumed, committed, diag
 
 
-def test_a_lost_node_under_no_kill_leaves_the_job_training_on_one_node(slurm: SlurmCluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cluster", ["slurm", "slurm_agents"], ids=["no-daemon", "node-daemon"])
+def test_a_lost_node_under_no_kill_leaves_the_job_training_on_one_node(cluster: str, request: pytest.FixtureRequest,
+                                                                       tmp_path: Path) -> None:
     """Slurm keeps the job and shrinks it to n1; n1's ranks restart alone and train to the end."""
+    slurm: SlurmCluster = request.getfixturevalue(cluster)
     resumed, _committed, diag = lose_a_node(slurm, tmp_path)
     assert resumed["attempt"] >= 1, f"{resumed}\n{diag()}"
 
