@@ -34,6 +34,8 @@ apt_install() {
 system_packages() {
   command -v apt-get >/dev/null 2>&1 || { say "no apt-get: skipping Debian packages"; return 0; }
   apt_install python3-bpfcc prometheus prometheus-alertmanager etcd-server procps iproute2 util-linux systemd-container
+  # tests/slurm runs a real two-node Slurm cluster (slurmctld, slurmd, munged in the foreground)
+  apt_install slurm-wlm munge
   # bcc compiles tracepoint programs against kernel headers; the running kernel ships none,
   # and Debian's 6.1 headers serve tracepoint programs.
   local build="/lib/modules/$(uname -r)/build"

@@ -105,6 +105,21 @@ def test_a_silent_script_is_never_called_hung(agent_factory: Any, tmp_path: Path
     assert agent.client().job("silent")["restarts"] == 0
 
 
+def test_sigterm_stops_the_job_whose_ranks_are_the_agents(agent_factory: Any, tmp_path: Path) -> None:
+    """A scheduler ends a step with SIGTERM to its tasks (Slurm's scancel and time limit): the ranks
+    are the agent's children, outside the step, so ``trainguard run`` must stop them, not just exit."""
+    agent = agent_factory(config=CONFIG)
+    cli = run_cli(agent, tmp_path, "--nproc", "1", "--job", "termed", "--", sys.executable, "-c",
+                  "import time; print('up', flush=True); time.sleep(600)")
+    pid = wait_for(lambda: rank_pid(agent, "termed", 0), 60, "rank 0 running")
+    cli.send_signal(signal.SIGTERM)
+    _, err = cli.communicate(timeout=60)
+    assert cli.returncode == 143, err
+    assert "stopping job termed: terminated (SIGTERM)" in err
+    assert agent.client().job("termed")["state"] == "stopped"
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
 def test_a_script_ends_as_under_python_its_exit_handlers_run(agent_factory: Any, tmp_path: Path) -> None:
     """Ranks start from the agent's warm launcher (a fork, not an exec); a script's atexit handlers
     (a logger's flush, wandb.finish) must still run when it ends, as under ``python script.py``."""

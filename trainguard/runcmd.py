@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -97,6 +99,15 @@ AGENT_GRACE_S = 60.0
 agent restarted meanwhile still tells how the job ended (while a rank runs, it waits on)."""
 
 
+class Terminated(Exception):
+    """SIGTERM to ``trainguard run``: a scheduler ending the step (Slurm's ``scancel``, its time
+    limit). The ranks are the agent's children, outside the step, so the job is stopped as on Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 class AgentAway:
     """The job's ranks on this node when the agent went away (pid and start time, so that a pid
     used again by another process is not taken for a rank), to tell how long to wait for it."""
@@ -131,6 +142,9 @@ def follow(client: Any, job: str, *, out: TextIO = sys.stdout, err: TextIO = sys
     info: dict[str, Any] = {}
     wait = poll_s
     away: AgentAway | None = None
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         while True:
             before = dict(follower.offsets)
@@ -166,15 +180,24 @@ def follow(client: Any, job: str, *, out: TextIO = sys.stdout, err: TextIO = sys
                 break  # read after the job's state: its output is complete
             wait = poll_s if follower.offsets != before else min(idle_poll_s, wait * 2)
             time.sleep(wait)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as exc:
+        rc = 143 if isinstance(exc, Terminated) else 130
         if away is not None:
             pids = " ".join(map(str, away.running())) or "none left"
             err.write(f"trainguard: stopped waiting; job {job} was not stopped (no agent to stop it): its ranks on "
                       f"this node (pids {pids}) run on until an agent adopts them (`trainguard stop {job}` then)\n")
-            return 130
-        err.write(f"trainguard: stopping job {job}\n")
-        client.stop_job(job, reason="interrupted by the user (Ctrl-C)")
-        return 130
+            return rc
+        why = "terminated (SIGTERM)" if rc == 143 else "interrupted by the user (Ctrl-C)"
+        err.write(f"trainguard: stopping job {job}: {why}\n")
+        err.flush()
+        if previous is not None:
+            # a second SIGTERM (Slurm signals every process of the step) must not cut the request short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        client.stop_job(job, reason=why)
+        return rc
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     code = info.get("exit_code")
     state = info.get("state")
     reason = f" ({info['reason']})" if info.get("reason") else ""
