@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from bench.netns import kill_all_in, run
 from trainguard.agent.api.client import ApiClient
 from trainguard.agent.cluster.config import ClusterConfig
 
@@ -39,29 +40,8 @@ ETCD_PORT = 2379
 API_PORT = 7443
 
 
-def run(*args: str, timeout: float = 20.0, check: bool = True) -> str:
-    """One command with a deadline; a failure names the command and its stderr."""
-    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, check=False)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} exited {proc.returncode}: {proc.stderr.strip()}")
-    return proc.stdout
-
-
 PREFIX = "tgmh-"
 """Namespaces and shared-memory roots are named ``tgmh-<pid of the test process>-<run id>-...``."""
-
-
-def _kill_all_in(ns: str) -> None:
-    for _ in range(50):
-        pids = [int(p) for p in run("ip", "netns", "pids", ns, check=False).split()]
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
 
 
 def sweep_stale() -> None:
@@ -74,7 +54,7 @@ def sweep_stale() -> None:
     for line in run("ip", "netns", "list", check=False).splitlines():
         ns = line.split()[0] if line.split() else ""
         if ns.startswith(PREFIX) and dead(ns):
-            _kill_all_in(ns)
+            kill_all_in(ns)
             run("ip", "netns", "del", ns, check=False)
     for path in Path("/dev/shm").glob(f"{PREFIX}*"):
         if dead(path.name):
@@ -434,7 +414,7 @@ class Fabric:
                 except subprocess.TimeoutExpired:
                     pass
         for ns in reversed(self.namespaces):
-            _kill_all_in(ns)
+            kill_all_in(ns)
         for host in self.hosts.values():
             if host.proc is not None and host.proc.poll() is None:
                 host.proc.kill()
