@@ -42,7 +42,7 @@ from prometheus_client.metrics_core import Metric
 
 from trainguard.agent.controller.batch_rule import follow_batch
 from trainguard.agent.controller.config import ControllerConfig
-from trainguard.agent.controller.evidence import Action
+from trainguard.agent.controller.evidence import Action, EvidenceConfig
 from trainguard.agent.controller.evidence_plan import EvidenceDriver, event_inputs
 from trainguard.agent.controller.noise import NoiseScale
 from trainguard.agent.controller.strategy import (
@@ -204,8 +204,11 @@ def decision_fields(result: WindowResult | None, inputs: dict[str, Any]) -> dict
 
 
 class Controller:
-    def __init__(self, config: ControllerConfig, *, strategy_factory: StrategyFactory | None = None) -> None:
+    def __init__(self, config: ControllerConfig, *, strategy_factory: StrategyFactory | None = None,
+                 evidence: EvidenceConfig | None = None) -> None:
         self.config = config
+        self.evidence_config = evidence or EvidenceConfig()
+        """strategy evidence: its pre-registered tests (the shipped ones unless a caller passes others)."""
         self.strategy_factory = strategy_factory or make_strategy
         self.jobs: dict[str, JobControl] = {}
         self._unplanned: set[str] = set()
@@ -605,7 +608,7 @@ class Controller:
                 agent.events.emit("controller_error", f"controller (evidence) watches {jc.job} only: its planned "
                                   "steps are unknown (set controller.planned_steps)", severity="warning", job=jc.job)
             return False
-        driver = EvidenceDriver(steps, lr_scale=jc.current.lr_scale)
+        driver = EvidenceDriver(steps, self.evidence_config, lr_scale=jc.current.lr_scale)
         plan = agent.plans.get(jc.job)
         try:
             version = agent.plans.update(jc.job, {"extra": {**plan.extra, "evidence": driver.request()},
@@ -687,9 +690,10 @@ class Controller:
             self.jobs.clear()
 
 
-def install(agent: Any, config: ControllerConfig, *, strategy_factory: StrategyFactory | None = None) -> Controller:
+def install(agent: Any, config: ControllerConfig, *, strategy_factory: StrategyFactory | None = None,
+            evidence: EvidenceConfig | None = None) -> Controller:
     """Attach a controller to a started agent: a tick hook, a metric source, ``agent.controller``."""
-    controller = Controller(config, strategy_factory=strategy_factory)
+    controller = Controller(config, strategy_factory=strategy_factory, evidence=evidence)
     agent.tick_hooks.append(controller.tick)
     exporter = getattr(agent, "exporter", None)
     if exporter is not None and hasattr(exporter, "sources"):
