@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.conftest import in_process_agent_config
 from trainguard.agent.controller import ControllerConfig, install
@@ -21,6 +22,7 @@ from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.wire import Telemetry
 from trainguard.trainer.config import config_from_cli
 from trainguard.trainer.data import build_corpus
+from trainguard.trainer.evidence import EvidenceProbe
 
 JOB = "ctl-evidence"
 GOOD_LR = 0.003
@@ -82,6 +84,9 @@ def test_evidence_lowers_a_too_high_lr(tmp_path: Path) -> None:
     assert under[0][0].step - under[0][0].steps == under[1][0].step - under[1][0].steps
     before = [m.lr for m in r0 if m.plan_version < first["plan_version"]][-1]
     assert under[0][0].lr < before
+    # The ranks took the move's snapshot when they applied its plan (the trainer logs it).
+    logs = "".join(f.read_text(errors="replace") for f in tmp_path.rglob("*.log") if f.is_file())
+    assert "evidence controller: snapshot taken at step" in logs
 
 
 def test_evidence_is_silent_at_the_default_lr(tmp_path: Path) -> None:
@@ -162,6 +167,50 @@ def test_plan_translation_with_fakes() -> None:
     # A restarted attempt counts from its own step 0 with the LR scale in force.
     driver.restarted()
     assert driver.offset == 0 and driver.pending is None and driver.ctl.lr_scale == move.lr_scale
+
+
+def test_rank_probe_restores_exactly_and_measures_the_cosine() -> None:
+    """The rank side on a small model with AdamW: a snapshot request copies the state, a restore
+    request brings parameters and optimizer state back exactly; the cosine's sums are read only on
+    the steps the controller reads, against theta_ref from the window's start."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    params = list(model.parameters())
+    probe = EvidenceProbe(params)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).sum().backward()
+        opt.step()
+
+    assert probe.apply({"window": 8, "snapshot": 3, "restore": 1}, 0, [model, opt], first=True) == ""
+    assert probe.seen == (3, 1) and probe.snapshot is None  # an earlier attempt's requests are only noted
+    for _ in range(3):
+        step()
+    assert "snapshot taken" in probe.apply({"window": 8, "snapshot": 4, "restore": 1}, 3, [model, opt], first=False)
+    saved = [p.detach().clone() for p in params]
+    saved_avg = [opt.state[p]["exp_avg"].clone() for p in params]
+    probe.before_step(3)  # the anchor: a window starts here
+    assert probe.ref is not None and torch.equal(probe.ref, torch.cat([p.detach().reshape(-1) for p in saved]))
+    for s in range(3, 8):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).sum().backward()
+        terms = probe.terms(s + 1)
+        assert (terms is not None) == probe.reads(s + 1) == ((s + 1 - 3) % 8 > 4)
+        if terms is not None:
+            g = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+            d = torch.cat([p.detach().reshape(-1) for p in params]) - probe.ref
+            assert torch.allclose(terms, torch.stack([-(g @ d), g @ g, d @ d]))
+        opt.step()
+    assert any(not torch.equal(p, q) for p, q in zip(params, saved, strict=True))
+    assert "restored the snapshot of step 3" in probe.apply({"window": 8, "snapshot": 4, "restore": 2}, 8,
+                                                           [model, opt], first=False)
+    assert all(torch.equal(p, q) for p, q in zip(params, saved, strict=True))
+    assert all(torch.equal(opt.state[p]["exp_avg"], a) for p, a in zip(params, saved_avg, strict=True))
+    assert probe.anchor == 8 and probe.ref is None
+    # A DDP replica other than dp rank 0 adds nothing to the all-reduce.
+    assert EvidenceProbe(params, measures=False, window=8, ref=probe.ref).terms(8) is None
 
 
 def test_traj_cos_is_a_validated_wire_field() -> None:
