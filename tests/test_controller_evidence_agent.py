@@ -6,6 +6,7 @@ window's trajectory cosine; at the default LR it makes no move. Plus the plan tr
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,11 @@ from trainguard.agent.controller.evidence import Action, EvidenceConfig
 from trainguard.agent.controller.evidence_plan import EvidenceDriver
 from trainguard.agent.daemon import Agent
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.agent.wire import Telemetry
+from trainguard.agent.wire import Plan, Telemetry, write_plan_file
 from trainguard.trainer.config import config_from_cli
 from trainguard.trainer.data import build_corpus
 from trainguard.trainer.evidence import EvidenceProbe
+from trainguard.trainer.testing import run_job, tiny_config
 
 JOB = "ctl-evidence"
 GOOD_LR = 0.003
@@ -225,3 +227,40 @@ def test_traj_cos_is_a_validated_wire_field() -> None:
     body["traj_cos"] = 1.5
     with pytest.raises(WireError):
         decode_telemetry(json.dumps(body).encode())
+
+
+def test_rank_cosine_is_the_same_sharded_or_replicated(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The trajectory cosine from the step's all-reduce is the same whether FSDP shards the
+    parameters (every rank adds its shard's sums) or DDP replicates them (dp rank 0 adds them);
+    and an FSDP job takes a snapshot and restores it when the plan asks, mid-run."""
+    cache = str(tmp_path / "cache")
+    build_corpus(cache, 2_000_000)
+    got: dict[str, dict[int, float]] = {}
+    for mode in ("ddp", "fsdp"):
+        plan_path = str(tmp_path / f"{mode}.plan")
+        write_plan_file(plan_path, Plan(version=1, extra={"evidence": {"window": 4, "snapshot": 0, "restore": 0}}))
+        asked: list[int] = []
+
+        def on_message(m: Telemetry, plan_path: str = plan_path, asked: list[int] = asked) -> None:
+            # Ask for a snapshot once the ranks are past step 8, then for the restore 40 steps later.
+            if m.rank != 0 or m.step < 8 or len(asked) >= 2 or (asked and m.step < asked[0] + 40):
+                return
+            asked.append(m.step)
+            request = {"window": 4, "snapshot": 1, "restore": len(asked) - 1}
+            write_plan_file(plan_path, Plan(version=1 + len(asked), extra={"evidence": request}))
+
+        cfg = tiny_config(cache, parallel={"dp": 2, "dp_mode": mode}, steps=600)
+        result = run_job(cfg, 2, tmp_path / mode, plan_path=plan_path, on_telemetry=on_message)
+        assert result.rc == 0 and not result.telemetry_errors
+        r0 = result.telemetry[0]
+        assert all(m.traj_cos is None for m in result.telemetry[1])
+        got[mode] = {m.step: m.traj_cos for m in r0 if m.steps == 1 and m.plan_version == 1 and m.traj_cos is not None}
+        # Measured on the steps the controller reads only (window 4: the 3rd and 4th of each).
+        assert got[mode] and all(s % 4 in (0, 3) for s in got[mode]), got[mode]
+        err = capfd.readouterr().err
+        assert len(asked) == 2 and "evidence controller: snapshot taken at step" in err, err[-2000:]
+        assert "evidence controller: restored the snapshot of step" in err, err[-2000:]
+    common = sorted(set(got["ddp"]) & set(got["fsdp"]))
+    assert common
+    for s in common:
+        assert math.isclose(got["ddp"][s], got["fsdp"][s], rel_tol=1e-3, abs_tol=1e-4), (s, got)
