@@ -122,6 +122,7 @@ _OPTIONAL_FIELDS: dict[str, tuple[tuple[type, ...], float | None, float | None]]
     "attempt": ((int,), 0, 1 << 31),
     "applies": ((int,), 0, APPLIES_ALL),
     "update_cos": (_NUM, -1.0, 1.0),
+    "traj_cos": (_NUM, -1.0, 1.0),
     "steps": ((int,), 1, 1 << 20),
 }
 MAX_PARTS = 32
@@ -194,6 +195,10 @@ class Telemetry:
     update_cos: float | None = None
     """Cosine between this step's gradient and the previous step's parameter update, reversed
     (trainguard.alignment): persistently positive means the LR is too low (hypergradient sign)."""
+    traj_cos: float | None = None
+    """Cosine between this step's gradient and the way back to the evidence controller's reference
+    parameters, cos(g, -(theta - theta_ref)) (trainer/evidence.py): the mean over the steps that
+    measured it (the plan's ``extra["evidence"]`` says which)."""
     steps: int = 1
     """How many steps this message sums up (a sender may gather short steps): ``step`` is the
     last of them, ``samples``/``tokens`` their total, the times and the loss, gradient and

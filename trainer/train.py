@@ -39,6 +39,7 @@ from trainguard.alignment import UpdateAlignment
 from trainguard.run import Run, init
 from trainguard.trainer.config import TrainConfig
 from trainguard.trainer.data import Corpus, Sampler, split_counts, val_index, windows
+from trainguard.trainer.evidence import EvidenceProbe
 from trainguard.trainer.metrics import (
     LocalGradMeter,
     bubble_frac,
@@ -139,6 +140,10 @@ class Trainer:
         # update_cos for the controller's LR guard (this rank's shards under tp/fsdp: no collective).
         self.alignment = UpdateAlignment(self.params)
         self._update_cos: float | None = None
+        # The evidence controller's trajectory cosine and branch snapshots; a DDP replica's values
+        # are dp rank 0's, so only it adds them to the step's all-reduce.
+        self.evidence = EvidenceProbe(self.params, measures=cfg.parallel.dp_mode != "ddp" or lay.dp_rank == 0)
+        self._traj_cos: float | None = None
         quantum = cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1
         self.even_sizes = [n * quantum for n in split_counts(cfg.global_batch // quantum, lay.dp)]
         self.batch_sizes = list(self.even_sizes)
@@ -196,7 +201,12 @@ class Trainer:
 
     def _apply_plan(self, plan: Plan) -> None:
         """Take a plan (same version on every rank, at the same step boundary)."""
-        self._applied_version = plan.version
+        first, self._applied_version = self._applied_version < 0, plan.version
+        done = self.evidence.apply(plan.extra.get("evidence"), self.step, [*self.chunks, *self.optimizers],
+                                   first=first)
+        if done:
+            self.alignment = UpdateAlignment(self.params)  # its last update does not span a restore
+            self._log(f"plan v{plan.version}: evidence controller: {done}")
         sizes = plan.batch_sizes
         if sizes is None:
             self.batch_sizes = list(self.even_sizes)
@@ -291,6 +301,7 @@ class Trainer:
             # The plan in force was agreed at the end of the previous step (same version everywhere).
             if run.raw_plan.version != self._applied_version:
                 self._apply_plan(run.raw_plan)
+            self.evidence.before_step(self.step)
             t0 = time.perf_counter()
             with s.phase("data"):
                 sizes = self.batch_sizes
@@ -322,13 +333,16 @@ class Trainer:
 
             # The one per-step collective of the loop itself: loss, norms, a NaN flag.
             dp = lay.dp
-            vec = torch.zeros(4 + dp, dtype=torch.float64, device=self.device)  # NCCL needs device tensors
+            vec = torch.zeros(7 + dp, dtype=torch.float64, device=self.device)  # NCCL needs device tensors
             if self.has_last and lay.tp_rank == 0:
                 vec[0] = loss_sum
             vec[1] = sq_norm_share([p.grad for p in self.params if p.grad is not None], {"dp": dp, "tp": lay.tp})
             if math.isnan(loss_sum):
                 vec[3] = 1.0
             vec[4 + lay.dp_rank] = self.grad_meter.share()
+            traj = self.evidence.terms(self.step + 1)
+            if traj is not None:
+                vec[4 + dp:] = traj.to(vec)
             with s.phase("comm"):
                 dist.all_reduce(vec)
 
@@ -337,6 +351,8 @@ class Trainer:
                 loss = float("nan")
             grad_norm = math.sqrt(max(float(vec[1]), 0.0)) if math.isfinite(float(vec[1])) else float("nan")
             local_sq = float(vec[4 + lay.dp_rank])
+            dot, gg, dd = vec[4 + dp:].tolist()
+            self._traj_cos = max(-1.0, min(1.0, dot / math.sqrt(gg * dd))) if gg * dd > 0 else None
             # The local gradient above is of (sum of local token losses) * dp / global_tokens; report the
             # norm² of the local *mean* loss gradient, what a gradient-noise-scale estimate expects.
             local_sq = local_sq * (global_n / (dp * n_local)) ** 2 if n_local else 0.0
@@ -418,7 +434,8 @@ class Trainer:
         s.report(loss=r.loss, lr=r.lr, grad_norm=r.grad_norm, local_grad_sq=local_sq, mem_bytes=mem_bytes(self.device),
                  flops_per_s=flops, mfu=flops / self._peak if self._peak else None, comm_bytes=comm_b,
                  bubble_frac=bubble_frac(cfg), mem_frag=mem_frag(self.device), val_loss=r.val_loss,
-                 compress_ratio=ratio, update_cos=self._update_cos)
+                 compress_ratio=ratio, update_cos=self._update_cos,
+                 traj_cos=self._traj_cos if self.env.rank == 0 else None)
         self.history.append(r)
         if self.sink is not None and self.env.rank == 0:
             row: dict[str, Any] = {

@@ -37,7 +37,8 @@ PART_S = 0.05
 MAX_PARTS = 16
 """The most parts one message carries: a window that holds this many is sent."""
 
-_MEAN_EXTRAS = ("flops_per_s", "mfu", "comm_bytes", "bubble_frac", "mem_frag", "compress_ratio", "update_cos")
+_MEAN_EXTRAS = ("flops_per_s", "mfu", "comm_bytes", "bubble_frac", "mem_frag", "compress_ratio", "update_cos",
+                "traj_cos")
 _LAST_EXTRAS = ("val_loss",)
 EXTRAS = _MEAN_EXTRAS + _LAST_EXTRAS
 """Optional per-step figures a step may report (wire names)."""

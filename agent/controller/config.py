@@ -19,15 +19,16 @@ from typing import Literal
 from trainguard.agent.configerror import ConfigError
 from trainguard.agent.controller.batch_rule import RULES, Rule
 
-Strategy = Literal["none", "optuna", "rl", "goodput"]
-STRATEGIES = ("none", "optuna", "rl", "goodput")
+Strategy = Literal["none", "optuna", "rl", "goodput", "evidence"]
+STRATEGIES = ("none", "optuna", "rl", "goodput", "evidence")
 SAMPLERS = ("tpe", "gp")
 
 
 @dataclass
 class ControllerConfig:
     strategy: Strategy = "none"
-    """none (observe only), optuna, rl or goodput."""
+    """none (observe only), optuna, rl, goodput or evidence (LR only, on a pre-registered test of the
+    ranks' trajectory cosine, each move snapshot-protected: agent/controller/evidence.py)."""
     every_steps: int = 50
     """Control window: training steps run under one setting before the next decision."""
     warmup_steps: int = 100
@@ -73,6 +74,10 @@ class ControllerConfig:
     """How the LR follows a global batch that healing changed (exclusion, node loss, rejoin), with
     any strategy, "none" included: sqrt, linear, adascale or none (batch_rule.py)."""
 
+    planned_steps: int = 0
+    """evidence: the run's planned steps, which its windows and start are fractions of (0: the
+    embedded trainer's ``steps``; a job with neither is watched only)."""
+
     def __post_init__(self) -> None:
         self.validate("controller")
 
@@ -84,7 +89,8 @@ class ControllerConfig:
             raise ConfigError(f"{key}.lr_batch_rule", f"must be one of {', '.join(RULES)}, got {self.lr_batch_rule!r}")
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"{key}.sampler", f"must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
-        for name, low in (("every_steps", 2), ("warmup_steps", 0), ("batch_min", 0), ("batch_max", 0), ("seed", 0)):
+        for name, low in (("every_steps", 2), ("warmup_steps", 0), ("batch_min", 0), ("batch_max", 0), ("seed", 0),
+                          ("planned_steps", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{key}.{name}", f"must be an integer >= {low}, got {value!r}")

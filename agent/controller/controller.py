@@ -42,6 +42,8 @@ from prometheus_client.metrics_core import Metric
 
 from trainguard.agent.controller.batch_rule import follow_batch
 from trainguard.agent.controller.config import ControllerConfig
+from trainguard.agent.controller.evidence import Action, EvidenceConfig
+from trainguard.agent.controller.evidence_plan import EvidenceDriver, event_inputs
 from trainguard.agent.controller.noise import NoiseScale
 from trainguard.agent.controller.strategy import (
     KeepStrategy,
@@ -152,6 +154,8 @@ class JobControl:
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
     warmup_aligns: list[float] = field(default_factory=list)
     """update_cos of the warm-up's second half: the LR guard's first look."""
+    evidence: EvidenceDriver | None = None
+    """strategy evidence: the job's evidence controller (None until its plan went out)."""
 
 
 def split_batch(total: int, dp: int, unit: int, weights: list[int] | None) -> list[int]:
@@ -200,10 +204,15 @@ def decision_fields(result: WindowResult | None, inputs: dict[str, Any]) -> dict
 
 
 class Controller:
-    def __init__(self, config: ControllerConfig, *, strategy_factory: StrategyFactory | None = None) -> None:
+    def __init__(self, config: ControllerConfig, *, strategy_factory: StrategyFactory | None = None,
+                 evidence: EvidenceConfig | None = None) -> None:
         self.config = config
+        self.evidence_config = evidence or EvidenceConfig()
+        """strategy evidence: its pre-registered tests (the shipped ones unless a caller passes others)."""
         self.strategy_factory = strategy_factory or make_strategy
         self.jobs: dict[str, JobControl] = {}
+        self._unplanned: set[str] = set()
+        """Jobs the evidence strategy cannot control (planned steps unknown), warned about once."""
         self._lock = threading.Lock()
 
     # --- the tick hook ---------------------------------------------------------------------------
@@ -296,6 +305,9 @@ class Controller:
             return
         if msgs[-1].step < jc.last_step:
             self._restarted(jc, msgs[-1].step)
+            return
+        if self.config.strategy == "evidence":
+            self._evidence_tick(agent, jc, msgs)
             return
         others = {d: {m.step: m for m in agent.table.window(job, v.rank, None) if m.step > jc.last_step}
                   for d, v in reps.items() if v.rank != leader.rank}
@@ -562,9 +574,82 @@ class Controller:
     def _restarted(self, jc: JobControl, step: int) -> None:
         """The ranks went back to an earlier step (restored from a checkpoint): the window is void."""
         jc.last_step = step
+        if jc.evidence is not None:
+            jc.evidence.restarted()
         jc.recent.clear()
         if jc.window is not None:
             jc.window = Window(jc.window.setting, jc.window.version, None, recovery=True)
+
+    # --- strategy evidence -----------------------------------------------------------------------
+    def _evidence_tick(self, agent: Any, jc: JobControl, msgs: list[Telemetry]) -> None:
+        """Feed the leader's steps to the job's evidence controller and publish what it decides.
+        The leader's message carries the trajectory cosine (the same on every rank after the
+        step's all-reduce); the loss is already the global one."""
+        if jc.evidence is None and not self._evidence_start(agent, jc):
+            jc.last_step = msgs[-1].step
+            return
+        driver = jc.evidence
+        assert driver is not None
+        for m in msgs:
+            if m.step <= jc.last_step:
+                continue
+            jc.last_step = m.step
+            for part in by_part(m):
+                loss = part.loss if part.has_loss else None
+                action = driver.ingest(part.step, part.steps, part.plan_version, loss, m.traj_cos)
+                if action is not None:
+                    self._evidence_act(agent, jc, driver, action)
+
+    def _evidence_start(self, agent: Any, jc: JobControl) -> bool:
+        steps = self.config.planned_steps or int(self._trainer_cfg(agent, jc.job).get("steps") or 0)
+        if steps <= 0:
+            if jc.job not in self._unplanned:
+                self._unplanned.add(jc.job)  # said once
+                agent.events.emit("controller_error", f"controller (evidence) watches {jc.job} only: its planned "
+                                  "steps are unknown (set controller.planned_steps)", severity="warning", job=jc.job)
+            return False
+        driver = EvidenceDriver(steps, self.evidence_config, lr_scale=jc.current.lr_scale)
+        plan = agent.plans.get(jc.job)
+        try:
+            version = agent.plans.update(jc.job, {"extra": {**plan.extra, "evidence": driver.request()},
+                                                  "reason": "controller: evidence controller measures the "
+                                                            "trajectory cosine"}).version
+        except WireError as exc:
+            agent.events.emit("controller_error", f"controller could not publish a plan for {jc.job}: {exc}",
+                              severity="error", cause=str(exc), job=jc.job)
+            return False
+        jc.known_version = version
+        jc.evidence = driver
+        return True
+
+    def _evidence_act(self, agent: Any, jc: JobControl, driver: EvidenceDriver, action: Action) -> None:
+        before = jc.current
+        plan = agent.plans.get(jc.job)
+        changes = driver.plan_changes(action, plan.extra)
+        version = plan.version
+        if changes is not None:
+            try:
+                version = agent.plans.update(jc.job, {**changes, "reason": f"controller: {action.reason}"[:500]}).version
+            except WireError as exc:
+                agent.events.emit("controller_error", f"controller could not publish a plan for {jc.job}: {exc}",
+                                  severity="error", cause=str(exc), job=jc.job)
+                return
+            driver.published(action, version)
+            jc.known_version = version
+            jc.current = Setting(action.lr_scale, before.batch)
+        jc.decisions += 1
+        kind = "controller_rollback" if action.kind == "restore" else "controller_decision"
+        message = (f"controller (evidence) {action.kind}: lr x{before.lr_scale:.3g} -> x{jc.current.lr_scale:.3g} "
+                   f"at step {jc.last_step}: {action.reason}")
+        agent.events.emit(kind, message, severity="warning" if action.kind == "restore" else "info",
+                          cause=action.reason, job=jc.job, strategy="evidence", step=jc.last_step,
+                          changed=changes is not None, plan_version=version, action=action.kind,
+                          trajectory_step=action.step, lr_scale_from=before.lr_scale,
+                          lr_scale_to=jc.current.lr_scale, batch_from=before.batch, batch_to=before.batch,
+                          inputs=event_inputs(action), snapshot=driver.snapshots, restore=driver.restores)
+        jc.history.append({"step": jc.last_step, "kind": kind, "lr_scale": jc.current.lr_scale,
+                           "batch": before.batch, "changed": changes is not None, "reason": action.reason,
+                           "plan_version": version})
 
     # --- reporting -------------------------------------------------------------------------------
     def history(self, job: str) -> list[dict[str, Any]]:
@@ -605,9 +690,10 @@ class Controller:
             self.jobs.clear()
 
 
-def install(agent: Any, config: ControllerConfig, *, strategy_factory: StrategyFactory | None = None) -> Controller:
+def install(agent: Any, config: ControllerConfig, *, strategy_factory: StrategyFactory | None = None,
+            evidence: EvidenceConfig | None = None) -> Controller:
     """Attach a controller to a started agent: a tick hook, a metric source, ``agent.controller``."""
-    controller = Controller(config, strategy_factory=strategy_factory)
+    controller = Controller(config, strategy_factory=strategy_factory, evidence=evidence)
     agent.tick_hooks.append(controller.tick)
     exporter = getattr(agent, "exporter", None)
     if exporter is not None and hasattr(exporter, "sources"):

@@ -81,6 +81,8 @@ class Action:
     reason: str
     direction: int = 0
     """+1 up, -1 down: the move's direction (or the restored or kept one's)."""
+    inputs: dict[str, float] = field(default_factory=dict)
+    """The figures the decision rests on (window mean trajectory cosine, forecast, observed)."""
 
 
 @dataclass
@@ -149,11 +151,12 @@ class EvidenceController:
         offset = step % self.window
         return offset == 0 or offset > self.window // 2
 
-    def observe(self, step: int, loss: float, traj_cos: float) -> Action | None:
+    def observe(self, step: int, loss: float, traj_cos: float | None) -> Action | None:
         """Step ``step`` (1-based count of steps done on the current trajectory) ended with this
-        minibatch loss and trajectory cosine. Returns what to do now, or None."""
+        minibatch loss and trajectory cosine (None: not measured, left out of the window's mean).
+        Returns what to do now, or None."""
         self._points.append((step, loss))
-        if self.reads(step):
+        if self.reads(step) and traj_cos is not None:
             self._cos.append(traj_cos)
         if not math.isfinite(loss) and self._trial is not None:
             self._cos, self._streak = [], 0  # the trial window's cosines go with it
@@ -203,7 +206,9 @@ class EvidenceController:
         self._streak = 0
         word = "low" if direction > 0 else "high"
         self.lr_scale = target
-        return self._act("move", step, direction, f"LR too {word}: window trajectory cosine {mean:+.3f} beyond "
+        inputs = {"traj_cos_mean": mean, "threshold": c.low_threshold if direction > 0 else c.high_threshold,
+                  "factor": factor ** direction, "forecast": forecast[0], "forecast_se": forecast[1]}
+        return self._act("move", step, direction, inputs, f"LR too {word}: window trajectory cosine {mean:+.3f} beyond "
                          f"{c.low_threshold if direction > 0 else c.high_threshold:+g} for {c.confirm} windows; "
                          f"LR x{factor ** direction:.3g} tentatively, "
                          f"forecast mean log-loss {forecast[0]:.4f} +- {forecast[1]:.4f}")
@@ -218,15 +223,18 @@ class EvidenceController:
             self.lr_scale = trial.from_scale
             # Back at the snapshot's step: the points before the move still describe this setting.
             self._points = [(s, v) for s, v in self._points if s <= trial.step]
-            return self._act("restore", trial.step, trial.direction, f"move worse than forecast: mean log-loss {observed:.4f} vs "
+            inputs = {"observed": observed, "forecast": trial.forecast, "forecast_se": trial.forecast_se, "z": z}
+            return self._act("restore", trial.step, trial.direction, inputs, f"move worse than forecast: mean log-loss {observed:.4f} vs "
                              f"{trial.forecast:.4f} +- {trial.forecast_se:.4f} (z {z:+.1f}); restored, direction "
                              f"{'up' if trial.direction > 0 else 'down'} closed")
         self._points = [(s, v) for s, v in self._points if s > trial.step]
-        return self._act("keep", step, trial.direction, f"move within forecast: mean log-loss {observed:.4f} vs {trial.forecast:.4f} "
+        inputs = {"observed": observed, "forecast": trial.forecast, "forecast_se": trial.forecast_se, "z": z}
+        return self._act("keep", step, trial.direction, inputs, f"move within forecast: mean log-loss {observed:.4f} vs {trial.forecast:.4f} "
                          f"+- {trial.forecast_se:.4f} (z {z:+.1f}); kept")
 
-    def _act(self, kind: Literal["move", "restore", "keep"], step: int, direction: int, reason: str) -> Action:
-        action = Action(kind, self.lr_scale, step, reason, direction)
+    def _act(self, kind: Literal["move", "restore", "keep"], step: int, direction: int, inputs: dict[str, float],
+             reason: str) -> Action:
+        action = Action(kind, self.lr_scale, step, reason, direction, inputs)
         self.log.append(action)
         return action
 
