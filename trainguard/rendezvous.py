@@ -20,8 +20,8 @@ torchrun's agents restart when ``num_nodes_waiting() > 0``. This module imports 
 from __future__ import annotations
 
 import datetime
-import itertools
 import ipaddress
+import itertools
 import json
 import os
 import socket
@@ -169,7 +169,7 @@ class Rendezvous:
         self.serving = False
         if store is None:
             store, self.serving = open_store(cfg, cfg.join_timeout_s)
-        self.store = store
+        self.store: Any = store
         self.addr = addr or local_address(cfg.host, cfg.port)
         self.hostname = socket.gethostname()
         self.next = -1
