@@ -195,7 +195,7 @@ def phases(home: Path, names: list[str], states: list[Path | None], t0: float) -
              ("launchers saw the failure", "seen"), ("round ended in the store", "ended"),
              ("ranks held", "stopped"), ("next round closed", "joined"), ("snapshot step agreed", "agreed"),
              ("attempt handed to the agents", "started"), ("agents relaunch", "job_restart"),
-             ("ranks forked", "ranks_started"), ("first step (agents' job_resumed)", "job_resumed")]
+             ("ranks forked", "ranks_started"), ("agents heard of the first step (job_resumed)", "job_resumed")]
     return [(label, max(marks[key])) for label, key in order if marks.get(key)]
 
 

@@ -41,9 +41,10 @@ from trainguard.torchrun_args import Launch
 
 def round_block(rnd: Round, nproc: int, run_id: str, max_restarts: int, addr: str) -> RankBlock:
     """This node's ranks of ``rnd`` as the launcher takes them; the restart count and run id are
-    torchrun's (failures, not rounds), so they override what the launcher derives."""
+    torchrun's (failures, not rounds), so they override what the launcher derives. The ranks
+    meet in the store the first node's launcher serves (``rendezvous.RankStore``)."""
     env = {"TORCHELASTIC_RESTART_COUNT": str(rnd.restart_count), "TORCHELASTIC_RUN_ID": run_id,
-           "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
+           "TORCHELASTIC_MAX_RESTARTS": str(max_restarts), "TORCHELASTIC_USE_AGENT_STORE": "True"}
     return RankBlock(rnd.rank_offset, nproc, rnd.world_size, rnd.master_addr, rnd.master_port, rnd.group_rank,
                      env, rnd.number + 1, socket_ifname=interface_for(addr))
 

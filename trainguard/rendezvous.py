@@ -5,8 +5,9 @@ The protocol, under the key prefix ``trainguard/<run id>/``: ``round`` counts th
 joins round ``r`` by taking a number from ``r<r>/count`` and writing what it brings
 (``r<r>/node/<n>``). The round closes (``r<r>/closed`` = how many joined) at once when the most
 nodes came, or when at least the fewest came and no one more joined for the last-call time. The
-node first in order (``--node-rank``, then the order of the round before, then arrival) picks
-the master port. While the round runs,
+node first in order (``--node-rank``, then the order of the round before, then arrival) serves
+the round's ranks their own store (``RankStore``: MASTER_ADDR:MASTER_PORT, a fresh port each
+round), up before any node's ranks start, as torchrun's agent hosts it. While the round runs,
 each node beats ``r<r>/beat/<group rank>``; any node ends the round by setting ``r<r>/restart``
 (first writer wins; the winner counts a failure in ``failures``, writes ``r<r>/verdict`` and then
 ``r<r>/wake/<g>`` for every group rank ``g``), and the others see it at once: each node's watcher
@@ -33,8 +34,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainguard.agent.lifecycle.launcher import free_port
-
 DEFAULT_PORT = 29400
 """torchrun's c10d endpoint port when HOST has none."""
 
@@ -44,6 +43,17 @@ FIRST_NAP_S = 0.002
 _FOREVER = datetime.timedelta(days=3650)
 """The watcher's wait timeout: released by its wake key, never by a timeout (a timed-out wait
 leaves c10d's client with a reply it did not read)."""
+
+
+class RankStore:
+    """The store a round's ranks meet in (``TORCHELASTIC_USE_AGENT_STORE``), served by the first
+    node's launcher from before the round's master is published: a rank that reaches it before
+    it listens would wait out c10d's connect back-off (about half a second)."""
+
+    def __init__(self, addr: str) -> None:
+        self.store: Any = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=300))
+        self.port = int(self.store.port)
 
 
 class RendezvousError(RuntimeError):
@@ -178,6 +188,8 @@ class Rendezvous:
         self.token = f"{self.addr}/{os.getpid()}/{time.time_ns()}"
         self._beats: dict[int, tuple[int, float]] = {}
         self._watch_store: Any | None = None
+        self.rank_store: RankStore | None = None
+        """The ranks' store of this node's latest round, where this node served it."""
 
     def _key(self, name: str) -> str:
         return f"trainguard/{self.cfg.run_id}/{name}"
@@ -262,8 +274,10 @@ class Rendezvous:
         group = next(g for g, m in enumerate(members) if m["arrival"] == me)
         offset = sum(int(m["nproc"]) for m in members[:group])
         world = sum(int(m["nproc"]) for m in members)
+        self.rank_store = None  # the round before's ranks are stopped: its store goes with them
         if group == 0:
-            self.store.set(self._key(f"r{r}/master"), f"{self.addr}:{free_port(self.addr)}")
+            self.rank_store = RankStore(self.addr)
+            self.store.set(self._key(f"r{r}/master"), f"{self.addr}:{self.rank_store.port}")
         self.store.wait([self._key(f"r{r}/master")])
         master_addr, _, master_port = self._get(f"r{r}/master").rpartition(":")
         self._beats = {}

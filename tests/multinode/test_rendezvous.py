@@ -4,6 +4,7 @@ and a node coming to a running round with room ends it; the agent side refuses m
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import socket
@@ -13,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import free_port
@@ -158,3 +160,23 @@ def test_each_restart_writes_its_phases_in_order(tmp_path: Path, monkeypatch: py
         marks = [p[k] for k in ("seen", "ended", "stopped", "joined", "agreed", "started")]
         assert all(m > 0 for m in marks) and marks == sorted(marks), p
         assert "exited with 3" in p["cause"]
+
+
+def test_the_first_node_serves_each_rounds_ranks_a_fresh_store() -> None:
+    rdzvs = nodes(2, low=2, high=2)
+    first = join_all(rdzvs)
+    server = next(r for r, rnd in zip(rdzvs, first, strict=True) if rnd.group_rank == 0)
+    assert server.rank_store is not None and server.rank_store.port == first[0].master_port
+    assert [r.rank_store for r in rdzvs if r is not server] == [None]
+    # A rank that starts before any other finds the store up: a client connects at once.
+    client = dist.TCPStore(first[0].master_addr, first[0].master_port, is_master=False,
+                           timeout=datetime.timedelta(seconds=5))
+    client.set("rank2", "here")
+    assert bytes(server.rank_store.store.get("rank2")) == b"here"
+    old = first[0].master_port
+    rdzvs[0].end(first[0].number, "rank 1 died")
+    second = join_all(rdzvs)
+    assert second[0].master_port != old and server.rank_store is not None
+    assert server.rank_store.port == second[0].master_port
+    with pytest.raises(RuntimeError):  # the round before's store went with its ranks
+        dist.TCPStore(first[0].master_addr, old, is_master=False, timeout=datetime.timedelta(seconds=1))
