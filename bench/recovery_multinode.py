@@ -9,11 +9,16 @@ time (resume + the lost steps at the run's median step). The script keeps no che
 under torchrun a restart starts again from step 0, which is what a torchrun user without
 checkpoints loses; trainguard's ranks resume from their snapshots.
 
+For trainguard each kill's restart is also split into phases, from the launchers' phase files
+(``TRAINGUARD_RDZV_PHASES``) and the node agents' events, on one wall clock (the nodes are network
+namespaces of one machine): where the time between the kill and the first step goes.
+
     python bench/recovery.py --multinode [--quick]      (root: network namespaces)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import statistics
@@ -36,6 +41,10 @@ class Kill:
     """Steps rank 0 had finished when the rank was killed."""
     resumed_at: int = -1
     resume_s: float = NAN
+    killed_wall: float = NAN
+    """``time.time()`` of the kill: the phases' origin."""
+    phases: list[tuple[str, float]] = field(default_factory=list)
+    """Seconds after the kill at which each phase of the restart ended (trainguard only)."""
 
     @property
     def steps_lost(self) -> int:
@@ -107,7 +116,8 @@ def _launch(kind: str, node: Node, first: Node, root: Path, progress: Path, step
     log = root / f"{kind}-{node.name}.log"
     if kind == "trainguard":
         assert state is not None
-        return node.popen([sys.executable, "-m", "trainguard", "run", "--state-dir", str(state), *rdzv, *train], log)
+        return node.popen([sys.executable, "-m", "trainguard", "run", "--state-dir", str(state), *rdzv, *train], log,
+                          {"TRAINGUARD_RDZV_PHASES": str(root / f"phases-{node.name}.jsonl")})
     python = str(peers / "bin" / "python") if peers is not None else sys.executable
     # FACTS-style workaround: torchrun's restarted gloo workers must not share the dead attempt's store.
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
@@ -131,7 +141,7 @@ def run_arm(kind: str, root: Path, steps: int, kill_steps: list[int], peers: Pat
             pid = int(_read(progress / "rank2.pid") or 0)
             before = _started(progress)
             kill = Kill(_steps(progress))
-            killed = time.monotonic()
+            killed, kill.killed_wall = time.monotonic(), time.time()
             os.kill(pid, signal.SIGKILL)
             if not arm.kills:
                 arm.step_s = (killed - warm[0]) / max(1, kill.at_step - warm[1])
@@ -144,10 +154,49 @@ def run_arm(kind: str, root: Path, steps: int, kill_steps: list[int], peers: Pat
             kill.resume_s = time.monotonic() - killed
             arm.kills.append(kill)
         codes = [p.wait(timeout=600) for p in procs]
+        if kind == "trainguard":
+            for kill in arm.kills:
+                kill.phases = phases(home, [n.name for n in (a, b)], states, kill.killed_wall)
         arm.ok = codes == [0, 0]
         if not arm.ok:
             arm.note = f"exit {codes}"
     return arm
+
+
+def _jsonl(path: Path) -> list[dict]:  # type: ignore[type-arg]
+    out = []
+    for line in _read(path).splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def phases(home: Path, names: list[str], states: list[Path | None], t0: float) -> list[tuple[str, float]]:
+    """The restart after the kill at ``t0``, phase by phase: seconds after the kill at which the
+    last node finished each phase (the nodes wait for each other, so the last one sets the pace),
+    the killed node's detection first and the agents' first step last."""
+    marks: dict[str, list[float]] = {}
+    for name in names:
+        after = [p for p in _jsonl(home / f"phases-{name}.jsonl") if float(p.get("seen") or 0) >= t0]
+        for key in ("seen", "ended", "stopped", "joined", "agreed", "started"):
+            if after and float(after[0].get(key) or 0) >= t0:
+                marks.setdefault(key, []).append(float(after[0][key]) - t0)
+    for state in states:
+        firsts: dict[str, float] = {}
+        for e in _jsonl(state / "events" / "events.jsonl") if state is not None else []:
+            ts = float(e.get("ts") or 0)
+            if ts >= t0 and e.get("kind") in ("job_restart_requested", "job_restart", "ranks_started", "job_resumed"):
+                firsts.setdefault(e["kind"], ts)
+        for kind, at in firsts.items():
+            marks.setdefault(kind, []).append(at - t0)
+    order = [("detected: the agent stopped the killed node's ranks", "job_restart_requested"),
+             ("launchers saw the failure", "seen"), ("round ended in the store", "ended"),
+             ("ranks held", "stopped"), ("next round closed", "joined"), ("snapshot step agreed", "agreed"),
+             ("attempt handed to the agents", "started"), ("agents relaunch", "job_restart"),
+             ("ranks forked", "ranks_started"), ("agents heard of the first step (job_resumed)", "job_resumed")]
+    return [(label, max(marks[key])) for label, key in order if marks.get(key)]
 
 
 SIZES = {"smoke": (25, [10]), "quick": (60, [20]), "full": (400, [100, 250])}
@@ -165,6 +214,10 @@ def report(ours: Arm, theirs: Arm) -> str:
         for k in arm.kills:
             print(f"  {arm.name:<10} kill at step {k.at_step:>4}: resumed at step {k.resumed_at:>4}, "
                   f"first step done {k.resume_s:6.2f}s after the kill")
+            last = 0.0
+            for label, at in k.phases:  # the last node's time; a phase may end before the one above
+                print(f"      {at:6.3f}s  (+{max(0.0, at - last):5.3f})  {label}")
+                last = max(last, at)
     ratio = theirs.lost_per_failure / ours.lost_per_failure if ours.kills and theirs.kills else NAN
     return (f"RESULT multinode_resume_s={ours.resume_median:.2f} multinode_steps_lost={ours.steps_lost_mean:.2f} "
             f"multinode_torchrun_resume_s={theirs.resume_median:.2f} "

@@ -5,11 +5,15 @@ The protocol, under the key prefix ``trainguard/<run id>/``: ``round`` counts th
 joins round ``r`` by taking a number from ``r<r>/count`` and writing what it brings
 (``r<r>/node/<n>``). The round closes (``r<r>/closed`` = how many joined) at once when the most
 nodes came, or when at least the fewest came and no one more joined for the last-call time. The
-node first in order (``--node-rank``, then the order of the round before, then arrival) picks
-the master port. While the round runs,
+node first in order (``--node-rank``, then the order of the round before, then arrival) serves
+the round's ranks their own store (``RankStore``: MASTER_ADDR:MASTER_PORT, a fresh port each
+round), up before any node's ranks start, as torchrun's agent hosts it. While the round runs,
 each node beats ``r<r>/beat/<group rank>``; any node ends the round by setting ``r<r>/restart``
-(first writer wins; the winner counts a failure in ``failures`` and writes ``r<r>/verdict``), and
-the others see it by polling. A node that comes to a closed round with room left ends it too, as
+(first writer wins; the winner counts a failure in ``failures``, writes ``r<r>/verdict`` and then
+``r<r>/wake/<g>`` for every group rank ``g``), and the others see it at once: each node's watcher
+thread blocks on its own wake key, on a connection of its own. Waits for a round to close poll
+from a few milliseconds up to the polling interval, so that nodes rejoining together meet within
+milliseconds while a long wait for a slow node costs little. A node that comes to a closed round with room left ends it too, as
 torchrun's agents restart when ``num_nodes_waiting() > 0``. This module imports torch: it runs in
 ``trainguard run``'s own process, never in the agent.
 """
@@ -18,20 +22,38 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import itertools
 import json
 import os
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
-from trainguard.agent.lifecycle.launcher import free_port
-
 DEFAULT_PORT = 29400
 """torchrun's c10d endpoint port when HOST has none."""
+
+FIRST_NAP_S = 0.002
+"""The first pause of a wait on the store; each next one is half as long again, up to ``poll_s``."""
+
+_FOREVER = datetime.timedelta(days=3650)
+"""The watcher's wait timeout: released by its wake key, never by a timeout (a timed-out wait
+leaves c10d's client with a reply it did not read)."""
+
+
+class RankStore:
+    """The store a round's ranks meet in (``TORCHELASTIC_USE_AGENT_STORE``), served by the first
+    node's launcher from before the round's master is published: a rank that reaches it before
+    it listens would wait out c10d's connect back-off (about half a second)."""
+
+    def __init__(self, addr: str) -> None:
+        self.store: Any = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=300))
+        self.port = int(self.store.port)
 
 
 class RendezvousError(RuntimeError):
@@ -157,7 +179,7 @@ class Rendezvous:
         self.serving = False
         if store is None:
             store, self.serving = open_store(cfg, cfg.join_timeout_s)
-        self.store = store
+        self.store: Any = store
         self.addr = addr or local_address(cfg.host, cfg.port)
         self.hostname = socket.gethostname()
         self.next = -1
@@ -165,6 +187,9 @@ class Rendezvous:
         """This node's group rank in the round before (None before the first)."""
         self.token = f"{self.addr}/{os.getpid()}/{time.time_ns()}"
         self._beats: dict[int, tuple[int, float]] = {}
+        self._watch_store: Any | None = None
+        self.rank_store: RankStore | None = None
+        """The ranks' store of this node's latest round, where this node served it."""
 
     def _key(self, name: str) -> str:
         return f"trainguard/{self.cfg.run_id}/{name}"
@@ -178,6 +203,13 @@ class Rendezvous:
     def _counter(self, name: str) -> int:
         return int(self.store.add(self._key(name), 0))
 
+    def _naps(self) -> Iterator[None]:
+        """Sleep a little longer at each step: a short wait is seen within milliseconds, a long
+        one polls every ``poll_s``."""
+        for i in itertools.count():
+            time.sleep(min(self.cfg.poll_s, FIRST_NAP_S * 1.5 ** i))
+            yield
+
     # --- rounds -----------------------------------------------------------------------------------
     def join(self) -> Round:
         """Join the next open round and wait until it closes; raises ``RendezvousError`` when the
@@ -186,9 +218,10 @@ class Rendezvous:
         while True:
             r = max(self.next, self._counter("round"))
             # A round someone ended but whose successor is not counted yet: wait for the count.
+            naps = self._naps()
             while self._has(f"r{r}/restart") and self._counter("round") <= r:
                 self._check(deadline)
-                time.sleep(self.cfg.poll_s)
+                next(naps)
             if self._has(f"r{r}/restart"):
                 continue
             got = self._join_round(r, deadline)
@@ -207,6 +240,7 @@ class Rendezvous:
             "addr": self.addr, "host": self.hostname, "nproc": self.cfg.nproc, "node_rank": self.cfg.node_rank,
             "last": self.last_group}))
         seen, since = 0, self.clock()
+        naps = self._naps()
         while not self._has(f"r{r}/closed"):
             if self._has(f"r{r}/restart"):
                 return None  # ended before it closed (a node gave up on it): the next one
@@ -219,7 +253,7 @@ class Rendezvous:
                 self.store.compare_set(self._key(f"r{r}/closed"), "", str(count))
             else:
                 self._check(deadline)
-                time.sleep(self.cfg.poll_s)
+                next(naps)
         nodes = int(self._get(f"r{r}/closed"))
         if me > nodes:
             # Came after the round closed: a round with room left ends so that this node joins
@@ -240,8 +274,10 @@ class Rendezvous:
         group = next(g for g, m in enumerate(members) if m["arrival"] == me)
         offset = sum(int(m["nproc"]) for m in members[:group])
         world = sum(int(m["nproc"]) for m in members)
+        self.rank_store = None  # the round before's ranks are stopped: its store goes with them
         if group == 0:
-            self.store.set(self._key(f"r{r}/master"), f"{self.addr}:{free_port(self.addr)}")
+            self.rank_store = RankStore(self.addr)
+            self.store.set(self._key(f"r{r}/master"), f"{self.addr}:{self.rank_store.port}")
         self.store.wait([self._key(f"r{r}/master")])
         master_addr, _, master_port = self._get(f"r{r}/master").rpartition(":")
         self._beats = {}
@@ -278,10 +314,42 @@ class Rendezvous:
             self.store.set(self._key(f"r{r}/verdict"), json.dumps(
                 {"cause": cause, "failure": failure, "failures": failures, "code": code, "streak": streak}))
             self.store.add(self._key("round"), 1)
+            if self._has(f"r{r}/closed"):
+                for g in range(int(self._get(f"r{r}/closed"))):
+                    self.store.set(self._key(f"r{r}/wake/{g}"), "ended")
         return self.verdict(r)
 
     def ended(self, r: int) -> bool:
         return self._has(f"r{r}/restart")
+
+    def watch(self, rnd: Round, on_end: Callable[[], None]) -> Callable[[], None]:
+        """Call ``on_end`` (from a thread) as soon as a node ends ``rnd``; returns the function
+        that lets the watcher go when this node leaves the round another way. The watcher waits
+        on a connection of its own (``clone``): a blocking wait holds its connection."""
+        if self._watch_store is None:
+            self._watch_store = self.store.clone()
+            self._watch_store.set_timeout(_FOREVER)
+        store, key = self._watch_store, self._key(f"r{rnd.number}/wake/{rnd.group_rank}")
+
+        def wait() -> None:
+            try:
+                store.wait([key])
+            except RuntimeError:
+                return  # the store went away: the round loop's own calls say so
+            if bytes(store.get(key)).decode() == "ended":
+                on_end()
+
+        thread = threading.Thread(target=wait, name=f"rdzv-watch-r{rnd.number}", daemon=True)
+        thread.start()
+
+        def release() -> None:
+            try:
+                self.store.compare_set(key, "", "left")
+            except RuntimeError:
+                return  # the store went away: the watcher's wait fails too
+            thread.join(timeout=5.0)
+
+        return release
 
     def verdict(self, r: int) -> Verdict:
         self.store.wait([self._key(f"r{r}/verdict")])

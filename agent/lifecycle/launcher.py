@@ -517,7 +517,7 @@ class Launcher:
             if zygote is not None:
                 # The rendezvous store is up before any rank's code runs (trainer/zygote.py).
                 env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-                if rank == 0:
+                if rank == 0 and not block.rendezvous:  # trainguard run --nnodes serves it
                     env[ENV_HOST_STORE] = "1"
                 assert warm_target is not None
                 child = zygote.spawn(rank, env, log_path, cwd, warm_target[0], warm_target[1], user=rank_uid)

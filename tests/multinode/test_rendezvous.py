@@ -4,13 +4,17 @@ and a node coming to a running round with room ends it; the agent side refuses m
 
 from __future__ import annotations
 
+import datetime
 import io
+import json
+import socket
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import free_port
@@ -118,3 +122,61 @@ def test_max_restarts_counts_failures_once_over_every_node(tmp_path: Path) -> No
     counts = {p.name.split("-")[1] for p in marks.iterdir()}
     assert counts == {"0", "1"}, sorted(p.name for p in marks.iterdir())
     assert all("no restarts left (--max-restarts 1" in e.getvalue() for e in errs)
+
+
+def test_a_watcher_wakes_when_another_node_ends_the_round_and_a_released_one_does_not() -> None:
+    rdzvs = nodes(2, low=2, high=2)
+    first = join_all(rdzvs)
+    woke = [threading.Event(), threading.Event()]
+    releases = [r.watch(rnd, e.set) for r, rnd, e in zip(rdzvs, first, woke, strict=True)]
+    assert not any(e.is_set() for e in woke)
+    rdzvs[1].end(first[1].number, "rank 3 died")
+    assert woke[0].wait(10) and woke[1].wait(10)  # the ender's own watcher wakes too
+    for release in releases:
+        release()
+    # A round left another way (its ranks finished): releasing the watcher wakes no one.
+    second = join_all(rdzvs)
+    quiet = threading.Event()
+    release = rdzvs[0].watch(second[0], quiet.set)
+    release()
+    assert not quiet.is_set()
+    rdzvs[0].end(second[0].number, "rank 0 died")  # after the release: its wake key says it left
+    assert not quiet.wait(0.2)
+
+
+def test_each_restart_writes_its_phases_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    phases = tmp_path / "phases.jsonl"
+    monkeypatch.setenv("TRAINGUARD_RDZV_PHASES", str(phases))
+    command = [sys.executable, "-c", "raise SystemExit(3)"]
+    rdzvs = nodes(2, low=2, high=2)
+    drivers = [Driver(r, ChildRanks(command, JobSpec("t1", 2, command=command, max_restarts=1), {}, out=io.StringIO()),
+                      nproc=2, run_id="t1", max_restarts=1, err=io.StringIO()) for r in rdzvs]
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(lambda d: d.run(), drivers)) == [3, 3]
+    lines = [json.loads(line) for line in phases.read_text().splitlines()]
+    # One restart (round 0 -> 1) per node; the second failure ends the run and starts nothing.
+    assert sorted(p["node"] for p in lines) == [socket.gethostname()] * 2 and {p["round"] for p in lines} == {0}
+    for p in lines:
+        marks = [p[k] for k in ("seen", "ended", "stopped", "joined", "agreed", "started")]
+        assert all(m > 0 for m in marks) and marks == sorted(marks), p
+        assert "exited with 3" in p["cause"]
+
+
+def test_the_first_node_serves_each_rounds_ranks_a_fresh_store() -> None:
+    rdzvs = nodes(2, low=2, high=2)
+    first = join_all(rdzvs)
+    server = next(r for r, rnd in zip(rdzvs, first, strict=True) if rnd.group_rank == 0)
+    assert server.rank_store is not None and server.rank_store.port == first[0].master_port
+    assert [r.rank_store for r in rdzvs if r is not server] == [None]
+    # A rank that starts before any other finds the store up: a client connects at once.
+    client = dist.TCPStore(first[0].master_addr, first[0].master_port, is_master=False,
+                           timeout=datetime.timedelta(seconds=5))
+    client.set("rank2", "here")
+    assert bytes(server.rank_store.store.get("rank2")) == b"here"
+    old = first[0].master_port
+    rdzvs[0].end(first[0].number, "rank 1 died")
+    second = join_all(rdzvs)
+    assert second[0].master_port != old and server.rank_store is not None
+    assert server.rank_store.port == second[0].master_port
+    with pytest.raises(RuntimeError):  # the round before's store went with its ranks
+        dist.TCPStore(first[0].master_addr, old, is_master=False, timeout=datetime.timedelta(seconds=1))
