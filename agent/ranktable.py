@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 from trainguard.agent.wire import Telemetry
 
-MESSAGE_BYTES = 800
-"""Memory one stored message costs, measured with tracemalloc on decoded datagrams (~775 bytes
+MESSAGE_BYTES = 880
+"""Memory one stored message costs, measured with tracemalloc on decoded datagrams (~830 bytes
 plus the ring's slot), before its variable strings (job id, checkpoint error)."""
 RANK_BYTES = 4096
 """Memory of one rank's entry besides its messages (ring, counters, cached view)."""
