@@ -14,10 +14,12 @@ For trainguard each kill's restart is also split into phases, from the launchers
 namespaces of one machine): where the time between the kill and the first step goes.
 
     python bench/recovery.py --multinode [--quick]      (root: network namespaces)
+    python bench/recovery_multinode.py --size smoke       (its smallest configuration)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -29,7 +31,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.netns import PORT, REPO, Node, Nodes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's bench package
+
+from bench.netns import PORT, REPO, Node, Nodes  # noqa: E402
 
 SCRIPT = str(REPO / "examples" / "ddp_api.py")
 NAN = float("nan")
@@ -222,3 +226,22 @@ def report(ours: Arm, theirs: Arm) -> str:
     return (f"RESULT multinode_resume_s={ours.resume_median:.2f} multinode_steps_lost={ours.steps_lost_mean:.2f} "
             f"multinode_torchrun_resume_s={theirs.resume_median:.2f} "
             f"multinode_torchrun_steps_lost={theirs.steps_lost_mean:.2f} multinode_lost_time_ratio={ratio:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="The multi-node arm of bench/recovery.py on its own.")
+    ap.add_argument("--size", choices=sorted(SIZES), default="quick", help="steps and kills (default quick)")
+    ap.add_argument("--peers-venv", metavar="DIR", help="torchrun from this venv (default: this interpreter's)")
+    ap.add_argument("--work", metavar="DIR", help="root of the nodes' files (short: agents' unix sockets live below it)")
+    args = ap.parse_args(argv)
+    ours, theirs = measure(args.size, Path(args.peers_venv) if args.peers_venv else None,
+                           Path(args.work) if args.work else None)
+    for arm in (ours, theirs):
+        if not arm.ok:
+            print(f"{arm.name}: {arm.note}")
+    print(report(ours, theirs))
+    return 0 if ours.ok and theirs.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
