@@ -51,18 +51,22 @@ def kill_all_in(ns: str) -> None:
         time.sleep(0.1)
 
 
-def sweep_stale() -> None:
-    """Deletes namespaces left by a test process that no longer exists."""
+def sweep_stale(prefix: str = PREFIX, dirs: tuple[Path, ...] = (Path("/dev/shm"),)) -> None:
+    """Deletes namespaces and directories (in ``dirs``) named ``<prefix><pid>-...`` whose test or
+    bench process no longer exists (one killed before its clean-up ran); live ones stay."""
+    def dead(name: str) -> bool:
+        pid = name[len(prefix):].split("-", 1)[0]
+        return pid.isdigit() and not os.path.exists(f"/proc/{pid}")
+
     for line in run("ip", "netns", "list", check=False).splitlines():
         ns = line.split()[0] if line.split() else ""
-        pid = ns[len(PREFIX):].split("-", 1)[0]
-        if ns.startswith(PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        if ns.startswith(prefix) and dead(ns):
             kill_all_in(ns)
             run("ip", "netns", "del", ns, check=False)
-    for path in Path("/dev/shm").glob(f"{PREFIX}*"):
-        pid = path.name[len(PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            shutil.rmtree(path, ignore_errors=True)
+    for root in dirs:
+        for path in root.glob(f"{prefix}*"):
+            if dead(path.name):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from bench.netns import kill_all_in, run
+from bench.netns import kill_all_in, run, sweep_stale
 from trainguard.agent.api.client import ApiClient
 from trainguard.agent.cluster.config import ClusterConfig
 
@@ -42,23 +42,6 @@ API_PORT = 7443
 
 PREFIX = "tgmh-"
 """Namespaces and shared-memory roots are named ``tgmh-<pid of the test process>-<run id>-...``."""
-
-
-def sweep_stale() -> None:
-    """Removes namespaces and shared-memory roots left by a test process that no longer exists
-    (one killed before its clean-up ran); those of live test processes are left alone."""
-    def dead(name: str) -> bool:
-        pid = name[len(PREFIX):].split("-", 1)[0]
-        return pid.isdigit() and not os.path.exists(f"/proc/{pid}")
-
-    for line in run("ip", "netns", "list", check=False).splitlines():
-        ns = line.split()[0] if line.split() else ""
-        if ns.startswith(PREFIX) and dead(ns):
-            kill_all_in(ns)
-            run("ip", "netns", "del", ns, check=False)
-    for path in Path("/dev/shm").glob(f"{PREFIX}*"):
-        if dead(path.name):
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def require_namespaces() -> None:
@@ -185,7 +168,7 @@ class Fabric:
         require_namespaces()
         import trustme
 
-        sweep_stale()
+        sweep_stale(PREFIX)
         self.root = root
         self.run_id = secrets.token_hex(3)
         self.bridge_ns = f"{PREFIX}{os.getpid()}-{self.run_id}-br"

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.netns import kill_all_in, pids_in, run, sweep_stale
+
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "10.232.0"
 CTL_ADDR = f"{SUBNET}.1"
@@ -41,14 +43,6 @@ TOOLS = ("ip", "nsenter", "unshare", "hostname", "munged", "mungekey", "slurmctl
          "sinfo", "scontrol", "scancel")
 
 
-def run(*args: str, timeout: float = 20.0, check: bool = True) -> str:
-    """One command with a deadline; a failure names the command and its stderr."""
-    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, check=False)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} exited {proc.returncode}: {proc.stderr.strip()}")
-    return proc.stdout
-
-
 def require_slurm() -> None:
     """Fails (never skips) where the cluster cannot be made: CI runs these tests as root after
     scripts/setup.sh installed slurm-wlm and munge."""
@@ -56,38 +50,6 @@ def require_slurm() -> None:
     if os.geteuid() != 0 or missing:
         pytest.fail(f"Slurm tests need root and {missing or 'these tools'} (Debian's slurm-wlm, munge, iproute2, "
                     f"util-linux; scripts/setup.sh installs them); running as uid {os.geteuid()}")
-
-
-def _pids_in(ns: str) -> list[int]:
-    return [int(p) for p in run("ip", "netns", "pids", ns, check=False).split()]
-
-
-def _kill_all_in(ns: str) -> None:
-    for _ in range(50):
-        pids = _pids_in(ns)
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-
-
-def sweep_stale() -> None:
-    """Removes namespaces and /tmp directories (munge's, the agents') left by a test process that
-    no longer exists (one killed before its clean-up ran); those of live test processes stay."""
-    for line in run("ip", "netns", "list", check=False).splitlines():
-        ns = line.split()[0] if line.split() else ""
-        pid = ns[len(PREFIX):].split("-", 1)[0]
-        if ns.startswith(PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            _kill_all_in(ns)
-            run("ip", "netns", "del", ns, check=False)
-    for path in Path("/tmp").glob(f"{PREFIX}*"):
-        pid = path.name[len(PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _in_host(ns: str, hostname: str, hosts_file: Path, argv: list[str], *, own_shm: bool = False) -> list[str]:
@@ -115,7 +77,7 @@ class Node:
     killed: bool = False
 
     def pids(self) -> list[int]:
-        return _pids_in(self.ns)
+        return pids_in(self.ns)
 
 
 class SlurmCluster:
@@ -128,7 +90,7 @@ class SlurmCluster:
         ``trainguard agent`` on every node as its daemon, which Slurm's TaskProlog names to each
         task in ``TRAINGUARD_STATE_DIR`` (as a site would name a daemon not at the default paths)."""
         require_slurm()
-        sweep_stale()
+        sweep_stale(PREFIX, (Path("/tmp"),))
         self.root = root
         self.run_id = secrets.token_hex(3)
         base = f"{PREFIX}{os.getpid()}-{self.run_id}"
@@ -421,7 +383,7 @@ class SlurmCluster:
         """Everything in every namespace is SIGKILLed (jobs, step daemons, slurmd, slurmctld,
         clients), each daemon reaped, munged stopped and the namespaces removed."""
         for ns in reversed(self.namespaces):
-            _kill_all_in(ns)
+            kill_all_in(ns)
         for proc in [*self.clients, *(p for _, p in self._daemons())]:
             if proc.poll() is None:
                 proc.kill()
