@@ -58,6 +58,11 @@ class RunningAgent:
         return self.proc.wait(timeout)
 
 
+def job_events(agent: RunningAgent, job: str, kind: str) -> list[dict[str, Any]]:
+    """Every event of ``kind`` the agent logged for ``job``."""
+    return [e for e in agent.client().events(since=0, limit=10000, kind=kind)["events"] if e.get("job") == job]
+
+
 def start_agent(state_dir: Path, config: str | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None,
                 prefix: list[str] | None = None) -> RunningAgent:
     """``prefix``: argv run before the interpreter (e.g. ``setpriv`` dropping capabilities as the unit does)."""

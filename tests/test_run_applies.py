@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.test_run_command import events, wait_for
+from tests.conftest import job_events as events
+from trainguard.agent.waiting import wait_for
 from trainguard.agent.wire import applies_names
 
 REPO = Path(__file__).resolve().parents[1]

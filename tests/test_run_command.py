@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import job_events
 from tests.test_rank_output import _fill
 from trainguard.agent import waiting
 
@@ -57,7 +58,7 @@ def rank_pid(agent: Any, job: str, rank: int) -> int | None:
 
 
 def events(agent: Any, job: str, kind: str) -> list[dict[str, Any]]:
-    return [e for e in agent.client().events(since=0, limit=10000, kind=kind)["events"] if e.get("job") == job]
+    return job_events(agent, job, kind)
 
 
 def test_plain_ddp_script_killed_rank_restarts_whole_job(agent_factory: Any, tmp_path: Path) -> None:
