@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from typing import Any
@@ -373,31 +372,23 @@ def cmd_run(args: argparse.Namespace) -> int:
                              "(`trainguard agent`); none runs here", EXIT_USAGE)
             if launch.rdzv is not None:
                 return _run_nodes(launch, environ, node.client)
-            return _submit_and_follow(node.client, launch, args, environ, signals=node.hosted)
+            return _submit_and_follow(node.client, launch, args, environ)
     except NoAgent as exc:
         return _fail(str(exc))
 
 
 def _submit_and_follow(client: Any, launch: torchrun_args.Launch, args: argparse.Namespace,
-                       environ: dict[str, str], *, signals: bool = False) -> int:
-    """Submit the job and follow it; ``signals``: SIGTERM stops the job as Ctrl-C does (a hosted
-    agent goes with this command), and the exit code says which signal it was."""
+                       environ: dict[str, str]) -> int:
+    """Submit the job and follow it (``follow`` stops the job on Ctrl-C or SIGTERM, as a scheduler
+    ends a step, and exits 130 or 143)."""
     from trainguard.runcmd import follow, job_spec
 
-    got: list[int] = []
-    if signals:
-        def stop(signum: int, _frame: Any) -> None:
-            got.append(signum)
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGTERM, stop)
     spec = job_spec(launch.command, nproc=launch.nproc, nodes=args.nodes, job=launch.job,
                     max_restarts=launch.max_restarts, hang_timeout_s=args.hang_timeout, environ=environ)
     job = client.submit_job(spec)
     if _submitted_only(job, args):
         return 0
-    code = follow(client, job)
-    return 128 + got[0] if got else code
+    return follow(client, job)
 
 
 def _run_nodes(launch: torchrun_args.Launch, environ: dict[str, str], client: Any) -> int:
