@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from trainguard.agent.lifecycle.launcher import free_port
 from trainguard.agent.lifecycle.zygote_client import Zygote
@@ -66,6 +67,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _read_json(path: Path) -> Any:
+    """The rank's output once it is whole (None while the file is missing or half written)."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
 def test_a_restart_takes_spares_forked_ahead_and_a_closed_zygote_leaves_none(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
@@ -86,8 +95,8 @@ def test_a_restart_takes_spares_forked_ahead_and_a_closed_zygote_leaves_none(tmp
         asked = time.time()
         second = [spawn(r, 2) for r in range(2)]
         assert set(second) == spares, (second, spares)  # no fork: the spares took the work
-        outs = [wait_for(lambda r=r: (tmp_path / f"rank{r}-2.json").exists() and json.loads(
-            (tmp_path / f"rank{r}-2.json").read_text()), 30, f"rank {r}'s output") for r in range(2)]
+        outs = [wait_for(lambda r=r: _read_json(tmp_path / f"rank{r}-2.json"), 30, f"rank {r}'s output")
+                for r in range(2)]
         for r, out in enumerate(outs):
             # Its start for the recovery timeline: when it was handed its work, not when it was forked.
             assert out["rank"] == str(r) and out["started_at"] is not None and float(out["started_at"]) >= asked - 0.01
