@@ -439,8 +439,10 @@ class TierWriter:
 
     # -- writing alone, in the background or here ------------------------------------------------
 
-    def _commit_extra(self, world: int) -> dict[str, Any]:
-        extra: dict[str, Any] = {"world_size": world}
+    def _commit_extra(self, world: int, *, whole: bool = False) -> dict[str, Any]:
+        """What the manifest records beside the files; ``whole``: one rank wrote every rank's state
+        (a node that holds it can send it to other nodes' ranks)."""
+        extra: dict[str, Any] = {"world_size": world, "whole": whole or world == 1}
         if self.env.part:
             extra |= {"job": self.env.job, "part": self.env.part, "parts": list(self.env.parts)}
         return extra
@@ -473,7 +475,7 @@ class TierWriter:
                 _write_rng(os.path.join(path, "rng", f"rank{rank}.pt"), _rng_states(blob))
         _write_meta(path, label, world, meta)
         assert self._tier is not None
-        self._tier.commit(self.tier_job, label, self._commit_extra(world), staged=path, prune=False)
+        self._tier.commit(self.tier_job, label, self._commit_extra(world, whole=True), staged=path, prune=False)
 
     def _write_job(self, job: SaveJob, tree: Any) -> None:
         """What the background writer runs for each save (in its own process)."""

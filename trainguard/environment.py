@@ -32,6 +32,7 @@ ENV_PARTS = "TRAINGUARD_CKPT_PARTS"
 ENV_SNAPSHOT_DIR = "TRAINGUARD_SNAPSHOT_DIR"
 ENV_SNAPSHOT_EVERY = "TRAINGUARD_SNAPSHOT_EVERY"
 ENV_SNAPSHOT_STEP = "TRAINGUARD_SNAPSHOT_STEP"
+ENV_RESTORE_STEP = "TRAINGUARD_RESTORE_STEP"
 SNAPSHOT_AUTO = -1
 DISCOVERY_NAME = "agent.json"
 DEFAULT_RUN_DIR = "/run/trainguard"
@@ -125,6 +126,11 @@ class RunEnvironment:
     """Steps between snapshots: 0 none, SNAPSHOT_AUTO chosen from the measured stall."""
     snapshot_step: int = -1
     """The snapshot the agent picked for this attempt (-1: none; ``restore_path`` is the fallback)."""
+    restore_step: int = -1
+    """A job spanning nodes: the whole checkpoint the nodes agreed on (-1: none); ranks with a
+    ``restore_path`` send it to those without (``trainguard.checkpoint_share``)."""
+    group_rank: int = 0
+    """The node's place among the job's nodes (torchrun's GROUP_RANK)."""
 
     @property
     def has_agent(self) -> bool:
@@ -148,7 +154,8 @@ class RunEnvironment:
                 restore_path=env.get(ENV_RESTORE, ""), part=env.get(ENV_PART, ""),
                 parts=tuple(p for p in env.get(ENV_PARTS, "").split(",") if p), launched_by_agent=True,
                 snapshot_dir=env.get(ENV_SNAPSHOT_DIR, ""), snapshot_every=_snapshot_every(env.get(ENV_SNAPSHOT_EVERY, "")),
-                snapshot_step=_int(env, ENV_SNAPSHOT_STEP, -1))
+                snapshot_step=_int(env, ENV_SNAPSHOT_STEP, -1), restore_step=_int(env, ENV_RESTORE_STEP, -1),
+                group_rank=_int(env, "GROUP_RANK", 0))
         name = job or env.get(ENV_JOB) or (_torchrun_job(env) if "RANK" in env else "standalone")
         # What the environment names explicitly wins; the agent's discovery file fills the rest.
         found = read_discovery(discovery_path(env))

@@ -133,14 +133,21 @@ class Driver:
     def _round(self, rnd: Round) -> Verdict | None:
         """Run one round; None when every node's ranks finished, else why the round ended."""
         block = round_block(rnd, self.nproc, self.run_id, self.max_restarts, self.rdzv.addr)
-        step = self.rdzv.agree_step(rnd, self.ranks.offer(block))
+        agreed = self.rdzv.agree(rnd, self.ranks.offer(block))
         self._mark("agreed")
-        if step is not None:
-            self.say(f"round {rnd.number}: every node's ranks resume from their snapshots of step {step}")
+        if agreed.snapshot_step is not None:
+            self.say(f"round {rnd.number}: every node's ranks resume from their snapshots of step "
+                     f"{agreed.snapshot_step}")
+        elif agreed.checkpoint_step is not None:
+            holders = ", ".join(str(g) for g in agreed.holders)
+            self.say(f"round {rnd.number}: every node's ranks resume from the checkpoint of step "
+                     f"{agreed.checkpoint_step}, which node(s) {holders} hold and send to the others")
         self.wake.clear()
         release = self.rdzv.watch(rnd, self.wake.set)
         try:
-            self.ranks.start(rnd, replace(block, snapshot_step=step))
+            self.ranks.start(rnd, replace(block, snapshot_step=agreed.snapshot_step,
+                                          restore_step=agreed.checkpoint_step,
+                                          restore_here=rnd.group_rank in agreed.holders))
             self._mark("started")
             self._flush_phases()
             verdict = self._watch(rnd)

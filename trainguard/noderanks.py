@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 from trainguard.agent.api.client import ApiClientError
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import RankBlock
+from trainguard.resumepoint import Holdings
 from trainguard.runcmd import NOTABLE, OutputFollower, job_spec
 from trainguard.standalone import LocalRanks
 
@@ -43,8 +44,8 @@ class Ranks(Protocol):
     def progressed(self) -> bool | None:
         """Whether this round's ranks trained past the newest step before it (None: not known)."""
 
-    def offer(self, block: RankBlock) -> list[int]:
-        """The snapshot steps every rank of ``block`` holds here (what a restart could resume at)."""
+    def offer(self, block: RankBlock) -> Holdings:
+        """What this node's ranks of ``block`` could resume from here."""
 
     def stop(self) -> None: ...
 
@@ -72,8 +73,8 @@ class ChildRanks:
             return Outcome(False, *failed)
         return None if self.ranks.running() else Outcome(True)
 
-    def offer(self, block: RankBlock) -> list[int]:
-        return []  # no snapshots without an agent
+    def offer(self, block: RankBlock) -> Holdings:
+        return Holdings()  # no snapshots or checkpoints without an agent
 
     def progressed(self) -> bool | None:
         return None  # no telemetry without an agent: every failure counts, as torchrun counts them
@@ -111,12 +112,14 @@ class AgentRanks:
         """The job's newest reported step when this round started, and now (the agent's telemetry)."""
         self.failed: tuple[int, int] | None = None
 
-    def offer(self, block: RankBlock) -> list[int]:
+    def offer(self, block: RankBlock) -> Holdings:
         if not self.attempt:
             # This launcher's first round starts fresh, as torchrun's does: snapshots the agent holds
             # from an earlier run with the same id are not this run's.
-            return []
-        return [int(s) for s in self.client.job_attempt(self.job, {"offer": block_body(block)})["steps"]]
+            return Holdings()
+        got = self.client.job_attempt(self.job, {"offer": block_body(block)})
+        checkpoint = got.get("checkpoint")
+        return Holdings(tuple(int(s) for s in got["steps"]), int(checkpoint) if checkpoint is not None else None)
 
     def start(self, rnd: Round, block: RankBlock) -> None:
         self.attempt, self.failed = block.attempt, None

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from trainguard.resumepoint import Agreed, Holdings
+
 DEFAULT_PORT = 29400
 """torchrun's c10d endpoint port when HOST has none."""
 
@@ -285,17 +287,24 @@ class Rendezvous:
         return Round(r, nodes, group, offset, world, master_addr, int(master_port), self._counter("failures"),
                      members)
 
-    def agree_step(self, rnd: Round, steps: list[int]) -> int | None:
-        """The newest of ``steps`` (what this node's ranks can resume at) that every node of the
-        round offers too; None when there is none."""
+    def agree(self, rnd: Round, held: Holdings) -> Agreed:
+        """What every node's ranks of ``rnd`` resume from: the newest snapshot step all nodes hold
+        (the world size unchanged), else the newest whole checkpoint any node holds, which the
+        nodes that hold it send to the others' ranks at restore."""
         r = rnd.number
-        self.store.set(self._key(f"r{r}/steps/{rnd.group_rank}"), json.dumps(sorted(steps)))
+        self.store.set(self._key(f"r{r}/steps/{rnd.group_rank}"), json.dumps(
+            {"snapshots": sorted(held.snapshots), "checkpoint": held.checkpoint}))
         keys = [self._key(f"r{r}/steps/{g}") for g in range(rnd.nodes)]
         self.store.wait(keys)
-        common = set(steps)
-        for key in keys:
-            common &= set(json.loads(bytes(self.store.get(key)).decode()))
-        return max(common) if common else None
+        offers = [Holdings.parse(bytes(self.store.get(key)).decode()) for key in keys]
+        common = set(held.snapshots)
+        for offer in offers:
+            common &= set(offer.snapshots)
+        snapshot = max(common) if common else None
+        newest = max((o.checkpoint for o in offers if o.checkpoint is not None), default=None)
+        if newest is None or (snapshot is not None and snapshot >= newest):
+            return Agreed(snapshot, None, ())
+        return Agreed(None, newest, tuple(g for g, o in enumerate(offers) if o.checkpoint == newest))
 
     # --- while a round runs -----------------------------------------------------------------------
     def end(self, r: int, cause: str, *, failure: bool = True, code: int = 1, progressed: bool | None = None

@@ -709,6 +709,8 @@ class Run:
             step = self._restore_snapshot(state)
             if step is not None:
                 return step
+        if self.env.restore_step >= 0 and _distributed(self.env.world_size):
+            return self._restore_shared(state)
         from_env = self.env.restore_path
         path = from_env if from_env and os.path.isdir(from_env) else None
         if path is None and self.env.memory_root and not self.env.launched_by_agent:
@@ -721,6 +723,33 @@ class Run:
         from trainguard.checkpointing import load
 
         meta = load(path, state, rank=self.env.rank)
+        self.take_meta(meta)
+        self.restored_from = "checkpoint"
+        return int(meta.get("step", 0))
+
+    def _restore_shared(self, state: Mapping[str, Any]) -> int:
+        """A job spanning nodes in a new world: the whole checkpoint the nodes agreed on, which the
+        ranks of the nodes that hold it send to the others (``trainguard.checkpoint_share``)."""
+        # torch stays out of ``import trainguard`` until a script restores
+        from trainguard.checkpoint_share import ShareError, share
+        from trainguard.checkpointing import load
+
+        env = self.env
+        held = env.restore_path if env.restore_path and os.path.isdir(env.restore_path) else None
+        try:
+            path, done = share(held, rank=env.rank, world=env.world_size, node=env.group_rank,
+                               local_rank=env.local_rank)
+        except ShareError as exc:
+            self._warn(f"the checkpoint of step {env.restore_step} could not reach every node ({exc}): "
+                       "training starts afresh")
+            return 0
+        if path is None:
+            self._warn(f"no rank holds the checkpoint of step {env.restore_step}: training starts afresh")
+            return 0
+        try:
+            meta = load(path, state, rank=env.rank)
+        finally:
+            done()
         self.take_meta(meta)
         self.restored_from = "checkpoint"
         return int(meta.get("step", 0))
@@ -790,6 +819,11 @@ class _Disabled:
 
     def initial(self, snapshot_every: int = 0) -> None:
         return None
+
+
+def _distributed(world_size: int) -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return world_size > 1 and dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def _all_ranks_agree(ok: bool, world_size: int) -> bool:

@@ -211,6 +211,10 @@ class LocalDirTier(Tier):
                 raise ManifestError(f"{step_dir / MANIFEST_NAME} is not a regular file")
             return Manifest.from_json(fh.read(MAX_MANIFEST_BYTES + 1))
 
+    def manifest(self, job: str, step: int) -> Manifest:
+        """The manifest of a committed checkpoint (``ManifestError`` or ``OSError`` when unreadable)."""
+        return self._read_manifest(self.step_path(job, step))
+
     def _rmtree(self, path: Path) -> None:
         rmtree_beneath(self.root, path)
 

@@ -278,6 +278,10 @@ class CheckpointManager:
     def newest_restorable(self, job: str, max_step: int | None = None) -> tuple[Tier, CheckpointInfo] | None:
         return newest_restorable(job, self.tiers, max_step=max_step, emit=self.emit, status=self.status)
 
+    def local_tiers(self) -> list[LocalDirTier]:
+        """The tiers that hold checkpoints on this node's own file systems (memory, disk)."""
+        return [t for t in self.tiers if isinstance(t, LocalDirTier)]
+
     def restore(self, job: str, max_step: int | None = None, exclude: Collection[int] = ()) -> Restored | None:
         """Newest verified checkpoint as a local directory; call ``release()`` once ranks loaded it.
         ``exclude``: steps not to pick (those a rollback came from)."""

@@ -144,6 +144,10 @@ class RankBlock:
     """Handed by ``trainguard run --nnodes`` (``rdzvjobs``), not by the cluster leader: the ranks
     restore their own snapshots of ``snapshot_step``, the step every node's ranks hold."""
     snapshot_step: int | None = field(default=None, compare=False)
+    restore_step: int | None = field(default=None, compare=False)
+    """With no common snapshot: the whole checkpoint every node's ranks restore; the nodes that
+    hold it (``restore_here``) load it from their tiers and send it to the other nodes' ranks."""
+    restore_here: bool = field(default=False, compare=False)
 
 
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

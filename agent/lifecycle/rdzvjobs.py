@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainguard.agent.checkpoint.catalog import candidates
+from trainguard.agent.checkpoint.errors import CheckpointError
+from trainguard.agent.checkpoint.local import LocalDirTier
+from trainguard.agent.checkpoint.manager import CheckpointManager
 from trainguard.agent.checkpoint.snapshots import SnapshotSet
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import RankBlock
@@ -36,12 +40,17 @@ def block_from(body: Any) -> RankBlock:
     env = body.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise ValueError("block.env: expected an object of strings")
-    step = body.get("snapshot_step")
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise ValueError("block.snapshot_step: expected a whole number >= 0 or null")
+    for key in ("snapshot_step", "restore_step"):
+        step = body.get(key)
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise ValueError(f"block.{key}: expected a whole number >= 0 or null")
+    if not isinstance(body.get("restore_here", False), bool):
+        raise ValueError("block.restore_here: expected true or false")
     return RankBlock(body["rank_offset"], body["nproc"], body["world_size"], body["master_addr"],
                      body["master_port"], body["group_rank"], dict(env), body["attempt"],
-                     socket_ifname=str(body.get("socket_ifname", "")), rendezvous=True, snapshot_step=step)
+                     socket_ifname=str(body.get("socket_ifname", "")), rendezvous=True,
+                     snapshot_step=body.get("snapshot_step"), restore_step=body.get("restore_step"),
+                     restore_here=body.get("restore_here", False))
 
 
 def offer(memory_root: str, job: str, block: RankBlock) -> list[int]:
@@ -54,13 +63,33 @@ def offer(memory_root: str, job: str, block: RankBlock) -> list[int]:
     return sorted(common or ())
 
 
+def whole_checkpoint(checkpoints: CheckpointManager, job: str) -> int | None:
+    """The newest step of a verified checkpoint in this node's own tiers that holds every rank's
+    state (written by one rank for data-parallel replicas), which other nodes' ranks can load once
+    it is sent to them; None when there is none. A checkpoint of ranks that each wrote their part
+    holds only this node's parts here, and is not offered."""
+    for tier, info in candidates(job, checkpoints.local_tiers()):
+        if isinstance(tier, LocalDirTier) and _whole(tier, job, info.step) and tier.verify(job, info.step).ok:
+            return info.step
+    return None
+
+
+def _whole(tier: LocalDirTier, job: str, step: int) -> bool:
+    try:
+        return tier.manifest(job, step).extra.get("whole") is True
+    except (OSError, CheckpointError):
+        return False
+
+
 def attempt(agent: Any, job: str, body: Any) -> dict[str, Any]:
     """Serve one request (see the module doc); ``ValueError`` when it cannot be served."""
     if not isinstance(body, dict):
         raise ValueError("expected an object with offer, start or hold")
     supervisor = agent.supervisor
     if "offer" in body:
-        return {"steps": offer(agent.checkpoints.settings.memory_root, job, block_from(body["offer"]))}
+        block = block_from(body["offer"])
+        return {"steps": offer(agent.checkpoints.settings.memory_root, job, block),
+                "checkpoint": whole_checkpoint(agent.checkpoints, job)}
     if body.get("hold"):
         record = supervisor.hold(job)
         return record.to_dict() if record is not None else {"job": job, "state": "unknown"}

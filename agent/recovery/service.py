@@ -54,6 +54,7 @@ RECOVERY_SECONDS = MetricSpec(
 METRICS = (ACTIONS, DETECTIONS, RECOVERY_SECONDS)
 
 ENV_RESTORE = "TRAINGUARD_RESTORE"
+ENV_RESTORE_STEP = "TRAINGUARD_RESTORE_STEP"
 SNAPSHOT_SETTLE_S = 1.0
 """The most the agent waits, after a rank died, for its peers to finish the snapshot of the step
 the dead rank completed (their copy takes milliseconds; a peer that cannot finish costs this)."""
@@ -276,15 +277,48 @@ class RecoveryService:
         env[ENV_SNAPSHOT_DIR] = str(snapshots.dir)
         env[ENV_SNAPSHOT_EVERY] = str(every) if every > 0 else "auto"
         if step is None:
-            snapshots.clear()  # a new world or no step common to every node: from scratch
-            record.restored_from = None
-            return env
+            snapshots.clear()  # a new world or no step common to every node
+            return self._rendezvous_checkpoint(record, env)
         snapshots.keep_only(step)
         env[ENV_SNAPSHOT_STEP] = str(step)
         record.restored_from = {"tier": "snapshot", "step": step, "path": str(snapshots.dir), "fallback": None}
         self.agent.events.emit("restore_selected", f"job {job}: ranks restore step {step} from their snapshots in "
                                "shared memory (the newest step every node's ranks hold)",
                                job=job, tier="snapshot", step=step, fallback=None, settled_s=0.0)
+        return env
+
+    def _rendezvous_checkpoint(self, record: JobRecord, env: dict[str, str]) -> dict[str, str]:
+        """The whole checkpoint the nodes agreed on (``restore_step``): a node that holds it hands
+        its ranks the local copy, which they send to the ranks of the nodes that do not."""
+        assert record.block is not None
+        job, step = record.job, record.block.restore_step
+        record.restored_from = None
+        if step is None:
+            return env  # nothing every node can resume from: from scratch
+        env[ENV_RESTORE_STEP] = str(step)
+        if not record.block.restore_here:
+            record.restored_from = {"tier": "other node", "step": step}
+            self.agent.events.emit("restore_selected", f"job {job}: ranks restore step {step}, sent by the ranks "
+                                   "of the node(s) that hold it", job=job, tier="other node", step=step)
+            return env
+        try:
+            restored = self.checkpoints.restore(job, max_step=step)
+        except Exception as exc:  # noqa: BLE001 - the ranks then start afresh, said in the event
+            self.agent.events.emit("checkpoint_restore_failed", f"job {job}: cannot restore: {exc}", severity="error",
+                                   job=job)
+            restored = None
+        if restored is None or restored.info.step != step:
+            if restored is not None:
+                restored.release()
+            self.agent.events.emit("checkpoint_restore_failed", f"job {job}: the checkpoint of step {step} the "
+                                   "nodes agreed on no longer verifies here", severity="error", job=job, step=step)
+            return env
+        self._restored[job] = restored
+        env[ENV_RESTORE] = str(restored.path)
+        record.restored_from = {"tier": restored.tier, "step": step, "path": str(restored.path)}
+        self.agent.events.emit("restore_selected", f"job {job}: ranks restore step {step} from the {restored.tier} "
+                               "tier, and send it to the ranks of nodes that do not hold it", job=job,
+                               tier=restored.tier, step=step)
         return env
 
     def _tell_snapshot_problems(self, job: str, snapshots: SnapshotSet) -> None:

@@ -22,6 +22,7 @@ from trainguard.agent.lifecycle.rdzvjobs import block_from
 from trainguard.multinode import Driver
 from trainguard.noderanks import ChildRanks
 from trainguard.rendezvous import RdzvConfig, Rendezvous, Round
+from trainguard.resumepoint import Agreed, Holdings
 
 
 def nodes(n: int, *, low: int, high: int, nproc: tuple[int, ...] = (), **conf: float) -> list[Rendezvous]:
@@ -80,12 +81,31 @@ def test_the_crash_loop_count_restarts_where_a_round_made_progress() -> None:
     assert node.verdict(rnd.number).failures == 5
 
 
-def test_agreed_step_is_the_newest_every_node_holds() -> None:
-    rdzvs = nodes(2, low=2, high=2)
+def agree(held: list[Holdings]) -> list[Agreed]:
+    rdzvs = nodes(len(held), low=len(held), high=len(held))
     rounds = join_all(rdzvs)
-    with ThreadPoolExecutor(2) as pool:
-        got = list(pool.map(lambda p: p[0].agree_step(p[1], p[2]), zip(rdzvs, rounds, ([5, 6, 7], [6, 8]), strict=True)))
-    assert got == [6, 6]
+    with ThreadPoolExecutor(len(held)) as pool:
+        return list(pool.map(lambda p: p[0].agree(p[1], p[2]), zip(rdzvs, rounds, held, strict=True)))
+
+
+def test_agreed_step_is_the_newest_snapshot_every_node_holds() -> None:
+    got = agree([Holdings((5, 6, 7), 3), Holdings((6, 8), None)])
+    assert got == [Agreed(6, None, ())] * 2
+
+
+def test_without_a_newer_common_snapshot_the_nodes_agree_on_the_newest_whole_checkpoint() -> None:
+    """A new world (no snapshot at its size): the newest checkpoint any node holds, and who holds it."""
+    got = agree([Holdings((), 100), Holdings((), None), Holdings((), 100)])
+    assert got == [Agreed(None, 100, (0, 2))] * 3
+    got = agree([Holdings((40,), 100), Holdings((40,), 50)])
+    assert got == [Agreed(None, 100, (0,))] * 2
+    assert agree([Holdings(), Holdings()]) == [Agreed(None, None, ())] * 2
+
+
+def test_a_malformed_offer_in_the_store_offers_nothing() -> None:
+    assert Holdings.parse('{"snapshots": [3, "x", -1, true], "checkpoint": "9"}') == Holdings((3,), None)
+    assert Holdings.parse("not json") == Holdings()
+    assert Holdings.parse('{"checkpoint": 4}') == Holdings()
 
 
 @pytest.mark.parametrize("body, words", [
