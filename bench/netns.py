@@ -90,15 +90,16 @@ class Node:
         self.procs.append(proc)
         return proc
 
-    def start_agent(self, root: Path, timeout: float = 60.0) -> Path:
-        """This node's ``trainguard agent`` (snapshots after every step, no cgroups, no eBPF);
-        returns its state directory once its API answers."""
+    def start_agent(self, root: Path, timeout: float = 60.0, memory_every: int = 100000) -> Path:
+        """This node's ``trainguard agent`` (snapshots after every step, a memory-tier checkpoint
+        every ``memory_every`` steps, no cgroups, no eBPF); returns its state directory once its
+        API answers."""
         state = root / f"state-{self.name}"
         state.mkdir()
         cfg = root / f"agent-{self.name}.toml"
         cfg.write_text(f'[agent]\nnode = "{self.name}"\ninterval_s = 0.25\n[collectors]\nebpf = false\ngpu = false\n'
                        '[launcher]\ncgroups = "off"\n'
-                       f'[checkpoint]\nmemory_root = "{self.shm}"\nsnapshot_every = 1\nmemory_every = 100000\n'
+                       f'[checkpoint]\nmemory_root = "{self.shm}"\nsnapshot_every = 1\nmemory_every = {memory_every}\n'
                        'disk_every = 100000\nobject_every = 100000\n')
         log = root / f"agent-{self.name}.log"
         proc = self.popen([sys.executable, "-m", "trainguard", "agent", "--state-dir", str(state), "--config", str(cfg),

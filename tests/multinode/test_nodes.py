@@ -175,3 +175,55 @@ def test_bad_multinode_flags_say_one_line(tmp_path: Path, flags: list[str], word
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], proc.stderr
+
+
+def starts_of(out: Path, rank: int) -> list[dict]:
+    path = out / f"starts-r{rank}"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def memory_checkpoints(state: Path) -> list[int]:
+    path = state / "events" / "events.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    events = [json.loads(line) for line in lines if line.endswith("}")]
+    return [int(e["fields"]["step"]) for e in events
+            if e["kind"] == "checkpoint_committed" and e["fields"].get("tier") == "memory"]
+
+
+@pytest.mark.xdist_group("multinode")
+def test_a_node_that_joins_receives_the_checkpoint_and_every_rank_resumes_from_it(tmp_path: Path) -> None:
+    """``--nnodes 1:2``: node a trains alone with a memory-tier checkpoint every 20 steps; node b
+    joins, the round ends (not a failure) and the next one has four ranks, a world no snapshot
+    is of. Node a's ranks load the newest checkpoint from their agent's memory tier and send it
+    to node b's, which hold nothing: all four resume at its step with the same parameters."""
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = (tmp_path / "a.log", tmp_path / "b.log")
+    steps = 400
+    with Nodes(tmp_path, ["node-a", "node-b"]) as nodes:
+        a, b = nodes["node-a"], nodes["node-b"]
+        flags = ("--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-id", "grow1",
+                 "--rdzv-conf", "last_call_timeout=1", API, str(out), str(steps))
+        state_a = a.start_agent(tmp_path, memory_every=20)
+        pa = trainguard_run(a, a, "--state-dir", str(state_a), *flags, log=logs[0])
+        wait_for("a memory-tier checkpoint on node a", lambda: [s for s in memory_checkpoints(state_a) if s >= 40],
+                 timeout=90, logs=logs)
+        state_b = b.start_agent(tmp_path, memory_every=20)
+        pb = trainguard_run(b, a, "--state-dir", str(state_b), *flags, log=logs[1])
+        wait_for("four ranks started", lambda: all(starts_of(out, r) for r in range(4)), timeout=90, logs=logs)
+        assert finish(pa, logs[0], timeout=120) == 0, logs[0].read_text()[-3000:]
+        assert finish(pb, logs[1], timeout=60) == 0, logs[1].read_text()[-3000:]
+    grown = [starts_of(out, r)[-1] for r in range(4)]
+    assert all(s["WORLD_SIZE"] == "4" for s in grown), grown
+    resumed = {s["start"] for s in grown}
+    assert len(resumed) == 1 and resumed.pop() >= 40, grown
+    start = grown[0]["start"]
+    assert all(s["restored"] == "checkpoint" for s in grown), grown
+    # node a's ranks before the join: the parameters after step start - 1 are what all four resumed with
+    before = {s: d for c, s, d in steps_of(out, 0) if s < start}
+    assert all(s["digest"] == before[start - 1] for s in grown), (before.get(start - 1), grown)
+    for rank in range(4):
+        done = [s for _c, s, _d in steps_of(out, rank)]
+        last_round = done[len(done) - 1 - done[::-1].index(start):]  # node a's ranks did some steps twice
+        assert last_round == list(range(start, steps)), (rank, last_round[:5], last_round[-5:])
+    assert "hold and send to the others" in logs[0].read_text()

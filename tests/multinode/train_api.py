@@ -1,6 +1,7 @@
 """A gloo job with trainguard's API (snapshots after every step, restore on a restart). Each rank
-writes what it started with (``start-r<RANK>-c<RESTART>``: torchrun's environment, the step it
-resumed at and a digest of its parameters) and one line per finished step (``steps-r<RANK>``:
+writes what it started with (``start-r<RANK>-c<RESTART>``, and a line in ``starts-r<RANK>``:
+torchrun's environment, the step it resumed at, what it restored from and a digest of its
+parameters) and one line per finished step (``steps-r<RANK>``:
 restart count, step, parameter digest after the step)."""
 
 import json
@@ -32,8 +33,12 @@ def digest() -> str:
 
 
 keys = ("RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TRAINGUARD_ATTEMPT")
+started = {**{k: os.environ.get(k) for k in keys}, "pid": os.getpid(), "start": start, "digest": digest(),
+           "restored": run.restored_from}
 with open(os.path.join(out, f"start-r{rank}-c{restart}"), "w") as f:
-    json.dump({**{k: os.environ.get(k) for k in keys}, "pid": os.getpid(), "start": start, "digest": digest()}, f)
+    json.dump(started, f)
+with open(os.path.join(out, f"starts-r{rank}"), "a") as f:  # every start, a round without a failure too
+    f.write(json.dumps(started) + "\n")
 log = open(os.path.join(out, f"steps-r{rank}"), "a")  # noqa: SIM115 - open for the whole run
 for step in range(start, steps):
     with run.step(step, samples=4) as s:
