@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ from trainguard.agent.api.handler import ApiError, Blob, BlobReader, Json
 from trainguard.agent.lifecycle import rdzvjobs
 from trainguard.agent.lifecycle.jobs import JobSpec, JobSpecError
 from trainguard.agent.wire import WireError
+from trainguard.forward import FORWARDABLE
 
 MAX_FORWARDED = 20_000
 EXTERNAL_NOTE = ("started by another launcher (torchrun): trainguard monitors it (telemetry, per-rank eBPF, "
@@ -160,6 +162,18 @@ class AgentControl:
         self._job(job)
         record = self.agent.supervisor.stop(job, reason)
         return {"job": job, "state": record.state.value}
+
+    def signal_job(self, job: str, body: dict[str, Any]) -> dict[str, Any]:
+        name = body.get("signal") if isinstance(body, dict) else None
+        if name not in FORWARDABLE:
+            raise ApiError(400, f"signal: expected one of {', '.join(FORWARDABLE)}, got {name!r}")
+        sender = body.get("sender", "the API")
+        sender = sender[:64] if isinstance(sender, str) and sender.isprintable() else "the API"
+        try:
+            sent = self.agent.supervisor.signal(job, int(signal.Signals[name]), sender)
+        except KeyError:
+            raise ApiError(404, f"no job {job}") from None
+        return {"job": job, "signal": name, "ranks": sent}
 
     def job_output(self, job: str, rank: int, offset: int, limit: int) -> dict[str, Any]:
         record = self._job(job)

@@ -143,6 +143,25 @@ def _plan_job(tmp_path: Path, steps: int, write_at: int, step_sleep: float) -> t
     return versions, [int((tmp_path / f"points{r}").read_text()) for r in (0, 1)]
 
 
+@pytest.mark.parametrize("world, rank, want, weight", [(1, 0, 16, 1.0), (3, 0, 6, 18 / 16), (3, 2, 5, 15 / 16)])
+def test_a_checkpoint_of_another_world_keeps_its_global_batch(world: int, rank: int, want: int, weight: float) -> None:
+    """Saved by two ranks of 8 (a node since lost or joined): the ranks of the new world split the
+    16 samples between them, and weight their loss so the gradient stays the mean over the 16."""
+    saver = trainguard.init(batch_size=8, environ={"RANK": "0", "WORLD_SIZE": "2"})
+    meta = saver.checkpoint_meta()
+    assert meta["global_batch"] == 16 and meta["dp_size"] == 2
+    run = trainguard.init(batch_size=8, environ={"RANK": str(rank), "WORLD_SIZE": str(world)})
+    run.take_meta(meta)
+    assert run.plan.batch_size == want and run.plan.loss_weight == pytest.approx(weight)
+    assert run.checkpoint_meta()["global_batch"] == 16  # and a later restore keeps it again
+    same = trainguard.init(batch_size=8, environ={"RANK": "0", "WORLD_SIZE": "2"})
+    same.take_meta(meta)
+    assert same.plan.batch_size == 8 and same.plan.batch_sizes is None
+    fixed = trainguard.init(batch_size=8, environ={"RANK": str(rank), "WORLD_SIZE": str(world)}, applies=["lr"])
+    fixed.take_meta(meta)
+    assert fixed.plan.batch_size == 8  # a script that takes no batch sizes keeps its own
+
+
 def test_every_rank_applies_a_plan_at_the_same_step(tmp_path: Path) -> None:
     versions, _ = _plan_job(tmp_path, 40, 7, 0.03)
     first = versions.index(9)

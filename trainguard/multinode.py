@@ -33,6 +33,8 @@ from typing import Any, TextIO
 from trainguard.agent.cluster.netif import interface_for
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import RankBlock
+from trainguard.forward import SignalQueue
+from trainguard.forward import name as forwarded_name
 from trainguard.noderanks import AgentRanks, ChildRanks, Ranks
 from trainguard.rendezvous import RdzvConfig, Rendezvous, RendezvousError, Round, Verdict
 from trainguard.runcmd import resolve_command
@@ -83,7 +85,9 @@ class Driver:
         self.rdzv, self.ranks, self.nproc, self.run_id = rdzv, ranks, nproc, run_id
         self.max_restarts, self.err, self.clock = max_restarts, err, clock
         self.wake = threading.Event()
-        """Set by the round's watcher when another node ends it: the loop looks at once."""
+        """Set by the round's watcher when another node ends it, or by a signal to pass on to the
+        ranks: the loop looks at once."""
+        self.signals = SignalQueue(self.wake.set)
         self.phases_path = os.environ.get(PHASES_ENV, "")
         self.phases: RestartPhases | None = None
 
@@ -92,6 +96,7 @@ class Driver:
         self.err.flush()
 
     def run(self) -> int:
+        self.signals.install()
         try:
             while True:
                 rnd = self.rdzv.join()
@@ -128,6 +133,7 @@ class Driver:
                      "node's ranks")
             return 1
         finally:
+            self.signals.restore()
             self.ranks.close()
 
     def _round(self, rnd: Round) -> Verdict | None:
@@ -172,6 +178,10 @@ class Driver:
                     return None
                 self._seen(rnd)
                 return self.rdzv.verdict(rnd.number)
+            if self.signals.pending:
+                self._forward()
+                if not self.rdzv.ended(rnd.number):
+                    self.wake.clear()  # the round goes on: the store says so on the next look too
             if self.wake.is_set() or self.rdzv.ended(rnd.number):
                 self._seen(rnd)
                 return self.rdzv.verdict(rnd.number)
@@ -184,6 +194,15 @@ class Driver:
                     return self.rdzv.end(rnd.number, f"node(s) {names} lost (no keep-alive)",
                                          progressed=self.ranks.progressed())
             self.wake.wait(self.rdzv.cfg.poll_s)
+
+    def _forward(self) -> None:
+        for signum in self.signals.take():
+            try:
+                sent = self.ranks.signal(signum)
+            except Exception as exc:  # noqa: BLE001 - an agent that cannot be reached says so, training goes on
+                self.say(f"could not forward {forwarded_name(signum)} to this node's ranks: {exc}")
+                continue
+            self.say(f"{forwarded_name(signum)} forwarded to {sent} rank(s) of this node")
 
     # --- restart phases (TRAINGUARD_RDZV_PHASES) --------------------------------------------------
     def _seen(self, rnd: Round) -> None:

@@ -8,6 +8,7 @@ process hosts), only through its API.
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 from dataclasses import asdict, dataclass
@@ -47,6 +48,9 @@ class Ranks(Protocol):
     def offer(self, block: RankBlock) -> Holdings:
         """What this node's ranks of ``block`` could resume from here."""
 
+    def signal(self, signum: int) -> int:
+        """Pass ``signum`` on to this node's running ranks; how many got it."""
+
     def stop(self) -> None: ...
 
     def close(self) -> None:
@@ -75,6 +79,9 @@ class ChildRanks:
 
     def offer(self, block: RankBlock) -> Holdings:
         return Holdings()  # no snapshots or checkpoints without an agent
+
+    def signal(self, signum: int) -> int:
+        return self.ranks.signal(signum) if self.ranks is not None else 0
 
     def progressed(self) -> bool | None:
         return None  # no telemetry without an agent: every failure counts, as torchrun counts them
@@ -120,6 +127,10 @@ class AgentRanks:
         got = self.client.job_attempt(self.job, {"offer": block_body(block)})
         checkpoint = got.get("checkpoint")
         return Holdings(tuple(int(s) for s in got["steps"]), int(checkpoint) if checkpoint is not None else None)
+
+    def signal(self, signum: int) -> int:
+        sent: int = self.client.signal_job(self.job, signal.Signals(signum).name)["ranks"]
+        return sent
 
     def start(self, rnd: Round, block: RankBlock) -> None:
         self.attempt, self.failed = block.attempt, None

@@ -28,7 +28,14 @@ from types import TracebackType
 from typing import Any
 
 from trainguard import rendezvous_clock
-from trainguard.agent.wire import APPLIES_ALL, ENV_STARTED_AT, Plan, Telemetry, applies_mask
+from trainguard.agent.wire import (
+    APPLIES_ALL,
+    APPLIES_BATCH_SIZES,
+    ENV_STARTED_AT,
+    Plan,
+    Telemetry,
+    applies_mask,
+)
 from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.link import PlanWatcher, TelemetrySender
 from trainguard.stepwindow import PART_S, WINDOW_S, StepWindow, window_length
@@ -272,6 +279,9 @@ class Run:
         self.telemetry = telemetry if telemetry is not None else TelemetrySender(env.socket or None)
         self.plans = plans if plans is not None else PlanWatcher(env.plan_path or None)
         self._plan = Plan()
+        self._kept_batch: tuple[int, ...] | None = None
+        """Per-rank batch sizes that keep the global batch of a checkpoint saved at another
+        data-parallel degree (a node lost or joined), until a plan gives sizes for this one."""
         self._ckpt_id_seen = 0
         self._meta_cache: tuple[Plan, int, dict[str, Any]] | None = None
         self._view = self._make_view(self._plan)
@@ -355,6 +365,10 @@ class Run:
         if sizes is not None and len(sizes) == self.dp_size and 0 <= self.dp_rank < len(sizes) and sum(sizes) > 0:
             mine = sizes[self.dp_rank]
             weight = self.dp_size * mine / sum(sizes)
+        elif self._kept_batch is not None:
+            sizes = list(self._kept_batch)  # no split for this world size: the restored global batch, kept
+            mine = self._kept_batch[self.dp_rank]
+            weight = self.dp_size * mine / sum(self._kept_batch)
         elif sizes is not None:
             sizes = None  # a split for another world size (the job shrank): the script's own
         return RunPlan(version=plan.version, lr_scale=plan.lr_scale, lr=plan.lr, batch_size=mine,
@@ -674,8 +688,11 @@ class Run:
         once per plan: a snapshot after every step takes it (encoding a plan: ~15-50 us)."""
         cached = self._meta_cache
         if cached is None or cached[0] is not self._plan or cached[1] != self._ckpt_id_seen:
+            global_batch = (sum(self._view.batch_sizes) if self._view.batch_sizes is not None
+                            else (self._view.batch_size or 0) * self.dp_size)
             cached = self._meta_cache = (self._plan, self._ckpt_id_seen,
-                                         {"plan": json_plan(self._plan), "ckpt_id_seen": self._ckpt_id_seen})
+                                         {"plan": json_plan(self._plan), "ckpt_id_seen": self._ckpt_id_seen,
+                                          "global_batch": global_batch, "dp_size": self.dp_size})
         return dict(cached[2])
 
     def take_meta(self, meta: Mapping[str, Any]) -> None:
@@ -690,6 +707,8 @@ class Run:
             self._ckpt_id_seen = int(meta.get("ckpt_id_seen", self._ckpt_id_seen) or 0)
         except (TypeError, ValueError):
             pass
+        self._kept_batch = kept_batch(meta.get("global_batch"), self.default_batch_size, self.dp_size, self.applies)
+        self._meta_cache = None
         self._view = self._make_view(self._plan)
 
     def restore(self, state: Mapping[str, Any]) -> int:
@@ -859,6 +878,21 @@ def _process_start() -> float | None:
     except (OSError, ValueError, IndexError, AttributeError):
         return None
     return time.time() - age
+
+
+def kept_batch(global_batch: object, batch_size: int | None, dp_size: int, applies: int) -> tuple[int, ...] | None:
+    """The per-rank batch sizes that keep ``global_batch`` (a restored checkpoint's) over
+    ``dp_size`` ranks, as even as whole samples allow; None where the script's own batch already
+    makes it, where it takes no batch sizes, or where there are fewer samples than ranks.
+
+    >>> kept_batch(16, 8, 1, APPLIES_ALL), kept_batch(16, 8, 3, APPLIES_ALL), kept_batch(16, 8, 2, APPLIES_ALL)
+    ((16,), (6, 5, 5), None)
+    """
+    if (not isinstance(global_batch, int) or isinstance(global_batch, bool) or not batch_size
+            or not applies & APPLIES_BATCH_SIZES or global_batch == batch_size * dp_size or global_batch < dp_size):
+        return None
+    base, extra = divmod(global_batch, dp_size)
+    return tuple(base + (1 if r < extra else 0) for r in range(dp_size))
 
 
 def default_applies(batch_size: int | None) -> int:

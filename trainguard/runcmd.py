@@ -26,6 +26,8 @@ from typing import Any, TextIO
 
 from trainguard.agent.api.client import ApiClientError
 from trainguard.agent.wire import process_start_ticks
+from trainguard.forward import SignalQueue
+from trainguard.forward import name as forwarded_name
 
 FINISHED = {"succeeded", "failed", "stopped"}
 # What the agent says about a job that a user running it wants to see as it happens.
@@ -108,6 +110,17 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
+def _forward(client: Any, job: str, signals: SignalQueue, err: TextIO) -> None:
+    """Pass on what a batch system sent ``trainguard run`` (SIGUSR1/2) to the job's ranks."""
+    for signum in signals.take():
+        try:
+            sent = client.signal_job(job, forwarded_name(signum))["ranks"]
+            err.write(f"trainguard: {forwarded_name(signum)} forwarded to {sent} rank(s) of job {job}\n")
+        except ApiClientError as exc:
+            err.write(f"trainguard: could not forward {forwarded_name(signum)} to job {job}: {exc}\n")
+        err.flush()
+
+
 class AgentAway:
     """The job's ranks on this node when the agent went away (pid and start time, so that a pid
     used again by another process is not taken for a rank), to tell how long to wait for it."""
@@ -145,8 +158,10 @@ def follow(client: Any, job: str, *, out: TextIO = sys.stdout, err: TextIO = sys
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    signals = SignalQueue().install()
     try:
         while True:
+            _forward(client, job, signals, err)
             before = dict(follower.offsets)
             try:
                 got = client.follow_job(job, seen, follower.offsets)
@@ -196,6 +211,7 @@ def follow(client: Any, job: str, *, out: TextIO = sys.stdout, err: TextIO = sys
         client.stop_job(job, reason=why)
         return rc
     finally:
+        signals.restore()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     code = info.get("exit_code")

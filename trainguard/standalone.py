@@ -21,6 +21,8 @@ from typing import IO, TextIO
 
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import SOCKET_IFNAME_VARS, RankBlock, free_port, torchrun_env
+from trainguard.forward import SignalQueue
+from trainguard.forward import name as forwarded_name
 from trainguard.runcmd import prefixed
 
 
@@ -97,6 +99,18 @@ class LocalRanks:
     def running(self) -> bool:
         return any(p.poll() is None for p in self.procs)
 
+    def signal(self, signum: int) -> int:
+        """Send ``signum`` to each running rank's process group; how many got it."""
+        sent = 0
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signum)
+                    sent += 1
+                except ProcessLookupError:
+                    pass
+        return sent
+
     def stop(self, grace_s: float) -> None:
         _stop(self.procs, grace_s)
         for t in self.pumps:
@@ -112,6 +126,16 @@ def run_standalone(command: list[str], nproc: int, *, max_restarts: int = 3, job
     if nproc > 1:
         base.setdefault("OMP_NUM_THREADS", "1")
     lock = threading.Lock()
+    signals = SignalQueue().install()
+    try:
+        return _attempts(command, nproc, spec, base, signals, max_restarts, cwd, out, err, grace_s, lock)
+    finally:
+        signals.restore()
+
+
+def _attempts(command: list[str], nproc: int, spec: JobSpec, base: dict[str, str], signals: SignalQueue,
+              max_restarts: int, cwd: str | None, out: TextIO, err: TextIO, grace_s: float,
+              lock: threading.Lock) -> int:
     attempt = 0
     while True:
         attempt += 1
@@ -120,6 +144,9 @@ def run_standalone(command: list[str], nproc: int, *, max_restarts: int = 3, job
         failed: tuple[int, int] | None = None
         try:
             while failed is None and ranks.running():
+                for signum in signals.take():
+                    sent = ranks.signal(signum)
+                    err.write(f"trainguard: {forwarded_name(signum)} forwarded to {sent} rank(s)\n")
                 failed = ranks.failed()
                 time.sleep(0.05)
             if failed is None:

@@ -139,6 +139,10 @@ class ApiClient:
     def stop_job(self, job: str, **options: Any) -> dict[str, Any]:
         return self._json("POST", f"/v1/jobs/{_seg(job)}/stop", options)
 
+    def signal_job(self, job: str, name: str, sender: str = "trainguard run") -> dict[str, Any]:
+        """Forward signal ``name`` (SIGUSR1 or SIGUSR2) to the job's running ranks on this node."""
+        return self._json("POST", f"/v1/jobs/{_seg(job)}/signal", {"signal": name, "sender": sender})
+
     def job_attempt(self, job: str, body: dict[str, Any]) -> dict[str, Any]:
         """One round of ``trainguard run --nnodes`` on this node (``agent.lifecycle.rdzvjobs``)."""
         result: dict[str, Any] = self._json("POST", f"/v1/jobs/{_seg(job)}/attempt", body)

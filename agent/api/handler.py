@@ -103,6 +103,10 @@ class ApiHandler(Protocol):
     def checkpoint_now(self, job: str, options: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/jobs/<job>/checkpoint."""
 
+    def signal_job(self, job: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/jobs/<job>/signal with ``{"signal": "SIGUSR1" | "SIGUSR2"}``: forwarded to the
+        job's running ranks (``trainguard run`` passes on what a batch system sends it)."""
+
     def job_attempt(self, job: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/jobs/<job>/attempt: a round of ``trainguard run --nnodes`` (``agent.lifecycle.rdzvjobs``)."""
 

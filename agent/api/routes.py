@@ -241,6 +241,7 @@ ROUTES: tuple[Route, ...] = (
     _r("GET", _JOB + r"/plan", READ, lambda h, c: h.get_plan(_job(c))),
     _r("PUT", _JOB + r"/plan", ADMIN, lambda h, c: h.update_plan(_job(c), c.body)),
     _r("POST", _JOB + r"/checkpoint", ADMIN, lambda h, c: h.checkpoint_now(_job(c), c.body)),
+    _r("POST", _JOB + r"/signal", ADMIN, lambda h, c: h.signal_job(_job(c), c.body)),
     _r("POST", _JOB + r"/attempt", ADMIN, lambda h, c: h.job_attempt(_job(c), c.body)),
     _r("POST", _JOB + r"/drain", ADMIN, lambda h, c: h.drain(_job(c), c.body)),
     _r("POST", _JOB + r"/telemetry", ADMIN, lambda h, c: h.ingest_telemetry(_job(c), c.body),

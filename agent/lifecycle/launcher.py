@@ -602,6 +602,18 @@ class Launcher:
             ended.append(r)
         return ended
 
+    def signal(self, ranks: list[RankProcess], signum: int) -> int:
+        """Send ``signum`` to each running rank's process group; how many got it."""
+        sent = 0
+        for r in ranks:
+            if r.popen.poll() is None:
+                try:
+                    os.killpg(r.pid, signum)
+                    sent += 1
+                except ProcessLookupError:
+                    pass
+        return sent
+
     def stop(self, ranks: list[RankProcess], grace_s: float, *, hard: bool = False) -> None:
         """SIGTERM (or SIGKILL when hard), wait up to grace_s, then SIGKILL what is left."""
         first = signal.SIGKILL if hard else signal.SIGTERM

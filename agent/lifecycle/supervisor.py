@@ -382,6 +382,20 @@ class Supervisor:
         steps = (record.spec.trainer or {}).get("steps") if not record.spec.is_command else None
         return 0 if isinstance(steps, int) and record.progress_step + 1 >= steps else 1
 
+    def signal(self, job: str, signum: int, sender: str) -> int:
+        """Forward ``signum`` (what a batch system sends ahead of a step's end) to the job's running
+        ranks; how many got it. ``KeyError`` for an unknown job."""
+        with self._lock:
+            record = self.jobs.get(job)
+            if record is None:
+                raise KeyError(job)
+            ranks = [] if record.state.finished else list(record.ranks)
+        sent = self.launcher.signal(ranks, signum)
+        name = signal.Signals(signum).name
+        self.events.emit("job_signal", f"job {job}: {name} from {sender} forwarded to {sent} rank(s)", job=job,
+                         signal=name, ranks=sent, sender=sender)
+        return sent
+
     def stop(self, job: str, reason: str = "requested", *, hard: bool = False) -> JobRecord:
         with self._lock:
             record = self.jobs.get(job)

@@ -219,6 +219,8 @@ def test_a_node_that_joins_receives_the_checkpoint_and_every_rank_resumes_from_i
     assert len(resumed) == 1 and resumed.pop() >= 40, grown
     start = grown[0]["start"]
     assert all(s["restored"] == "checkpoint" for s in grown), grown
+    # the global batch of node a's two ranks (2 x 4) kept over four: 2 each
+    assert [s["batch"] for s in grown] == [2, 2, 2, 2], grown
     # node a's ranks before the join: the parameters after step start - 1 are what all four resumed with
     before = {s: d for c, s, d in steps_of(out, 0) if s < start}
     assert all(s["digest"] == before[start - 1] for s in grown), (before.get(start - 1), grown)

@@ -34,7 +34,7 @@ def digest() -> str:
 
 keys = ("RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TRAINGUARD_ATTEMPT")
 started = {**{k: os.environ.get(k) for k in keys}, "pid": os.getpid(), "start": start, "digest": digest(),
-           "restored": run.restored_from}
+           "restored": run.restored_from, "batch": run.plan.batch_size}
 with open(os.path.join(out, f"start-r{rank}-c{restart}"), "w") as f:
     json.dump(started, f)
 with open(os.path.join(out, f"starts-r{rank}"), "a") as f:  # every start, a round without a failure too

@@ -183,6 +183,22 @@ def test_a_lost_node_under_no_kill_leaves_the_job_training_on_one_node(cluster: 
 
 
 def test_after_a_node_loss_the_survivor_resumes_from_the_memory_tier(slurm: SlurmCluster, tmp_path: Path) -> None:
-    """A world of one node is one no snapshot is of: n1 resumes from its agent's memory tier."""
+    """A world of one node is one no snapshot is of: n1 resumes from its agent's memory tier, and
+    its one rank takes the global batch the two had (2 x 8)."""
     resumed, committed, diag = lose_a_node(slurm, tmp_path)
     assert resumed["step"] >= max(committed), f"n1 resumed at {resumed['step']}, after {committed}\n{diag()}"
+    assert resumed["restored"] == "checkpoint" and resumed["batch"] == 16, f"{resumed}\n{diag()}"
+
+
+def test_a_signal_slurm_sends_the_step_reaches_every_nodes_ranks(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """``scancel -s USR1`` (as ``--signal=USR1@T`` does before the time limit) signals each node's
+    ``trainguard run``, which passes it on to its ranks; the job trains on to the end."""
+    job, ranks, out, diag = start_job(slurm, tmp_path, "2")
+    slurm.client("scancel", "-s", "USR1", job)
+    wait_until(lambda: all(any(e["event"] == "signal" for e in ranks.lines(n)) for n in ("n1", "n2")), 60,
+               "SIGUSR1 at both nodes' ranks", diag)
+    (out / "finish").touch()
+    state = slurm.wait_job(job, ["COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"], 120)
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", f"{state}\n{diag()}"
+    assert all(ranks.lines(n)[-1]["event"] == "end" for n in ("n1", "n2")), diag()
+

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import time
 
@@ -54,8 +55,12 @@ def main() -> int:
     def note(**fields: object) -> None:
         log.write(json.dumps({"t": time.time(), **fields}) + "\n")
 
+    # what ``srun --signal`` / ``scancel -s`` sends ahead of the end, passed on by trainguard run
+    signal.signal(signal.SIGUSR1, lambda signum, _frame: note(event="signal", name=signal.Signals(signum).name))
+
     note(event="start", step=start, world=world, pid=os.getpid(),
-         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), restored=run.restored_from)
+         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), restored=run.restored_from,
+         batch=run.plan.batch_size)
     finish = torch.zeros(1)
     step = start
     for step in range(start, args.steps):
