@@ -157,9 +157,16 @@ def test_a_checkpoint_of_another_world_keeps_its_global_batch(world: int, rank: 
     same = trainguard.init(batch_size=8, environ={"RANK": "0", "WORLD_SIZE": "2"})
     same.take_meta(meta)
     assert same.plan.batch_size == 8 and same.plan.batch_sizes is None
-    fixed = trainguard.init(batch_size=8, environ={"RANK": str(rank), "WORLD_SIZE": str(world)}, applies=["lr"])
-    fixed.take_meta(meta)
-    assert fixed.plan.batch_size == 8  # a script that takes no batch sizes keeps its own
+    # A script that takes no batch sizes (the Hugging Face and Lightning callbacks) keeps its own,
+    # and its LR follows the global batch by the agent's rule, here and in its next checkpoint.
+    for rule, want_lr in (("sqrt", (8 * world / 16) ** 0.5), ("linear", 8 * world / 16), ("none", 1.0)):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "TRAINGUARD_LR_BATCH_RULE": rule}
+        fixed = trainguard.init(batch_size=8, environ=env, applies=["lr"])
+        fixed.take_meta(meta)
+        assert fixed.plan.batch_size == 8 and fixed.plan.lr_for(0.1) == pytest.approx(0.1 * want_lr)
+        again = trainguard.init(batch_size=8, environ=env, applies=["lr"])
+        again.take_meta(fixed.checkpoint_meta())
+        assert again.plan.lr_for(0.1) == pytest.approx(0.1 * want_lr)
 
 
 def test_every_rank_applies_a_plan_at_the_same_step(tmp_path: Path) -> None:

@@ -10,10 +10,10 @@ import math
 import numpy as np
 import pytest
 
+from trainguard.agent.batch_rule import gain_ratio
 from trainguard.agent.config import ConfigError
 from trainguard.agent.controller import ControllerConfig, Setting, Space, WindowResult
 from trainguard.agent.controller.bandit import BanditStrategy
-from trainguard.agent.controller.batch_rule import gain_ratio
 from trainguard.agent.controller.goodput import GoodputStrategy, efficiency, fit_step_time
 from trainguard.agent.controller.noise import NoiseScale, noise_point
 from trainguard.agent.controller.optuna_strategy import OptunaStrategy

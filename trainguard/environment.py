@@ -33,6 +33,7 @@ ENV_SNAPSHOT_DIR = "TRAINGUARD_SNAPSHOT_DIR"
 ENV_SNAPSHOT_EVERY = "TRAINGUARD_SNAPSHOT_EVERY"
 ENV_SNAPSHOT_STEP = "TRAINGUARD_SNAPSHOT_STEP"
 ENV_RESTORE_STEP = "TRAINGUARD_RESTORE_STEP"
+ENV_LR_BATCH_RULE = "TRAINGUARD_LR_BATCH_RULE"
 SNAPSHOT_AUTO = -1
 DISCOVERY_NAME = "agent.json"
 DEFAULT_RUN_DIR = "/run/trainguard"
@@ -131,6 +132,8 @@ class RunEnvironment:
     ``restore_path`` send it to those without (``trainguard.checkpoint_share``)."""
     group_rank: int = 0
     """The node's place among the job's nodes (torchrun's GROUP_RANK)."""
+    lr_batch_rule: str = "sqrt"
+    """How the LR follows a global batch the world changed (the agent's ``controller.lr_batch_rule``)."""
 
     @property
     def has_agent(self) -> bool:
@@ -155,7 +158,7 @@ class RunEnvironment:
                 parts=tuple(p for p in env.get(ENV_PARTS, "").split(",") if p), launched_by_agent=True,
                 snapshot_dir=env.get(ENV_SNAPSHOT_DIR, ""), snapshot_every=_snapshot_every(env.get(ENV_SNAPSHOT_EVERY, "")),
                 snapshot_step=_int(env, ENV_SNAPSHOT_STEP, -1), restore_step=_int(env, ENV_RESTORE_STEP, -1),
-                group_rank=_int(env, "GROUP_RANK", 0))
+                group_rank=_int(env, "GROUP_RANK", 0), lr_batch_rule=env.get(ENV_LR_BATCH_RULE, "sqrt"))
         name = job or env.get(ENV_JOB) or (_torchrun_job(env) if "RANK" in env else "standalone")
         # What the environment names explicitly wins; the agent's discovery file fills the rest.
         found = read_discovery(discovery_path(env))
@@ -170,4 +173,5 @@ class RunEnvironment:
             job=name, rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,
             attempt=attempt, socket=socket, plan_path=plan_path, memory_root=memory_root,
             memory_every=every if isinstance(every, int) and every > 0 else 100,
-            restore_path=env.get(ENV_RESTORE, ""), part="", parts=(), launched_by_agent=False)
+            restore_path=env.get(ENV_RESTORE, ""), part="", parts=(), launched_by_agent=False,
+            group_rank=_int(env, "GROUP_RANK", 0), lr_batch_rule=env.get(ENV_LR_BATCH_RULE, "sqrt"))

@@ -28,9 +28,11 @@ from types import TracebackType
 from typing import Any
 
 from trainguard import rendezvous_clock
+from trainguard.agent.batch_rule import follow_batch
 from trainguard.agent.wire import (
     APPLIES_ALL,
     APPLIES_BATCH_SIZES,
+    APPLIES_LR,
     ENV_STARTED_AT,
     Plan,
     Telemetry,
@@ -282,6 +284,9 @@ class Run:
         self._kept_batch: tuple[int, ...] | None = None
         """Per-rank batch sizes that keep the global batch of a checkpoint saved at another
         data-parallel degree (a node lost or joined), until a plan gives sizes for this one."""
+        self._batch_lr = 1.0
+        """The LR factor of a global batch that changed with the world, for ranks that take no
+        batch sizes (``lr_batch_rule``), carried in the checkpoints after it."""
         self._ckpt_id_seen = 0
         self._meta_cache: tuple[Plan, int, dict[str, Any]] | None = None
         self._view = self._make_view(self._plan)
@@ -371,7 +376,7 @@ class Run:
             weight = self.dp_size * mine / sum(self._kept_batch)
         elif sizes is not None:
             sizes = None  # a split for another world size (the job shrank): the script's own
-        return RunPlan(version=plan.version, lr_scale=plan.lr_scale, lr=plan.lr, batch_size=mine,
+        return RunPlan(version=plan.version, lr_scale=plan.lr_scale * self._batch_lr, lr=plan.lr, batch_size=mine,
                        batch_sizes=tuple(sizes) if sizes is not None else None, loss_weight=weight,
                        checkpoint_now=plan.checkpoint_id > self._ckpt_id_seen, stop=plan.stop, reason=plan.reason)
 
@@ -692,7 +697,8 @@ class Run:
                             else (self._view.batch_size or 0) * self.dp_size)
             cached = self._meta_cache = (self._plan, self._ckpt_id_seen,
                                          {"plan": json_plan(self._plan), "ckpt_id_seen": self._ckpt_id_seen,
-                                          "global_batch": global_batch, "dp_size": self.dp_size})
+                                          "global_batch": global_batch, "dp_size": self.dp_size,
+                                          "batch_lr": self._batch_lr})
         return dict(cached[2])
 
     def take_meta(self, meta: Mapping[str, Any]) -> None:
@@ -707,9 +713,25 @@ class Run:
             self._ckpt_id_seen = int(meta.get("ckpt_id_seen", self._ckpt_id_seen) or 0)
         except (TypeError, ValueError):
             pass
-        self._kept_batch = kept_batch(meta.get("global_batch"), self.default_batch_size, self.dp_size, self.applies)
+        saved = meta.get("global_batch")
+        self._kept_batch = kept_batch(saved, self.default_batch_size, self.dp_size, self.applies)
+        self._batch_lr = self._lr_for_batch(saved, meta.get("batch_lr"))
         self._meta_cache = None
         self._view = self._make_view(self._plan)
+
+    def _lr_for_batch(self, saved: object, factor: object) -> float:
+        """The LR factor after a restore: the checkpoint's own, times the rule's for a global batch
+        that the world changed and these ranks cannot keep (they take LR but no batch sizes)."""
+        before = float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool) else 1.0
+        if not math.isfinite(before) or before <= 0:
+            before = 1.0
+        now = (self.default_batch_size or 0) * self.dp_size
+        if (self._kept_batch is not None or not isinstance(saved, int) or isinstance(saved, bool) or saved <= 0
+                or now <= 0 or saved == now or not self.applies & APPLIES_LR or self.applies & APPLIES_BATCH_SIZES):
+            return before
+        multiplier, how = follow_batch(self.env.lr_batch_rule, saved, now, None)
+        self._warn(f"the world changed the global batch from {saved} to {now} samples: {how}")
+        return before * multiplier
 
     def restore(self, state: Mapping[str, Any]) -> int:
         """Load what the agent picked for this attempt into ``state`` (in place) and return the step

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainguard.agent import health
+from trainguard.agent.batch_rule import follow_batch
 from trainguard.agent.checkpoint.errors import CheckpointError
 from trainguard.agent.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
 from trainguard.agent.checkpoint.objectstore import ObjectTier
@@ -59,7 +60,6 @@ from trainguard.agent.cluster.jobs import JobRecordDoc, JobTable, valid_node_nam
 from trainguard.agent.cluster.lineage import CommitRecord, CommitTable
 from trainguard.agent.cluster.peertier import ClientFactory, PeerRef, fetch_remote_copy
 from trainguard.agent.cluster.survey import TIER_HOLDER, Survey, take_survey
-from trainguard.agent.controller.batch_rule import follow_batch
 from trainguard.agent.safefs import (
     copy_tree_beneath,
     dir_fd,

@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from trainguard.agent.batch_rule import RULES, Rule
 from trainguard.agent.configerror import ConfigError
-from trainguard.agent.controller.batch_rule import RULES, Rule
 
 Strategy = Literal["none", "optuna", "rl", "goodput", "evidence"]
 STRATEGIES = ("none", "optuna", "rl", "goodput", "evidence")

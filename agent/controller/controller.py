@@ -40,7 +40,7 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
-from trainguard.agent.controller.batch_rule import follow_batch
+from trainguard.agent.batch_rule import follow_batch
 from trainguard.agent.controller.config import ControllerConfig
 from trainguard.agent.controller.evidence import Action, EvidenceConfig
 from trainguard.agent.controller.evidence_plan import EvidenceDriver, event_inputs

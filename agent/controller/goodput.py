@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 
-from trainguard.agent.controller.batch_rule import gain_ratio
+from trainguard.agent.batch_rule import gain_ratio
 from trainguard.agent.controller.config import ControllerConfig
 from trainguard.agent.controller.strategy import Proposal, Setting, Space, WindowResult
 

@@ -51,8 +51,11 @@ class TrainguardCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
         if self.run is None:
-            # The Trainer owns the data loader: its batch size is the script's, never the plan's.
-            self.run = trainguard.init(dp_rank=args.process_index, dp_size=args.world_size, applies=APPLIES)
+            # The Trainer owns the data loader: its batch size is the script's, never the plan's. It is
+            # told all the same, so that a world change moves the LR by the agent's rule.
+            samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
+            self.run = trainguard.init(dp_rank=args.process_index, dp_size=args.world_size, batch_size=samples,
+                                       applies=APPLIES)
         self._optimizer = optimizer
         if model is not None:
             self.run.watch_gradients(model.parameters())
