@@ -37,7 +37,7 @@ from trainguard.forward import SignalQueue
 from trainguard.forward import name as forwarded_name
 from trainguard.noderanks import AgentRanks, ChildRanks, Ranks
 from trainguard.rendezvous import RdzvConfig, Rendezvous, RendezvousError, Round, Verdict
-from trainguard.runcmd import resolve_command
+from trainguard.runcmd import Terminated, raise_terminated, resolve_command
 from trainguard.torchrun_args import Launch
 
 
@@ -123,9 +123,9 @@ class Driver:
             self.ranks.stop()
             self.say(str(exc))
             return 1
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Terminated) as exc:
             self.ranks.stop()
-            return 130
+            return 143 if isinstance(exc, Terminated) else 130  # as on one node
         except RuntimeError as exc:  # the store went away: c10d's errors are RuntimeErrors
             self.ranks.stop()
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -249,9 +249,5 @@ def run_nodes(launch: Launch, environ: dict[str, str], client: Any | None, *, ou
     else:
         ranks = AgentRanks(client, command, launch.job, launch.nproc, max_restarts, environ, out=out, err=err)
     # A batch system ends a step with SIGTERM: this node's ranks stop with it, as on Ctrl-C.
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, raise_terminated)
     return Driver(rdzv, ranks, nproc=launch.nproc, run_id=launch.job, max_restarts=max_restarts, err=err).run()
-
-
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt

@@ -106,7 +106,7 @@ class Terminated(Exception):
     limit). The ranks are the agent's children, outside the step, so the job is stopped as on Ctrl-C."""
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
+def raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
@@ -157,7 +157,7 @@ def follow(client: Any, job: str, *, out: TextIO = sys.stdout, err: TextIO = sys
     away: AgentAway | None = None
     previous = None
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        previous = signal.signal(signal.SIGTERM, raise_terminated)
     signals = SignalQueue().install()
     try:
         while True:

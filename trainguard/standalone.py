@@ -23,7 +23,7 @@ from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import SOCKET_IFNAME_VARS, RankBlock, free_port, torchrun_env
 from trainguard.forward import SignalQueue
 from trainguard.forward import name as forwarded_name
-from trainguard.runcmd import prefixed
+from trainguard.runcmd import Terminated, prefixed, raise_terminated
 
 
 def _pump(rank: int, stream: IO[bytes], out: TextIO, lock: threading.Lock) -> None:
@@ -127,10 +127,15 @@ def run_standalone(command: list[str], nproc: int, *, max_restarts: int = 3, job
         base.setdefault("OMP_NUM_THREADS", "1")
     lock = threading.Lock()
     signals = SignalQueue().install()
+    # A batch system ends a step with SIGTERM: the ranks (in sessions of their own) stop with it.
+    previous = signal.signal(signal.SIGTERM, raise_terminated) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
         return _attempts(command, nproc, spec, base, signals, max_restarts, cwd, out, err, grace_s, lock)
     finally:
         signals.restore()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _attempts(command: list[str], nproc: int, spec: JobSpec, base: dict[str, str], signals: SignalQueue,
@@ -151,9 +156,9 @@ def _attempts(command: list[str], nproc: int, spec: JobSpec, base: dict[str, str
                 time.sleep(0.05)
             if failed is None:
                 failed = ranks.failed()
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Terminated) as exc:
             ranks.stop(grace_s)
-            return 130
+            return 143 if isinstance(exc, Terminated) else 130
         ranks.stop(grace_s)
         if failed is None:
             return 0

@@ -229,3 +229,23 @@ def test_a_node_that_joins_receives_the_checkpoint_and_every_rank_resumes_from_i
         last_round = done[len(done) - 1 - done[::-1].index(start):]  # node a's ranks did some steps twice
         assert last_round == list(range(start, steps)), (rank, last_round[:5], last_round[-5:])
     assert "hold and send to the others" in logs[0].read_text()
+
+
+@pytest.mark.xdist_group("multinode")
+@pytest.mark.parametrize("nnodes", ["1", "1:2"], ids=["one-node", "rendezvous"])
+def test_sigterm_stops_the_nodes_ranks_and_exits_143(tmp_path: Path, nnodes: str) -> None:
+    """What a batch system's scancel or time limit sends each node's ``trainguard run`` without an
+    agent: its ranks (in sessions of their own) stop, and it exits 143 (128 + SIGTERM)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    log = tmp_path / "a.log"
+    with Nodes(tmp_path, ["node-a"]) as nodes:
+        a = nodes["node-a"]
+        pa = trainguard_run(a, a, "--no-agent", "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-id", "term1",
+                            "--rdzv-conf", "last_call_timeout=1", PLAIN, str(out), "100000", log=log)
+        wait_for("step 5 on both ranks", lambda: all(step_of(out, r, 0) >= 5 for r in range(2)), logs=(log,))
+        pids = [started(out, r, 0)["pid"] for r in range(2)]
+        pa.send_signal(signal.SIGTERM)
+        assert finish(pa, log, timeout=60) == 143, log.read_text()[-3000:]
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
