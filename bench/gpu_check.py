@@ -433,11 +433,9 @@ def clock_check(py: str) -> str:
 
 def self_test_nvml(drift: bool) -> Any:
     """A fake NVML plus a matching fake nvidia-smi, to check this script on a machine without a GPU
-    (tests/test_gpu_check.py). ``drift`` makes nvidia-smi disagree on memory.used by 200 MiB."""
+    (tests/bench/test_gpu_check.py). ``drift`` makes nvidia-smi disagree on memory.used by 200 MiB."""
     global query_smi, query_smi_pids
-    sys.path.insert(0, str(REPO / "tests"))
-    from fakenvml import FakeGpu, FakeNvml
-
+    from tests.helpers.fakenvml import FakeGpu, FakeNvml  # the tests' fake; only the self-test needs it
     from trainguard.agent.collectors.gpu import Nvml
 
     gpus = [FakeGpu(index=0, processes={os.getpid(): 1 << 30}), FakeGpu(index=1, nvlinks=(), temperature=70)]

@@ -23,14 +23,14 @@ from typing import Any
 
 import pytest
 
-from trainguard.agent.waiting import wait_for
+from tests.helpers.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 API = REPO / "examples" / "ddp_api.py"
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="running the command as a second uid needs root "
-                                 "(tests/test_run_command.py runs `trainguard run` as the caller)")]
+                                 "(tests/lifecycle/test_run_command.py runs `trainguard run` as the caller)")]
 
 
 def _user_python(uid: int) -> tuple[str, str]:

@@ -9,27 +9,21 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.waiting import wait_for
 from tests.multinode.nodes import REPO, Nodes, trainguard_run
 
 PLAIN = str(REPO / "tests" / "multinode" / "train_plain.py")
 API = str(REPO / "tests" / "multinode" / "train_api.py")
 
 
-def wait_for(what: str, predicate, timeout: float = 60.0, logs: tuple[Path, ...] = ()):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while True:
-        got = predicate()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
-            raise AssertionError(f"timed out waiting for {what}\n{tails}")
-        time.sleep(0.1)
+def tails(logs: tuple[Path, ...] | list[Path]) -> Callable[[], str]:
+    """The end of each launcher's log, for a wait that times out."""
+    return lambda: "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
 
 
 def started(out: Path, rank: int, restart: int) -> dict | None:
@@ -72,12 +66,13 @@ def test_rank_kill_under_node_agents_resumes_both_nodes_from_snapshots(tmp_path:
                  str(steps))
         pa = trainguard_run(a, a, "--state-dir", str(states[0]), *flags, log=logs[0])
         pb = trainguard_run(b, a, "--state-dir", str(states[1]), *flags, log=logs[1])
-        wait_for("step 15 everywhere", lambda: all(any(s >= 15 for _c, s, _d in steps_of(out, r)) for r in range(4)),
-                 logs=logs)
+        wait_for(lambda: all(any(s >= 15 for _c, s, _d in steps_of(out, r)) for r in range(4)),
+                 60, "step 15 everywhere", interval=0.1, diagnose=tails(logs))
         victim = started(out, 2, 0)
         assert victim is not None and victim["GROUP_RANK"] == "1"
         os.kill(victim["pid"], signal.SIGKILL)
-        wait_for("restart 1 on every rank", lambda: all(started(out, r, 1) for r in range(4)), logs=logs)
+        wait_for(lambda: all(started(out, r, 1) for r in range(4)), 60, "restart 1 on every rank", interval=0.1,
+                 diagnose=tails(logs))
         assert finish(pa, logs[0]) == 0, logs[0].read_text()[-3000:]
         assert finish(pb, logs[1]) == 0, logs[1].read_text()[-3000:]
     lines = [steps_of(out, r) for r in range(4)]
@@ -109,13 +104,15 @@ def test_no_agent_rank_kill_restarts_both_nodes(tmp_path: Path) -> None:
                  PLAIN, str(out), "60")
         pa = trainguard_run(a, a, *flags, log=logs[0])
         pb = trainguard_run(b, a, *flags, log=logs[1])
-        wait_for("step 10 everywhere", lambda: all(step_of(out, r, 0) >= 10 for r in range(4)), logs=logs)
+        wait_for(lambda: all(step_of(out, r, 0) >= 10 for r in range(4)), 60, "step 10 everywhere", interval=0.1,
+                 diagnose=tails(logs))
         victim = started(out, 2, 0)
         assert victim is not None and victim["GROUP_RANK"] == "1"
         os.kill(victim["pid"], signal.SIGKILL)
         # Every rank of both nodes comes back in the next attempt, which they all agree on.
-        envs = wait_for("restart 1 on every rank", lambda: [started(out, r, 1) for r in range(4)]
-                        if all(started(out, r, 1) for r in range(4)) else None, logs=logs)
+        envs = wait_for(lambda: [started(out, r, 1) for r in range(4)]
+                        if all(started(out, r, 1) for r in range(4)) else None, 60, "restart 1 on every rank",
+                        interval=0.1, diagnose=tails(logs))
         assert finish(pa, logs[0]) == 0, logs[0].read_text()[-3000:]
         assert finish(pb, logs[1]) == 0, logs[1].read_text()[-3000:]
     for rank, env in enumerate(envs):
@@ -143,13 +140,14 @@ def test_lost_node_leaves_the_other_going_on_alone(tmp_path: Path, how: str) -> 
                  PLAIN, str(out), "100")
         pa = trainguard_run(a, a, *flags, log=logs[0])
         pb = trainguard_run(b, a, *flags, log=logs[1])
-        wait_for("step 10 on 4 ranks", lambda: all(step_of(out, r, 0) >= 10 for r in range(4)), logs=logs)
+        wait_for(lambda: all(step_of(out, r, 0) >= 10 for r in range(4)), 60, "step 10 on 4 ranks", interval=0.1,
+                 diagnose=tails(logs))
         if how == "killed":
             b.kill()
             pb.wait(timeout=10)
         else:
             b.cut()
-        alone = wait_for("node a alone", lambda: started(out, 0, 1), logs=logs)
+        alone = wait_for(lambda: started(out, 0, 1), 60, "node a alone", interval=0.1, diagnose=tails(logs))
         assert finish(pa, logs[0], timeout=90) == 0, logs[0].read_text()[-3000:]
     assert alone["WORLD_SIZE"] == "2" and started(out, 1, 1)["WORLD_SIZE"] == "2"
     assert step_of(out, 0, 1) == 99 and step_of(out, 1, 1) == 99

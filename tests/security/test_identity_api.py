@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import trustme
 
-from tests.test_api import ADMIN, READER, FakeDaemon, _token_file
+from tests.helpers.api import ADMIN, READER, FakeDaemon, token_file
 from trainguard.agent.api.client import ApiClient, ApiClientError
 from trainguard.agent.api.config import ApiConfig
 from trainguard.agent.api.server import MAX_REPORTED_PATH, ApiServer
@@ -63,7 +63,7 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
     nodes = Nodes(tmp_path)
     refused: list[tuple[str, str, str, str]] = []
     daemon = IdentityDaemon(tmp_path / "blobs")
-    tokens = _token_file(tmp_path / "tokens", f"{ADMIN}\n{READER} read\n")
+    tokens = token_file(tmp_path / "tokens", f"{ADMIN}\n{READER} read\n")
     cfg = ApiConfig(unix_socket=None, tcp="127.0.0.1:0", token_file=tokens,
                     tls=server_context(nodes.files("holder")), handshake_timeout_s=3.0)
     server = ApiServer(cfg, daemon, on_node_refused=lambda *a: refused.append(a))
@@ -121,7 +121,7 @@ def test_a_read_token_never_sees_env_values(cluster: dict[str, Any]) -> None:
 
 
 def test_tcp_without_mutual_tls_needs_the_explicit_opt_in(tmp_path: Path) -> None:
-    tokens = _token_file(tmp_path / "tokens", f"{ADMIN}\n")
+    tokens = token_file(tmp_path / "tokens", f"{ADMIN}\n")
     nodes = Nodes(tmp_path)
     with pytest.raises(ValueError, match=r"^api\.tls_cert"):
         ApiConfig(unix_socket=None, tcp="127.0.0.1:0", token_file=tokens)
@@ -141,7 +141,7 @@ def test_tcp_without_mutual_tls_needs_the_explicit_opt_in(tmp_path: Path) -> Non
 @pytest.fixture
 def plain(tmp_path: Path) -> Iterator[dict[str, Any]]:
     failures: list[tuple[str, str]] = []
-    tokens = _token_file(tmp_path / "tokens", f"{ADMIN}\n")
+    tokens = token_file(tmp_path / "tokens", f"{ADMIN}\n")
     cfg = ApiConfig(unix_socket=None, tcp="127.0.0.1:0", allow_plaintext=True, token_file=tokens,
                     header_timeout_s=1.5, max_connections_per_peer=16)
     server = ApiServer(cfg, FakeDaemon(tmp_path / "blobs"), on_auth_failure=lambda r, p: failures.append((r, p)))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import in_process_agent_config
-from tests.test_api_tls import Pki
+from tests.helpers.pki import Pki
 from trainguard.agent.api.tls import TlsFiles, client_context, server_context
 from trainguard.agent.config import AgentConfig, ConfigError, config_from_dict
 from trainguard.agent.daemon import Agent

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, RunningAgent, start_agent
+from tests.helpers.telemetry import make_msg
+from tests.helpers.waiting import wait_for
 from trainguard.agent.recovery.service import default_memory_root
-from trainguard.agent.waiting import wait_for
-from trainguard.agent.wire import Telemetry
 from trainguard.trainer.data import build_corpus
 from trainguard.trainer.testing import tiny_config
 
@@ -91,9 +91,7 @@ def connect_status(path: str, kind: int) -> int:
 
 
 def telemetry(job: str, step: int) -> bytes:
-    return Telemetry(job=job, rank=1, local_rank=1, pid=os.getpid(), step=step, wall_time=1.0, step_s=0.1,
-                     data_s=0.0, fwd_bwd_s=0.1, comm_s=0.0, opt_s=0.0, samples=1, tokens=1, loss=1.0, grad_norm=1.0,
-                     local_grad_sq=1.0, lr=0.1, batch_size=1, mem_bytes=0, plan_version=0).encode()
+    return make_msg(job, rank=1, step=step, pid=os.getpid()).encode()
 
 
 def scrape_value(agent: RunningAgent, prefix: str) -> float:

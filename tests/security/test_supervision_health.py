@@ -7,7 +7,6 @@ import contextlib
 import socket
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,18 +15,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import in_process_agent_config
-from tests.test_telemetry import make_msg
+from tests.helpers.telemetry import make_msg
+from tests.helpers.waiting import wait_for
 from trainguard.agent.daemon import Agent
 from trainguard.agent.lifecycle.jobs import JobSpec
-
-
-def _wait(pred: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def _events(agent: Agent, kind: str) -> list[dict[str, Any]]:
@@ -88,7 +79,7 @@ def test_rank_monitor_survives_a_collaborator_that_raises(tmp_path: Path, monkey
         monkeypatch.setattr(launcher, "reap", reap)
         record = agent.supervisor.submit(JobSpec("fragile", 1, command=[sys.executable, "-c", "pass"], max_restarts=0))
         # The rank exits at once; it is reaped only if the monitor thread lived through five MemoryErrors.
-        _wait(lambda: record.state.finished, 60, "the job's rank to be reaped")
+        wait_for(lambda: record.state.finished, 60, "the job's rank to be reaped")
         assert record.state.value == "succeeded", (record.state, record.reason)
         assert agent.supervisor._thread.is_alive()
         threads = {t.name: t for t in agent.health.check()}
@@ -118,9 +109,9 @@ def test_telemetry_thread_survives_a_table_that_raises(tmp_path: Path, monkeypat
         sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             sender.sendto(make_msg("ext", rank=0, step=1).encode(), agent.paths.telemetry_socket)
-            _wait(lambda: calls["n"] >= 1, 10, "the first datagram")
+            wait_for(lambda: calls["n"] >= 1, 10, "the first datagram")
             sender.sendto(make_msg("ext", rank=0, step=2).encode(), agent.paths.telemetry_socket)
-            _wait(lambda: agent.table.latest("ext", 0) is not None, 10, "the second datagram to be stored")
+            wait_for(lambda: agent.table.latest("ext", 0) is not None, 10, "the second datagram to be stored")
         finally:
             sender.close()
         assert agent.telemetry.dropped_total.get("internal") == 1
@@ -146,7 +137,7 @@ def test_a_hung_thread_stops_the_watchdog_feed(tmp_path: Path, monkeypatch: pyte
         sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         with contextlib.closing(sender):
             sender.sendto(make_msg("ext", rank=0, step=1).encode(), agent.paths.telemetry_socket)
-        _wait(lambda: not agent.health.healthy(), 10, "the telemetry thread to be found stuck")
+        wait_for(lambda: not agent.health.healthy(), 10, "the telemetry thread to be found stuck")
         assert not agent.feed_watchdog()
         assert not any("WATCHDOG=1" in m for m in _drain(notify_socket))
         status = agent.control.status()
@@ -160,7 +151,7 @@ def test_a_hung_thread_stops_the_watchdog_feed(tmp_path: Path, monkeypatch: pyte
         assert _events(agent, "thread_unhealthy")[0]["thread"] == "telemetry"
 
         release.set()  # the thread goes round again: the feed resumes
-        _wait(lambda: agent.health.healthy(), 10, "the telemetry thread to beat again")
+        wait_for(lambda: agent.health.healthy(), 10, "the telemetry thread to beat again")
         assert agent.feed_watchdog()
         assert "WATCHDOG=1" in _drain(notify_socket)
     finally:

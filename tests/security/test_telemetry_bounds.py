@@ -9,12 +9,12 @@ import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.conftest import in_process_agent_config
-from tests.test_telemetry import make_msg
+from tests.helpers.telemetry import make_msg
+from tests.helpers.waiting import wait_for
 from trainguard.agent.daemon import Agent
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.ranktable import MESSAGE_BYTES, RANK_BYTES, RankTable, RankTableConfig
@@ -39,15 +39,6 @@ def sender() -> Iterator[socket.socket]:
         yield s
     finally:
         s.close()
-
-
-def _wait(pred: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def test_the_byte_estimate_covers_what_the_table_really_holds() -> None:
@@ -79,7 +70,7 @@ def test_a_flood_of_invented_ranks_stays_within_the_byte_budget(tmp_path: Path, 
                 sent += 1
             except BlockingIOError:
                 time.sleep(0.001)  # the receiver's queue is full: let it drain
-        _wait(lambda: server.received_total >= sent, 30, "the flood to be read")
+        wait_for(lambda: server.received_total >= sent, 30, "the flood to be read")
         assert sent > 2_000
         assert table.bytes_used <= MIB
         assert len(table) <= MIB // (RANK_BYTES + MESSAGE_BYTES)  # each invented rank holds one message
@@ -88,7 +79,7 @@ def test_a_flood_of_invented_ranks_stays_within_the_byte_budget(tmp_path: Path, 
         table.register_job("mine", 2)
         sender.setblocking(True)
         sender.sendto(make_msg("mine", rank=1, step=1).encode(), path)
-        _wait(lambda: table.latest("mine", 1) is not None, 10, "the launched job's telemetry")
+        wait_for(lambda: table.latest("mine", 1) is not None, 10, "the launched job's telemetry")
         assert table.bytes_used <= MIB and table.evicted_foreign_total >= 1
 
 
@@ -99,14 +90,14 @@ def test_silent_foreign_jobs_are_evicted_and_a_new_one_is_accepted(tmp_path: Pat
     with TelemetryServer(path, table, clock=clock) as server:
         for i in range(64):
             sender.sendto(make_msg(f"stale-{i}", rank=0, step=1).encode(), path)
-        _wait(lambda: len(table.jobs()) == 64, 10, "64 foreign jobs")
+        wait_for(lambda: len(table.jobs()) == 64, 10, "64 foreign jobs")
         clock.t += 100.0  # still fresh: the 65th is refused
         sender.sendto(make_msg("newcomer", rank=0, step=1).encode(), path)
-        _wait(lambda: server.dropped_total.get("foreign_limit", 0) == 1, 10, "the refusal to be counted")
+        wait_for(lambda: server.dropped_total.get("foreign_limit", 0) == 1, 10, "the refusal to be counted")
         assert "newcomer" not in table.jobs()
         clock.t += 201.0  # 301 s of silence
         sender.sendto(make_msg("newcomer", rank=0, step=2).encode(), path)
-        _wait(lambda: table.latest("newcomer", 0) is not None, 10, "the new job to be accepted")
+        wait_for(lambda: table.latest("newcomer", 0) is not None, 10, "the new job to be accepted")
         assert table.jobs() == ["newcomer"]
         assert table.evicted_foreign_total == 64
 
@@ -126,8 +117,8 @@ def test_a_rank_past_its_jobs_nproc_is_a_counted_drop(tmp_path: Path) -> None:
                   "    s.sendto(bytes.fromhex(h), os.environ['TRAINGUARD_SOCKET'])\n")
         record = agent.supervisor.submit(JobSpec("nosy", 1, command=[sys.executable, "-c", script, good, bad],
                                                  max_restarts=0))
-        _wait(lambda: record.state.finished, 60, "the job to end")
-        _wait(lambda: agent.telemetry.dropped_total.get("rank_range", 0) == 1, 10, "the drop to be counted")
+        wait_for(lambda: record.state.finished, 60, "the job to end")
+        wait_for(lambda: agent.telemetry.dropped_total.get("rank_range", 0) == 1, 10, "the drop to be counted")
         assert agent.table.latest("nosy", 0) is not None
         assert agent.table.latest("nosy", 7) is None
         with socket.create_connection(("127.0.0.1", agent.metrics_port), timeout=10) as c:

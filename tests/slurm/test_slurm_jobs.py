@@ -10,13 +10,13 @@ import json
 import os
 import re
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.helpers.waiting import wait_for
 from tests.slurm.cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm"), pytest.mark.timeout(300)]
@@ -66,17 +66,6 @@ class Ranks:
         return steps
 
 
-def wait_until(pred: Callable[[], Any], timeout: float, what: str, diag: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not in {timeout} s: {what}\n{diag()}")
-        time.sleep(0.2)
-
-
 def diagnosis(slurm: SlurmCluster, out: Path, job_output: Path) -> Callable[[], str]:
     def text() -> str:
         ranks = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(out.glob("*.log")))
@@ -116,8 +105,8 @@ def start_job(slurm: SlurmCluster, tmp_path: Path, nnodes: str, *, sbatch: tuple
     ranks = Ranks(out)
     diag = diagnosis(slurm, out, job_output)
     # both nodes train: each one's first attempt has done a few steps
-    wait_until(lambda: all(ranks.starts(n) and len(ranks.done_after_start(n, ranks.starts(n)[-1])) >= 5
-                           for n in ("n1", "n2")), 180, "both nodes training", diag)
+    wait_for(lambda: all(ranks.starts(n) and len(ranks.done_after_start(n, ranks.starts(n)[-1])) >= 5
+                         for n in ("n1", "n2")), 180, "both nodes training", interval=0.2, diagnose=diag)
     return job, ranks, out, diag
 
 
@@ -135,7 +124,7 @@ def test_a_killed_rank_restarts_both_nodes_with_at_most_one_step_lost(cluster: s
     def restarted() -> bool:
         return all(len(ranks.starts(n)) >= 2 and ranks.done_after_start(n, ranks.starts(n)[-1]) for n in ("n1", "n2"))
 
-    wait_until(restarted, 120, "both nodes' ranks restarted and training", diag)
+    wait_for(restarted, 120, "both nodes' ranks restarted and training", interval=0.2, diagnose=diag)
     for node in ("n1", "n2"):
         again = ranks.starts(node)[1]
         last_done = max(ranks.done_after_start(node, first[node]), default=-1)
@@ -157,14 +146,15 @@ def lose_a_node(slurm: SlurmCluster, tmp_path: Path) -> tuple[dict[str, Any], li
     # a short last call: the round after the loss waits that long for a second node
     job, ranks, out, diag = start_job(slurm, tmp_path, "1:2", sbatch=("--no-kill",), srun="--no-kill",
                                       run="--rdzv-conf last_call_timeout=3")
-    committed = wait_until(lambda: memory_checkpoints(slurm, tmp_path / "job.out"), 120, "a memory-tier checkpoint", diag)
+    committed = wait_for(lambda: memory_checkpoints(slurm, tmp_path / "job.out"), 120, "a memory-tier checkpoint",
+                         interval=0.2, diagnose=diag)
     slurm.kill_node("n2")
 
     def alone() -> list[dict[str, Any]]:
         starts = [s for s in ranks.starts("n1") if s["world"] == 1]
         return starts if starts and len(ranks.done_after_start("n1", starts[-1])) >= 3 else []
 
-    resumed = wait_until(alone, 150, "n1 training alone (world size 1)", diag)[-1]
+    resumed = wait_for(alone, 150, "n1 training alone (world size 1)", interval=0.2, diagnose=diag)[-1]
     slurm.wait_states({"n2": "down"}, 60)
     (out / "finish").touch()
     state = slurm.wait_job(job, ["COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"], 120)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Runs inside a container booted with systemd as PID 1 (tests/test_systemd_service.py), as the
+# Runs inside a container booted with systemd as PID 1 (tests/systemd/test_systemd_service.py), as the
 # unit tg-steps.service: installs trainguard-agent.service the way docs/service.md says and checks it
 # under a real service manager. One "key=value" line per finding in /res/results.txt; the test on
 # the host judges them. The checkout is bound read-only at its own path, /usr/local/bin is a
