@@ -1,4 +1,4 @@
-"""Polling until something holds: the one helper the demos, benchmarks and tests share."""
+"""Polling until something holds: how the cluster demo waits for its agents and its job."""
 
 from __future__ import annotations
 

@@ -32,9 +32,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.trainjobs import tiny_config  # noqa: E402
 from trainguard.agent.cluster.demo import ClusterNode, wait_for  # noqa: E402
 from trainguard.agent.cluster.etcdserver import LocalEtcd  # noqa: E402
-from trainguard.trainer.testing import tiny_config  # noqa: E402
 
 
 @dataclass

@@ -54,10 +54,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import recovery_multinode  # noqa: E402
+from bench.trainjobs import tiny_config  # noqa: E402
 from trainguard.agent.api.client import ApiClient  # noqa: E402
 from trainguard.agent.lifecycle.launcher import free_port  # noqa: E402
 from trainguard.agent.recovery.service import TIMELINE_PHASES, default_memory_root  # noqa: E402
-from trainguard.trainer.testing import tiny_config  # noqa: E402
 
 sys.path.append(str(REPO / "bench"))  # its sibling modules also when loaded by path (the smoke tests)
 import nodaemon  # noqa: E402
@@ -383,7 +383,7 @@ import torch
 torch.set_num_threads(1)
 from trainguard.snapshot import SnapshotWriter, overlap_pays
 from trainguard.trainer.parallel import RankEnv
-from trainguard.trainer.testing import tiny_config
+from bench.trainjobs import tiny_config
 from trainguard.trainer.train import Trainer
 cfg = tiny_config(sys.argv[1], steps=1000, global_batch=8, parallel={"dp": 1}, model=json.loads(sys.argv[2]))
 t = Trainer(cfg, RankEnv.from_env(), sink=lambda r: None)

@@ -23,8 +23,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.trainjobs import run_job, tiny_config  # noqa: E402
 from trainguard.trainer.model import param_count  # noqa: E402
-from trainguard.trainer.testing import run_job, tiny_config  # noqa: E402
 
 LAYOUTS: list[tuple[str, int, dict[str, Any]]] = [
     ("single", 1, {}),

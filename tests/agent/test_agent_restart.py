@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
+from bench.trainjobs import tiny_config
 from tests.conftest import RunningAgent
 from tests.helpers.waiting import wait_for
 from trainguard.agent.lifecycle.records import RankRecord, RecordStore
 from trainguard.agent.wire import process_start_ticks
-from trainguard.trainer.testing import tiny_config
 
 CONFIG = "[agent]\ninterval_s = 0.2\n[checkpoint]\nmemory_every = 5\n[collectors]\ngpu = false\n"
 

@@ -117,10 +117,10 @@ def test_the_config_refuses_plain_tcp_unless_asked_and_names_bad_files(tmp_path:
 
 @pytest.mark.slow
 def test_two_agents_and_etcd_all_over_mutual_tls(tmp_path: Path, pki: Pki) -> None:
+    from bench.trainjobs import tiny_config
     from trainguard.agent.cluster.demo import ClusterNode, wait_for
     from trainguard.agent.cluster.etcd import EtcdClient
     from trainguard.agent.cluster.etcdserver import LocalEtcd
-    from trainguard.trainer.testing import tiny_config
 
     server = pki.node("etcd")
     probe = pki.node("probe")

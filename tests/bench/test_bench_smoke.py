@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.trainjobs import tiny_config
 from tests.conftest import CPU_ISOLATION
 from trainguard.trainer.data import build_corpus
-from trainguard.trainer.testing import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 

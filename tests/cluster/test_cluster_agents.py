@@ -94,8 +94,8 @@ def test_agents_register_elect_one_leader_and_refuse_wrong_tokens(cluster: Calla
 
 @pytest.mark.slow
 def test_node_loss_job_resumes_on_survivor_from_peer_tier(cluster: Callable[..., ClusterNode], tmp_path: Path) -> None:
+    from bench.trainjobs import tiny_config
     from trainguard.trainer.checkpoint import load_full_model_state
-    from trainguard.trainer.testing import tiny_config
 
     a = cluster("a", slots=2)
     b = cluster("b", slots=1)  # the survivor has room for one rank: dp 2 -> 1, resharded restore
@@ -140,7 +140,7 @@ def test_drain_node_moves_a_job_off_a_live_node_and_the_old_copy_stops(cluster: 
                                                                       tmp_path: Path) -> None:
     """An operator drains node b (through a's API): the leader moves b's job to a while b is alive,
     b stops its copy (fenced), a restores it from the peer copy in its own RAM and trains on."""
-    from trainguard.trainer.testing import tiny_config
+    from bench.trainjobs import tiny_config
 
     a = cluster("a", slots=2)
     wait_for(lambda: a.metric("trainguard_cluster_is_leader") == 1, 20, "a leads")
@@ -174,7 +174,7 @@ def test_node_loss_shrinks_dp_4_to_3_and_keeps_the_global_batch(cluster: Callabl
                                                                tmp_path: Path) -> None:
     """dp 4 -> 3 by node loss: the survivor has room for 3 ranks; the job restarts there with dp 3
     and the global batch 8 kept exactly (3 + 3 + 2), from the peer copy of the lost node's checkpoint."""
-    from trainguard.trainer.testing import tiny_config
+    from bench.trainjobs import tiny_config
 
     a = cluster("a", slots=4)
     b = cluster("b", slots=3)

@@ -56,7 +56,7 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]
 
 
 def _run_until_committed(a: ClusterNode, b: ClusterNode, commits: CommitTable, tmp_path: Path) -> None:
-    from trainguard.trainer.testing import tiny_config
+    from bench.trainjobs import tiny_config
 
     trainer = tiny_config(str(tmp_path / "corpus"), steps=5000, parallel={"dp": 2}).to_dict()
     a.client._json("POST", "/v1/jobs", {"job": "big", "nproc": 2, "nodes": 2, "trainer": trainer})

@@ -82,8 +82,8 @@ def _merge(parts: list[Path], dest: Path) -> Path:
 
 def test_job_spans_two_agents_restarts_together_and_survives_node_loss(
         two_nodes: tuple[ClusterNode, ClusterNode], tmp_path: Path) -> None:
+    from bench.trainjobs import tiny_config
     from trainguard.trainer.checkpoint import load_full_model_state
-    from trainguard.trainer.testing import tiny_config
 
     a, b = two_nodes
     trainer = tiny_config(str(tmp_path / "corpus"), steps=3000, parallel={"dp": 2}).to_dict()
@@ -153,7 +153,7 @@ def test_rank_zero_node_judges_every_rank_from_forwarded_telemetry(
     """dp=4 over two nodes, rank 3 (on b) made 3x slower: b forwards its ranks' telemetry to a (rank
     0's node), a detects the straggler and migrates its shards through the plan rank 0 reads; b
     judges nothing itself."""
-    from trainguard.trainer.testing import tiny_config
+    from bench.trainjobs import tiny_config
 
     a, b = two_nodes
     trainer = tiny_config(str(tmp_path / "corpus"), steps=3000, parallel={"dp": 4}, global_batch=16).to_dict()
@@ -257,7 +257,7 @@ def test_a_spare_node_joins_the_job_at_a_later_attempt_and_it_trains_again(
     """A node new to a job joins it at attempt > 1: every rank scopes its plan-sync keys by the
     cluster's attempt, not the node's own count of starts (none on the spare, whose rank would
     wait on plan/0/ while rank 0 writes under its own node's later count)."""
-    from trainguard.trainer.testing import tiny_config
+    from bench.trainjobs import tiny_config
 
     a, b = two_nodes
     trainer = tiny_config(str(tmp_path / "corpus"), steps=3000, parallel={"dp": 2}).to_dict()

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.trainjobs import run_job, tiny_config
 from tests.conftest import in_process_agent_config
 from tests.helpers.telemetry import make_msg
 from trainguard.agent.controller import ControllerConfig, install
@@ -25,7 +26,6 @@ from trainguard.agent.wire import Plan, Telemetry, write_plan_file
 from trainguard.trainer.config import config_from_cli
 from trainguard.trainer.data import build_corpus
 from trainguard.trainer.evidence import EvidenceProbe
-from trainguard.trainer.testing import run_job, tiny_config
 
 JOB = "ctl-evidence"
 GOOD_LR = 0.003

@@ -63,7 +63,7 @@ def _wait_members(fabric: Fabric, via: str, count: int, timeout: float = 30) -> 
 
 
 def _submit(fabric: Fabric, via: str, nodes: int, tmp_path: Path) -> float:
-    from trainguard.trainer.testing import tiny_config
+    from bench.trainjobs import tiny_config
 
     trainer = tiny_config(str(tmp_path / "corpus"), steps=100_000, parallel={"dp": nodes}).to_dict()
     at = time.time()

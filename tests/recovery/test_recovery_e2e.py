@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
+from bench.trainjobs import tiny_config
 from tests.helpers.waiting import wait_for
 from trainguard.agent.recovery.service import default_memory_root
-from trainguard.trainer.testing import tiny_config
 
 pytestmark = pytest.mark.slow
 

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard
+from bench.trainjobs import TelemetryCapture
 from tests.conftest import join_ranks
 from trainguard.agent.checkpoint.memory import MemoryTier
 from trainguard.agent.checkpoint.snapshots import SnapshotSet, snapshot_dir
@@ -31,7 +32,6 @@ from trainguard.agent.wire import Plan, write_plan_file
 from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.plansync import MAX_GAP, SYNC_TARGET_S
 from trainguard.run import SNAPSHOT_COST_WINDOW, SNAPSHOT_EARLY_MIN, Run
-from trainguard.trainer.testing import TelemetryCapture
 
 
 def test_no_agent_is_a_working_no_op(tmp_path: Path) -> None:

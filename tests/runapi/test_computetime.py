@@ -26,10 +26,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainguard
 import trainguard.computetime as computetime
 import trainguard.run as run_module
+from bench.trainjobs import TelemetryCapture
 from tests.conftest import join_ranks
 from trainguard.agent.lifecycle.launcher import free_port
 from trainguard.computetime import ClockStamps, GradientClock
-from trainguard.trainer.testing import TelemetryCapture
 
 SLOW_S = 0.12
 """Rank 1's extra time per step inside its compute, before the forward pass (a slow device)."""

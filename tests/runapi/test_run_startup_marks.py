@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import trainguard
+from bench.trainjobs import TelemetryCapture
 from tests.conftest import join_ranks
 from trainguard import rendezvous_clock
 from trainguard.agent.lifecycle.launcher import free_port
@@ -29,7 +30,6 @@ from trainguard.agent.wire import (
     applies_mask,
     applies_names,
 )
-from trainguard.trainer.testing import TelemetryCapture
 
 REPO = Path(__file__).resolve().parents[2]
 UNTIMED_INIT = dist.distributed_c10d.init_process_group

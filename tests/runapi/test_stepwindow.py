@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import trainguard
+from bench.trainjobs import TelemetryCapture
 from trainguard.agent.controller.controller import by_part
 from trainguard.agent.detect.service import step_samples
 from trainguard.agent.wire import Plan, Telemetry, write_plan_file
@@ -26,7 +27,6 @@ from trainguard.stepwindow import (
     window_length,
     window_steps,
 )
-from trainguard.trainer.testing import TelemetryCapture
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 
+from bench.trainjobs import tiny_config
 from tests.conftest import REPO, RunningAgent, start_agent
 from tests.helpers.telemetry import make_msg
 from tests.helpers.waiting import wait_for
 from trainguard.agent.recovery.service import default_memory_root
 from trainguard.trainer.data import build_corpus
-from trainguard.trainer.testing import tiny_config
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                                 reason="ranks of another user need a root agent and setpriv")

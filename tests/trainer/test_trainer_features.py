@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
+from bench.trainjobs import reference_run, run_job, tiny_config
 from trainguard.agent.wire import Plan, Telemetry, write_plan_file
 from trainguard.trainer.checkpoint import latest_checkpoint, load_full_model_state, step_dir
-from trainguard.trainer.testing import reference_run, run_job, tiny_config
 
 torch.set_num_threads(1)  # this process forks ranks later: keep it free of OpenMP worker threads
 

@@ -2,7 +2,7 @@
 
 Each case trains a tiny GPT for 3 steps on forked gloo ranks, saves a checkpoint at the end, and
 compares (a) rank 0's per-step loss and (b) every parameter of the saved checkpoint with a plain
-single-process loop (trainer.testing.reference_run). The checkpoint must hold exactly the full
+single-process loop (bench/trainjobs.py reference_run). The checkpoint must hold exactly the full
 model's parameter names and shapes (TP + DDP loses weights silently after the first forward).
 """
 
@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
+from bench.trainjobs import reference_run, run_job, tiny_config
 from trainguard.trainer.checkpoint import latest_checkpoint
-from trainguard.trainer.testing import reference_run, run_job, tiny_config
 
 torch.set_num_threads(1)  # this process forks ranks later: keep it free of OpenMP worker threads
 

@@ -1,6 +1,6 @@
-"""Helpers for the trainer's tests and benchmark: run a job on forked local ranks and collect what
-it reported (rank 0's step rows and every rank's telemetry from a real unix datagram socket), and
-an independent single-process reference loop to compare numerics against.
+"""Training jobs for the tests and benchmarks, kept out of the package: run a job on forked local
+ranks and collect what it reported (rank 0's step rows and every rank's telemetry from a real unix
+datagram socket), and an independent single-process reference loop to compare numerics against.
 
 The reference is written out plainly (its own forward call, mean cross-entropy, clipping, AdamW
 and learning-rate formula) so that a bug in the trainer's loss scaling, reduction or schedule
