@@ -256,11 +256,10 @@ def test_slow_request_does_not_block_others(env: dict[str, Any]) -> None:
     slow = threading.Thread(target=lambda: result.update(_remote(env, ADMIN).job("slow")))
     slow.start()
     assert daemon.entered_slow.wait(5)
-    t0 = time.monotonic()
     assert ApiClient.local(env["sock"]).health()["ok"] is True
     assert _remote(env, READER).status()["node"] == "n1"
-    assert time.monotonic() - t0 < 3.0  # the slow call holds its thread for up to 10 s
-    assert slow.is_alive()
+    # answered while the slow call still holds its thread (released below, or after 10 s)
+    assert not daemon.left_slow.is_set() and slow.is_alive()
     daemon.release.set()
     slow.join(5)
     assert result == {"job": "slow"}
@@ -358,11 +357,11 @@ def test_blob_upload_refused_before_the_body_is_sent(tmp_path: Path) -> None:
         assert port is not None
         big = os.urandom(3 << 20)
         for token, status in ((None, 401), (READER, 403), (ADMIN, 413)):
-            t0 = time.monotonic()
+            # Answered from the head (100-continue): a server that lingered for the body would
+            # reach the client's timeout, an error without this status.
             with pytest.raises(ApiClientError) as e:
                 ApiClient.remote("127.0.0.1", port, token=token, timeout=5).put_blob("ckpt", "big", big)
             assert e.value.status == status, e.value
-            assert time.monotonic() - t0 < 2.0  # answered from the head (100-continue), no lingering
         assert not daemon.blob_dir.exists()
         assert ApiClient.remote("127.0.0.1", port, token=ADMIN).put_blob("ckpt", "ok", big[:1000]) == {
             "size": 1000}

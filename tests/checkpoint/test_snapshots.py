@@ -168,6 +168,25 @@ def test_the_agent_picks_the_newest_step_every_rank_holds(tmp_path: Path) -> Non
     assert snaps.common_step(3) is None
 
 
+class FakeClock:
+    """A monotonic clock that moves only when the code under test sleeps; ``at_sleep`` runs a
+    callable at the given sleep (1 = the first)."""
+
+    def __init__(self, at_sleep: dict[int, Callable[[], object]] | None = None) -> None:
+        self.now = 100.0
+        self.sleeps = 0
+        self.at_sleep = at_sleep or {}
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        self.now += seconds
+        if (action := self.at_sleep.get(self.sleeps)) is not None:
+            action()
+
+
 def test_the_agent_waits_for_a_survivor_still_copying_the_step_the_dead_rank_finished(tmp_path: Path) -> None:
     state, root, job, directory, writers = _three_rank_writers(tmp_path)
     for w in writers:
@@ -175,20 +194,21 @@ def test_the_agent_waits_for_a_survivor_still_copying_the_step_the_dead_rank_fin
     writers[1].take(5, state, {})  # rank 1 snapshotted step 5 and died; rank 2 holds it already
     writers[2].take(5, state, {})
     snaps = SnapshotSet(root, job)
-    late = threading.Timer(0.2, writers[0].take, (5, state, {}))  # rank 0 is still copying
-    late.start()
-    waited = snaps.settle(dead=[1], alive=[0, 2], world_size=3, within_s=10.0)
-    late.join()
-    assert 0.15 < waited < 5.0, waited
+    # The agent's clock is the test's: rank 0 is still copying and finishes during the tenth wait.
+    clock = FakeClock(at_sleep={10: lambda: writers[0].take(5, state, {})})
+    waited = snaps.settle(dead=[1], alive=[0, 2], world_size=3, within_s=10.0, clock=clock, sleep=clock.sleep)
+    assert clock.sleeps == 10 and 0 < waited < 10.0, (clock.sleeps, waited)
     assert snaps.common_step(3) == 5
     # Nothing to wait for: the survivors hold the dead rank's newest step, or it has none.
-    assert snaps.settle(dead=[1], alive=[0, 2], world_size=3, within_s=10.0) < 0.1
+    clock = FakeClock()
+    assert snaps.settle(dead=[1], alive=[0, 2], world_size=3, within_s=10.0, clock=clock, sleep=clock.sleep) == 0.0
+    assert clock.sleeps == 0
     assert SnapshotSet(tmp_path / "none", job).settle(dead=[1], alive=[0], world_size=3, within_s=10.0) == 0.0
     # A survivor that never gets there costs the bound, not more.
     writers[1].take(6, state, {})
-    start = time.monotonic()
-    snaps.settle(dead=[1], alive=[0, 2], world_size=3, within_s=0.3)
-    assert 0.25 < time.monotonic() - start < 3.0
+    clock = FakeClock()
+    waited = snaps.settle(dead=[1], alive=[0, 2], world_size=3, within_s=0.3, clock=clock, sleep=clock.sleep)
+    assert 0.3 <= waited < 0.31, waited
     assert snaps.common_step(3) == 5
     for w in writers:
         w.close()

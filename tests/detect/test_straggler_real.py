@@ -225,13 +225,11 @@ def test_pinned_cpu_hog_then_cpu_quota_are_attributed(harness_factory: Callable[
         hogs = [start_cpu_hog(1) for _ in range(2)]
         for p in hogs:
             groups[1].add(p.pid)
-        start, t_start = h.step(job), time.monotonic()
         def of_rank1(kind: str) -> list[dict[str, Any]]:
             return [e for e in h.events(kind, job) if e["rank"] == 1]
 
         assert h.run_until(lambda: bool(of_rank1("straggler_detected")), 60, job), \
             ("hog not detected", h.events("straggler_detected", job))
-        took = time.monotonic() - t_start
         ev = of_rank1("straggler_detected")[0]
         # Rank 0 shares CPU 0 with whatever else the machine runs (the suite's other worker): a
         # verdict it gets from that is not one this test caused, and must name no cause of ours.
@@ -245,9 +243,6 @@ def test_pinned_cpu_hog_then_cpu_quota_are_attributed(harness_factory: Callable[
             named = of_rank1("straggler_cause")[0]
         assert named["cause"] == "cpu_contention", named["fields"]
         assert named["fields"]["details"]["run_delay_source"] == source
-        # Within the window: the run delay is a median over delay_window_s seconds, then two
-        # evaluations below the threshold.
-        assert took <= FAST.delay_window_s + 8, (took, start, ev["fields"]["step"])
         for p in hogs:
             p.kill()
             p.wait()

@@ -20,6 +20,7 @@ class FakeDaemon:
         self.blob_dir = blob_dir
         self.release = threading.Event()
         self.entered_slow = threading.Event()
+        self.left_slow = threading.Event()
         self.plan: dict[str, Any] = {"version": 1, "lr_scale": 1.0}
         self.detection: dict[str, Any] = {"straggler_threshold": 0.8}
         self.calls: list[tuple[str, Any]] = []
@@ -49,6 +50,7 @@ class FakeDaemon:
         if job == "slow":
             self.entered_slow.set()
             self.release.wait(10)
+            self.left_slow.set()
             return {"job": job}
         if job == "boom":
             raise RuntimeError("secret internal detail")
