@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import trainguard
+from tests.helpers.waiting import wait_for
 from trainguard.agent.checkpoint.memory import MemoryTier
 from trainguard.checkpointing import load
 
@@ -39,15 +40,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def _wait_until(pred, timeout: float = 30.0) -> bool:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return bool(pred())
 
 
 def test_the_state_as_handed_over_is_committed_though_training_changes_it_at_once(tmp_path: Path) -> None:
@@ -103,14 +95,15 @@ def test_a_rank_killed_right_after_a_save_still_gets_it_committed_and_leaves_no_
         time.sleep(0.002)
     assert proc.returncode == -signal.SIGKILL
     tier = MemoryTier(str(root))
-    assert _wait_until(lambda: [i.step for i in tier.list("die")] == [1]), list(tier.list("die"))
+    wait_for(lambda: [i.step for i in tier.list("die")] == [1], 30, "step 1 committed",
+             diagnose=lambda: str(list(tier.list("die"))))
     assert tier.verify("die", 1).ok
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(24)])
     load(str(tier.step_path("die", 1)), {"model": model}, rank=0)
     saved = torch.load(want, weights_only=True)
     assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
     assert writers, "the rank started no writer process"
-    assert _wait_until(lambda: not any(_alive(p) for p in writers), 10.0), "the writer outlived its rank"
+    wait_for(lambda: not any(_alive(p) for p in writers), 10.0, "the writer to end with its rank")
 
 
 def test_a_writer_killed_from_outside_costs_only_the_save_it_held(tmp_path: Path) -> None:
@@ -134,4 +127,5 @@ def test_a_writer_killed_from_outside_costs_only_the_save_it_held(tmp_path: Path
     assert 3 in [i.step for i in tier.list("wk")] and tier.verify("wk", 3).ok
     assert not _alive(writer)
     run.close()
-    assert _wait_until(lambda: not set(_children(os.getpid())) - before, 10.0), _children(os.getpid())
+    wait_for(lambda: not set(_children(os.getpid())) - before, 10.0, "no child left behind",
+             diagnose=lambda: str(_children(os.getpid())))

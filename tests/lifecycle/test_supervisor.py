@@ -36,13 +36,8 @@ def make_supervisor(tmp_path, mode: str) -> tuple[Supervisor, EventLog]:
 
 
 def wait_state(sup: Supervisor, job: str, states: set[JobState], timeout: float = 60) -> JobState:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = sup.jobs[job].state
-        if state in states:
-            return state
-        time.sleep(0.02)
-    raise AssertionError(f"job {job} still {sup.jobs[job].state} after {timeout}s")
+    return wait_for(lambda: (state := sup.jobs[job].state) in states and state, timeout, f"job {job} in {states}",
+                    interval=0.02, diagnose=lambda: f"still {sup.jobs[job].state}")
 
 
 @pytest.mark.parametrize("mode", ["cold", "warm"])

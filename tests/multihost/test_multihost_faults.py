@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.waiting import wait_for
 from tests.multihost.hosts import Fabric
 from tests.multihost.observer import Observer
 
@@ -56,10 +57,8 @@ def _start_leader_first(fabric: Fabric, names: list[str]) -> None:
 
 
 def _wait_members(fabric: Fabric, via: str, count: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while len((fabric.hosts[via].client().status().get("cluster") or {}).get("members", {})) < count:
-        assert time.monotonic() < deadline, f"{count} members not seen by {via}\n{fabric.hosts[via].log()}"
-        time.sleep(0.2)
+    wait_for(lambda: len((fabric.hosts[via].client().status().get("cluster") or {}).get("members", {})) >= count,
+             timeout, f"{count} members seen by {via}", interval=0.2, diagnose=fabric.hosts[via].log)
 
 
 def _submit(fabric: Fabric, via: str, nodes: int, tmp_path: Path) -> float:
@@ -115,13 +114,8 @@ def _wait(obs: Observer, fabric: Fabric, hosts: list[str] | Callable[[], list[st
 
 def _wait_floor(obs: Observer, holders: list[str], parts: list[str], above: int, timeout: float, diag: Any) -> int:
     """Waits until every part of a step newer than ``above`` is committed on ``holders``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        floor = obs.committed_floor(time.time(), holders, parts)
-        if floor > above:
-            return floor
-        time.sleep(0.5)
-    raise AssertionError(f"no step with parts {parts} held on {holders} above {above} in {timeout} s\n{diag()}")
+    return wait_for(lambda: (floor := obs.committed_floor(time.time(), holders, parts)) > above and floor, timeout,
+                    f"a step with parts {parts} held on {holders} above {above}", interval=0.5, diagnose=diag)
 
 
 def _restore_steps(fabric: Fabric, hosts: list[str], since: float) -> dict[str, int]:

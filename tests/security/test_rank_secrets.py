@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.waiting import wait_for
 from trainguard.agent.config import ConfigError, load_config
 from trainguard.agent.eventlog import EventLog
 
@@ -37,13 +38,8 @@ def _cmdlines_with(secret: str) -> list[int]:
 
 
 def _wait_job(client: Any, job: str, states: set[str], timeout: float = 120) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got: dict[str, Any] = client.job(job)
-        if got["state"] in states:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"job {job} not in {states} after {timeout}s: {client.job(job)}")
+    return wait_for(lambda: (got := client.job(job))["state"] in states and got, timeout, f"job {job} in {states}",
+                    interval=0.1, diagnose=lambda: str(client.job(job)))
 
 
 @pytest.mark.parametrize("warm", [True, False])
