@@ -204,11 +204,12 @@ def test_a_node_that_joins_receives_the_checkpoint_and_every_rank_resumes_from_i
                  "--rdzv-conf", "last_call_timeout=1", API, str(out), str(steps))
         state_a = a.start_agent(tmp_path, memory_every=20)
         pa = trainguard_run(a, a, "--state-dir", str(state_a), *flags, log=logs[0])
-        wait_for("a memory-tier checkpoint on node a", lambda: [s for s in memory_checkpoints(state_a) if s >= 40],
-                 timeout=90, logs=logs)
+        wait_for(lambda: [s for s in memory_checkpoints(state_a) if s >= 40], 90, "a memory-tier checkpoint on node a",
+                 interval=0.1, diagnose=tails(logs))
         state_b = b.start_agent(tmp_path, memory_every=20)
         pb = trainguard_run(b, a, "--state-dir", str(state_b), *flags, log=logs[1])
-        wait_for("four ranks started", lambda: all(starts_of(out, r) for r in range(4)), timeout=90, logs=logs)
+        wait_for(lambda: all(starts_of(out, r) for r in range(4)), 90, "four ranks started", interval=0.1,
+                 diagnose=tails(logs))
         assert finish(pa, logs[0], timeout=120) == 0, logs[0].read_text()[-3000:]
         assert finish(pb, logs[1], timeout=60) == 0, logs[1].read_text()[-3000:]
     grown = [starts_of(out, r)[-1] for r in range(4)]
@@ -241,7 +242,8 @@ def test_sigterm_stops_the_nodes_ranks_and_exits_143(tmp_path: Path, nnodes: str
         a = nodes["node-a"]
         pa = trainguard_run(a, a, "--no-agent", "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-id", "term1",
                             "--rdzv-conf", "last_call_timeout=1", PLAIN, str(out), "100000", log=log)
-        wait_for("step 5 on both ranks", lambda: all(step_of(out, r, 0) >= 5 for r in range(2)), logs=(log,))
+        wait_for(lambda: all(step_of(out, r, 0) >= 5 for r in range(2)), 60, "step 5 on both ranks", interval=0.1,
+                 diagnose=tails([log]))
         pids = [started(out, r, 0)["pid"] for r in range(2)]
         pa.send_signal(signal.SIGTERM)
         assert finish(pa, log, timeout=60) == 143, log.read_text()[-3000:]

@@ -185,8 +185,8 @@ def test_a_signal_slurm_sends_the_step_reaches_every_nodes_ranks(slurm: SlurmClu
     ``trainguard run``, which passes it on to its ranks; the job trains on to the end."""
     job, ranks, out, diag = start_job(slurm, tmp_path, "2")
     slurm.client("scancel", "-s", "USR1", job)
-    wait_until(lambda: all(any(e["event"] == "signal" for e in ranks.lines(n)) for n in ("n1", "n2")), 60,
-               "SIGUSR1 at both nodes' ranks", diag)
+    wait_for(lambda: all(any(e["event"] == "signal" for e in ranks.lines(n)) for n in ("n1", "n2")), 60,
+             "SIGUSR1 at both nodes' ranks", interval=0.2, diagnose=diag)
     (out / "finish").touch()
     state = slurm.wait_job(job, ["COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"], 120)
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", f"{state}\n{diag()}"

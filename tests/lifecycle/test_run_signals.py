@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from trainguard.agent import waiting
+from tests.helpers.waiting import wait_for
 from trainguard.agent.api.client import ApiClientError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
@@ -42,11 +42,11 @@ def got(out: Path, rank: int) -> list[str]:
 
 
 def signal_both(cli: subprocess.Popen[str], out: Path) -> None:
-    waiting.wait_for(lambda: all((out / f"up-{r}").exists() for r in range(2)), 120, "both ranks up")
+    wait_for(lambda: all((out / f"up-{r}").exists() for r in range(2)), 120, "both ranks up")
     cli.send_signal(signal.SIGUSR1)
-    waiting.wait_for(lambda: all(got(out, r) == ["SIGUSR1"] for r in range(2)), 30, "SIGUSR1 at both ranks")
+    wait_for(lambda: all(got(out, r) == ["SIGUSR1"] for r in range(2)), 30, "SIGUSR1 at both ranks")
     cli.send_signal(signal.SIGUSR2)
-    waiting.wait_for(lambda: all(got(out, r) == ["SIGUSR1", "SIGUSR2"] for r in range(2)), 30, "SIGUSR2 at both ranks")
+    wait_for(lambda: all(got(out, r) == ["SIGUSR1", "SIGUSR2"] for r in range(2)), 30, "SIGUSR2 at both ranks")
     assert cli.poll() is None  # run and its ranks go on
     (out / "finish").touch()
 
