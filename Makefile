@@ -11,7 +11,7 @@ lint: setup
 	$(VENV)/bin/ruff check trainguard agent trainer tui tests bench examples
 
 typecheck: setup
-	$(VENV)/bin/mypy -p trainguard
+	MYPY=$(VENV)/bin/mypy bash scripts/typecheck.sh
 
 test: setup lint typecheck
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup tests

@@ -82,7 +82,7 @@ python_env() {
     "$PY" -m venv "$VENV"
   fi
   local want
-  want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+  want=$(cat pyproject.toml setup.py scripts/setup.sh | sha256sum | cut -c1-16)
   if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
     return 0
   fi

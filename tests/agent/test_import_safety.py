@@ -48,6 +48,17 @@ def test_installed_names_are_only_trainguard() -> None:
     assert res.stdout.strip() == "[]", res.stdout
 
 
+def test_each_file_has_one_path() -> None:
+    """agent/, trainer/ and tui/ are installed as trainguard.agent, .trainer and .tui by the package
+    map (setup.py), not reached through links: tracebacks, docs and editors name one path."""
+    links = [str(p) for p in REPO.glob("trainguard/**/*") if p.is_symlink()]
+    assert links == []
+    code = "import trainguard.agent.daemon as d, trainguard.trainer.config as c, trainguard.tui as t; print(d.__file__, c.__file__, t.__file__)"
+    res = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, env=_env(), check=True)
+    assert res.stdout.split() == [str(REPO / "agent" / "daemon.py"), str(REPO / "trainer" / "config.py"),
+                                  str(REPO / "tui" / "__init__.py")]
+
+
 def test_importing_trainguard_loads_no_bare_names_and_no_torch() -> None:
     code = ("import sys, trainguard, trainguard.agent.daemon, trainguard.cli; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('agent', 'trainer', 'tui')]; "
