@@ -273,11 +273,11 @@ class CheckpointSection:
     snapshots: bool = True
     """Per-step snapshots of every rank's state in shared memory (a rank crash loses the step
     that was running and at most ``snapshot_every`` - 1 more, or ``snapshot_every`` when it lands
-    while the newest snapshot is still being copied; ``trainguard.snapshot``)."""
+    while the newest snapshot is still being copied; ``trainguard.checkpoint.snapshot.writer``)."""
     snapshot_every: int = 0
     """Steps between snapshots; 0: chosen by each rank from its measured stall, the fewest steps
     (1, 2, 4, ... 64) that keep snapshots within 1% of its step time (a stall counted as many times
-    over as the node's ranks outnumber its cores: ``trainguard.snapshot.cost_scale``)."""
+    over as the node's ranks outnumber its cores: ``trainguard.checkpoint.snapshot.writer.cost_scale``)."""
     disk_dir: str = ""
     """Disk tier directory (empty: <state_dir>/checkpoints)."""
     disk_every: int = 500

@@ -15,7 +15,7 @@ from trainguard.agent.api.handler import ApiError, Blob, BlobReader, Json
 from trainguard.agent.lifecycle import rdzvjobs
 from trainguard.agent.lifecycle.jobs import JobSpec, JobSpecError
 from trainguard.agent.wire import WireError
-from trainguard.forward import FORWARDABLE
+from trainguard.launch.forward import FORWARDABLE
 
 MAX_FORWARDED = 20_000
 EXTERNAL_NOTE = ("started by another launcher (torchrun): trainguard monitors it (telemetry, per-rank eBPF, "

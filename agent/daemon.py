@@ -255,7 +255,7 @@ class Agent:
 
     def _write_discovery(self) -> None:
         """Tell ranks this agent did not start (torchrun jobs calling ``trainguard.init()``) where
-        to report, read plans and put memory checkpoints (``trainguard.environment``)."""
+        to report, read plans and put memory checkpoints (``trainguard.run.environment``)."""
         body = {
             "node": self.cfg.agent.node, "pid": os.getpid(), "version": __version__,
             "telemetry_socket": self.paths.telemetry_socket, "plans_dir": self.paths.plans_dir,

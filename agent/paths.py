@@ -54,7 +54,7 @@ class AgentPaths:
 
     @property
     def discovery_file(self) -> str:
-        """Where ranks the agent did not start find it (``trainguard.environment``)."""
+        """Where ranks the agent did not start find it (``trainguard.run.environment``)."""
         return os.path.join(self.run_dir, "agent.json")
 
     @property

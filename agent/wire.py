@@ -8,7 +8,7 @@ small and free of torch (the agent never imports torch) and of anything else hea
   Fire-and-forget; the agent validates every message and drops (and counts) what does not fit.
 * Plan, agent -> ranks: a versioned JSON object per job, written atomically by the agent to the
   file named by ``$TRAINGUARD_PLAN``. Rank 0 reads it at sync points and passes it on through the
-  job's store (``trainguard.plansync``), so every rank applies one version at one step.
+  job's store (``trainguard.run.plansync``), so every rank applies one version at one step.
 * Exit status, warm launcher -> agent: how a rank the launcher forked ended, in a small JSON file
   beside the rank's log (``exit_status_path``), written when the launcher reaps it. An agent that
   was away when the rank ended (killed, restarted) reads it there instead of guessing.
@@ -194,7 +194,7 @@ class Telemetry:
     """What of the plan the rank applies (``APPLIES_*`` bits; None: not declared)."""
     update_cos: float | None = None
     """Cosine between this step's gradient and the previous step's parameter update, reversed
-    (trainguard.alignment): persistently positive means the LR is too low (hypergradient sign)."""
+    (trainguard.run.alignment): persistently positive means the LR is too low (hypergradient sign)."""
     traj_cos: float | None = None
     """Cosine between this step's gradient and the way back to the evidence controller's reference
     parameters, cos(g, -(theta - theta_ref)) (trainer/evidence.py): the mean over the steps that
@@ -207,7 +207,7 @@ class Telemetry:
     """The steps in consecutive parts, oldest first: ``[steps, fwd_bwd_s, opt_s, samples, loss]``
     each (times and loss their mean per step, a non-finite loss if one step had it, null when no
     step reported one; samples their total); their steps add up to ``steps``. Straggler detection
-    and the controller take each part as one sample (``trainguard.stepwindow``)."""
+    and the controller take each part as one sample (``trainguard.run.stepwindow``)."""
     has_loss: bool = True
     """False when the sender reported no loss (``loss`` is then NaN and means nothing)."""
 

@@ -79,8 +79,8 @@ from trainguard.agent.eventlog import EventLog  # noqa: E402
 from trainguard.agent.lifecycle.plans import PlanStore  # noqa: E402
 from trainguard.agent.ranktable import RankTable  # noqa: E402
 from trainguard.agent.wire import Telemetry  # noqa: E402
-from trainguard.alignment import UpdateAlignment  # noqa: E402
-from trainguard.link import PlanWatcher  # noqa: E402
+from trainguard.run.alignment import UpdateAlignment  # noqa: E402
+from trainguard.run.link import PlanWatcher  # noqa: E402
 from trainguard.trainer.config import OptimConfig, TrainConfig  # noqa: E402
 from trainguard.trainer.data import Corpus, Sampler, split_counts, val_index, windows  # noqa: E402
 from trainguard.trainer.model import build_stage  # noqa: E402

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trainguard  # noqa: E402
-from trainguard.computetime import ClockStamps, GradientClock  # noqa: E402
+from trainguard.run.computetime import ClockStamps, GradientClock  # noqa: E402
 
 
 def _net(device: str, width: int) -> tuple[torch.device, nn.Module, torch.Tensor]:

@@ -1,5 +1,5 @@
 """The no-daemon arm of bench/recovery.py: ``trainguard run`` where no node agent runs, so the
-command hosts the agent itself (trainguard/hosted_agent.py), with the same trainer, ranks and
+command hosts the agent itself (trainguard/launch/hosted_agent.py), with the same trainer, ranks and
 kills as the other arms. Its failures are read as the agent arm's are: the rank's death from the
 event log (the kernel's word where eBPF runs, else the supervisor's ``rank_exit``) to the first
 step row after the restore the agent's ``job_resumed`` names.

@@ -45,7 +45,7 @@ from trainguard.agent.config import AgentConfig, apply_state_dir  # noqa: E402
 from trainguard.agent.daemon import Agent  # noqa: E402
 from trainguard.agent.detect import StragglerConfig, install  # noqa: E402
 from trainguard.agent.lifecycle.jobs import JobSpec  # noqa: E402
-from trainguard.nodefaults import CpuCgroup, cpu_cgroup_unavailable, pin, start_cpu_hog  # noqa: E402
+from trainguard.demo.nodefaults import CpuCgroup, cpu_cgroup_unavailable, pin, start_cpu_hog  # noqa: E402
 
 SLOW_RANK = 1
 GLOBAL_BATCH = int(os.environ.get("TG_BENCH_BATCH", "128"))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from trainguard.agent.config import AgentConfig, apply_state_dir
-from trainguard.nodefaults import CpuCgroup, cpu_cgroup_unavailable
+from trainguard.demo.nodefaults import CpuCgroup, cpu_cgroup_unavailable
 
 REPO = Path(__file__).resolve().parents[1]
 

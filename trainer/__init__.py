@@ -13,5 +13,5 @@ Stable entry points:
 Modules: config (settings), model (GPT and its pipeline stages), data (stdlib byte corpus,
 sampler), parallel (mesh, TP/FSDP2/DDP/pipelining), train (the loop), metrics (telemetry
 measurements), checkpoint (DCP), worker/launch (processes);
-compression and faults are hooks the loop calls; the agent contract is trainguard.link and trainguard.agent.wire.
+compression and faults are hooks the loop calls; the agent contract is trainguard.run.link and trainguard.agent.wire.
 """

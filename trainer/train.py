@@ -33,10 +33,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainguard import rendezvous_clock
 from trainguard.agent.wire import Plan
-from trainguard.alignment import UpdateAlignment
-from trainguard.run import Run, init
+from trainguard.run import rendezvous_clock
+from trainguard.run.alignment import UpdateAlignment
+from trainguard.run.run import Run, init
 from trainguard.trainer.config import TrainConfig
 from trainguard.trainer.data import Corpus, Sampler, split_counts, val_index, windows
 from trainguard.trainer.evidence import EvidenceProbe

@@ -19,6 +19,6 @@ them. Importing this package loads no torch (the node agent imports it too).
 """
 
 from trainguard.agent import __version__
-from trainguard.run import Run, RunPlan, Step, init
+from trainguard.run.run import Run, RunPlan, Step, init
 
 __all__ = ["Run", "RunPlan", "Step", "__version__", "init"]

@@ -10,9 +10,10 @@ import sys
 import time
 from typing import Any
 
-from trainguard import jobcmds, torchrun_args
+from trainguard import jobcmds
 from trainguard.agent.api.client import ApiClientError
 from trainguard.agent.configerror import ConfigError
+from trainguard.launch import torchrun_args
 
 EXIT_USAGE = 2
 
@@ -331,7 +332,7 @@ def _submitted_only(job: str, args: argparse.Namespace) -> bool:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from trainguard.environment import ENV_STATE_DIR
+    from trainguard.run.environment import ENV_STATE_DIR
 
     try:
         launch = torchrun_args.resolve(args, os.environ)
@@ -358,7 +359,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if launch.rdzv is not None:
             return _run_nodes(launch, environ, client)
         return _submit_and_follow(client, launch, args, environ)
-    from trainguard.hosted_agent import NoAgent, local_agent
+    from trainguard.launch.hosted_agent import NoAgent, local_agent
 
     try:
         with local_agent(args.state_dir, environ, job=launch.job or "run", metrics_addr=args.metrics_addr) as node:
@@ -381,7 +382,7 @@ def _submit_and_follow(client: Any, launch: torchrun_args.Launch, args: argparse
                        environ: dict[str, str]) -> int:
     """Submit the job and follow it (``follow`` stops the job on Ctrl-C or SIGTERM, as a scheduler
     ends a step, and exits 130 or 143)."""
-    from trainguard.runcmd import follow, job_spec
+    from trainguard.launch.runcmd import follow, job_spec
 
     spec = job_spec(launch.command, nproc=launch.nproc, nodes=args.nodes, job=launch.job,
                     max_restarts=launch.max_restarts, hang_timeout_s=args.hang_timeout, environ=environ)
@@ -392,14 +393,16 @@ def _submit_and_follow(client: Any, launch: torchrun_args.Launch, args: argparse
 
 
 def _run_nodes(launch: torchrun_args.Launch, environ: dict[str, str], client: Any) -> int:
-    from trainguard.multinode import run_nodes  # imports torch (the rendezvous store): not for every command
+    from trainguard.launch.multinode import (
+        run_nodes,  # imports torch (the rendezvous store): not for every command
+    )
 
     return run_nodes(launch, environ, client)
 
 
 def _run_agentless(launch: torchrun_args.Launch, args: argparse.Namespace, environ: dict[str, str]) -> int:
-    from trainguard.runcmd import resolve_command
-    from trainguard.standalone import run_standalone
+    from trainguard.launch.runcmd import resolve_command
+    from trainguard.launch.standalone import run_standalone
 
     if args.detach or args.nodes > 1:
         return _fail("--detach and --nodes need an agent (it runs the job); start one with `trainguard agent`",
@@ -423,7 +426,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from trainguard.demo import run_demo
+    from trainguard.demo.demo import run_demo
 
     return run_demo(tui=args.tui, quick=args.quick)
 

@@ -26,7 +26,7 @@ completion, and stops ranks that the newest attempt no longer gives it. Writes u
 swap on the key's revision, so concurrent writers retry on the next change instead of clobbering.
 
 Checkpoints: each node's local rank 0 commits that node's DCP files to its own memory tier under
-``part_key(job, node)`` with the attempt's node list in the manifest (``trainguard/checkpointing.py``); the
+``part_key(job, node)`` with the attempt's node list in the manifest (``trainguard/checkpoint/tier.py``); the
 replicator copies the part to the ring peer's RAM like any memory checkpoint. To restore step S
 the leader looks up, for every part of S, which live nodes hold it (the writer's own memory tier
 over the blob API, or a peer's held copy), asking every holder at once under one deadline

@@ -63,7 +63,7 @@ class ControllerConfig:
     """rl: initial exploration (posterior variance inflation); it decays as 1/sqrt(decisions)."""
     lr_guard: bool = True
     """Raise an LR that is clearly too low, whatever the strategy: a window whose steps' gradients
-    keep agreeing with the previous update (telemetry update_cos, trainguard.alignment; mean above
+    keep agreeing with the previous update (telemetry update_cos, trainguard.run.alignment; mean above
     lr_guard_threshold, 3 standard errors clear of 0) gets LR x2 (x4 above twice the threshold)."""
     lr_guard_threshold: float = 0.05
     """Mean ``update_cos`` over a window above which the LR guard calls the LR too low."""

@@ -93,7 +93,7 @@ def make_strategy(config: ControllerConfig, space: Space, job: str) -> Strategy:
 
 
 def by_part(m: Telemetry) -> list[Telemetry]:
-    """A message as the parts it carries (``trainguard.stepwindow``), each a message of its own
+    """A message as the parts it carries (``trainguard.run.stepwindow``), each a message of its own
     steps, compute, samples and loss, ending when its last step ended; the other figures (gradient
     norms, noise scale inputs, plan) the message's. Other ranks' messages are matched by step, so
     only the last part meets them."""
@@ -411,7 +411,7 @@ class Controller:
 
     def _guard(self, agent: Any, jc: JobControl, aligns: list[float], result: WindowResult | None) -> bool:
         """The LR guard: a window whose gradients kept agreeing with the previous update ran at an
-        LR that is too low (the hypergradient's sign, trainguard.alignment); raise it, whatever the
+        LR that is too low (the hypergradient's sign, trainguard.run.alignment); raise it, whatever the
         strategy would do, and move the strategy's LR range up with it, so that exploring does not
         undo what the evidence showed. True when it acted."""
         cfg = self.config

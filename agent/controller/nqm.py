@@ -62,7 +62,7 @@ class StepStats:
     """L(theta) after the step: the held-out figure a bench reports."""
     grad_norm: float
     update_cos: float
-    """cos(g_t, -u_{t-1}): positive when the last update was too short (trainguard.alignment)."""
+    """cos(g_t, -u_{t-1}): positive when the last update was too short (trainguard.run.alignment)."""
     traj_cos: float
     """cos(g_t, -(theta_t - theta_ref)) with theta_ref the parameters at the last ``set_ref``
     (Mechanic-style): negative when the gradient points back along the way travelled."""

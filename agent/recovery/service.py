@@ -34,7 +34,7 @@ from trainguard.agent.recovery.activity import ActivityProbe, descends_from
 from trainguard.agent.recovery.detectors import Finding, HangDetector, LossDetector
 from trainguard.agent.recovery.stacks import probe_all
 from trainguard.agent.wire import CKPT_FAILED_ELSEWHERE, PART_MARK
-from trainguard.environment import ENV_SNAPSHOT_DIR, ENV_SNAPSHOT_EVERY, ENV_SNAPSHOT_STEP
+from trainguard.run.environment import ENV_SNAPSHOT_DIR, ENV_SNAPSHOT_EVERY, ENV_SNAPSHOT_STEP
 
 if TYPE_CHECKING:
     from trainguard.agent.daemon import Agent

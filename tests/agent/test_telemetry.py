@@ -32,7 +32,7 @@ from trainguard.agent.wire import (
     decode_telemetry,
     split_datagram,
 )
-from trainguard.link import TelemetrySender
+from trainguard.run.link import TelemetrySender
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Memory-tier saves written by the rank's background writer process (``trainguard.savewriter``):
+"""Memory-tier saves written by the rank's background writer process (``trainguard.checkpoint.savewriter``):
 what was handed over is what gets committed, whatever the rank does next or dies of, and a writer
 killed from outside costs at most the save it held, reported."""
 
@@ -18,7 +18,7 @@ from torch import nn
 import trainguard
 from tests.helpers.waiting import wait_for
 from trainguard.agent.checkpoint.memory import MemoryTier
-from trainguard.checkpointing import load
+from trainguard.checkpoint.tier import load
 
 
 def _env(root: Path, job: str) -> dict[str, str]:

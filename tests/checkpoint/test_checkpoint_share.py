@@ -1,5 +1,5 @@
 """A whole checkpoint sent from the ranks of the node that holds it to the ranks of the nodes
-that do not (``trainguard.checkpoint_share``), over a real gloo group of forked ranks: three
+that do not (``trainguard.checkpoint.share``), over a real gloo group of forked ranks: three
 ranks as node 0 (rank 0, holds it) and node 1 (ranks 1 and 2, receive one copy between them)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from tests.conftest import join_ranks
 from trainguard.agent.checkpoint.manifest import build_manifest, write_manifest
 from trainguard.agent.lifecycle.launcher import free_port
-from trainguard.checkpoint_share import ShareError, _check_entry, share
+from trainguard.checkpoint.share import ShareError, _check_entry, share
 
 NODES = (0, 1, 1)
 LOCAL = (0, 0, 1)

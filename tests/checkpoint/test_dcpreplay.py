@@ -1,4 +1,4 @@
-"""Saves replayed from a DCP template (trainguard.dcpreplay) read back exactly as dcp.save's own; the
+"""Saves replayed from a DCP template (trainguard.checkpoint.dcpreplay) read back exactly as dcp.save's own; the
 state a save resolves is what DCP's own getters give."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from trainguard.checkpointing import _OPTIM_OPTS, TierWriter, _dcp_state, _resolved, _save_alone_dcp, load
-from trainguard.dcpreplay import ReplaySaver, object_bytes
-from trainguard.environment import RunEnvironment
+from trainguard.checkpoint.dcpreplay import ReplaySaver, object_bytes
+from trainguard.checkpoint.tier import _OPTIM_OPTS, TierWriter, _dcp_state, _resolved, _save_alone_dcp, load
+from trainguard.run.environment import RunEnvironment
 
 
 @pytest.mark.parametrize("value", [0.05, 1e-300, 0, -3, 2**70, True, None, "adam", b"\x00\xff", (0.9, 0.999),

@@ -17,8 +17,8 @@ import torch
 
 from trainguard.agent.checkpoint.memory import MemoryTier
 from trainguard.agent.lifecycle.launcher import free_port
-from trainguard.checkpointing import TierWriter, _Agreement
-from trainguard.environment import RunEnvironment
+from trainguard.checkpoint.tier import TierWriter, _Agreement
+from trainguard.run.environment import RunEnvironment
 
 RANK_SCRIPT = textwrap.dedent('''
     import json, os, sys

@@ -1,4 +1,4 @@
-"""Snapshots of data-parallel replicas shared out among the ranks (trainguard/replicas.py): real
+"""Snapshots of data-parallel replicas shared out among the ranks (trainguard/checkpoint/snapshot/replicas.py): real
 gloo ranks with a DDP model and AdamW each keep about a third of the common tensors, restore the
 whole state bit-equal from the three slots, keep what is theirs alone (a buffer, the RNG, plain
 values) in their own slot, and refuse a restore whose share is gone or of another structure instead
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from trainguard.agent.lifecycle.launcher import free_port
-from trainguard.replicas import holders, replicated_ids
-from trainguard.snapshot import SnapshotWriter
+from trainguard.checkpoint.snapshot.replicas import holders, replicated_ids
+from trainguard.checkpoint.snapshot.writer import SnapshotWriter
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,9 +29,9 @@ _RANK = textwrap.dedent("""
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
     from trainguard.agent.checkpoint.snapshots import mark_empty, slot_path
-    from trainguard.replicas import replicated_ids
-    from trainguard.snapshot import SnapshotError, SnapshotWriter
-    from trainguard.snapshot_load import load_snapshot
+    from trainguard.checkpoint.snapshot.replicas import replicated_ids
+    from trainguard.checkpoint.snapshot.writer import SnapshotError, SnapshotWriter
+    from trainguard.checkpoint.snapshot.load import load_snapshot
 
     directory, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")

@@ -1,4 +1,4 @@
-"""trainguard.statedict: the state DCP's get_state_dict gives, built from learned names, equal to
+"""trainguard.checkpoint.statedict: the state DCP's get_state_dict gives, built from learned names, equal to
 DCP's own at every call (keys in order, the same tensors, equal plain values), through optimizer
 steps, LR changes, a new parameter group, and models whose names DCP rewrites (DDP's ``module.``)."""
 
@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.conftest import join_ranks
-from trainguard.statedict import VERIFY_EVERY, LearnedStateDict, LearnedStateDicts
+from trainguard.checkpoint.statedict import VERIFY_EVERY, LearnedStateDict, LearnedStateDicts
 
 OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -146,7 +146,7 @@ def test_ddp_names_without_its_module_prefix(tmp_path: Any) -> None:
 @pytest.mark.parametrize("calls", [1, VERIFY_EVERY])
 def test_the_checks_call_dcp(calls: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first call and every VERIFY_EVERY-th are DCP's own."""
-    import trainguard.statedict as sd
+    import trainguard.checkpoint.statedict as sd
 
     model = _model()
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

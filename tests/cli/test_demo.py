@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import CPU_ISOLATION
-from trainguard.demo import KILL_RANK, SLOW_RANK, Node, _judge, run_demo
-from trainguard.nodefaults import cpu_cgroup_unavailable
+from trainguard.demo.demo import KILL_RANK, SLOW_RANK, Node, _judge, run_demo
+from trainguard.demo.nodefaults import cpu_cgroup_unavailable
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from trainguard.agent.lifecycle.jobs import JobSpec, JobState
 from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher, RankBlock, free_port
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.supervisor import Supervisor
-from trainguard.environment import RunEnvironment, plan_prefix
+from trainguard.run.environment import RunEnvironment, plan_prefix
 
 DUMP_ENV = [sys.executable, "-c", "import json, os; print('ENV=' + json.dumps(dict(os.environ)))"]
 

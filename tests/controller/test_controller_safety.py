@@ -28,7 +28,7 @@ from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.metricspec import index
 from trainguard.agent.ranktable import RankTable
 from trainguard.agent.wire import Telemetry
-from trainguard.link import PlanWatcher
+from trainguard.run.link import PlanWatcher
 
 JOB = "sim"
 

@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import CPU_ISOLATION
 from tests.conftest import job_events as events
 from tests.helpers.waiting import wait_for
-from trainguard.nodefaults import CpuCgroup, pin, start_cpu_hog
+from trainguard.demo.nodefaults import CpuCgroup, pin, start_cpu_hog
 
 REPO = Path(__file__).resolve().parents[2]
 # Steps of ~7 ms of compute, several scheduler slices: a rank sharing its core with two hogs is

@@ -25,7 +25,7 @@ from trainguard.agent.daemon import Agent
 from trainguard.agent.detect import StragglerConfig, StragglerService, install
 from trainguard.agent.detect.service import step_samples
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.nodefaults import CpuCgroup, pin, start_cpu_hog
+from trainguard.demo.nodefaults import CpuCgroup, pin, start_cpu_hog
 
 pytestmark = pytest.mark.xdist_group(CPU_ISOLATION)
 
@@ -112,7 +112,7 @@ def test_slow_fault_detected_migrated_converges_and_recovers(harness_factory: Ca
     def converged() -> bool:
         # The slow period is long enough for the re-balances to settle on a loaded machine (a fresh
         # CI machine measured 1.36-1.41 at steps 95-119 of a period ending at 120).
-        # The detector's samples (parts of messages, trainguard.stepwindow) of steps 175-198.
+        # The detector's samples (parts of messages, trainguard.run.stepwindow) of steps 175-198.
         ws = {r: step_samples(h.agent.table.window(job, r, None)) for r in range(4)}
         if min((w[-1].step if w else 0) for w in ws.values()) < 199:
             return False

@@ -12,7 +12,7 @@ from pathlib import Path
 import trainguard
 from trainguard.agent.config import config_from_dict
 from trainguard.cli import build_parser
-from trainguard.run import RunPlan, Step
+from trainguard.run.run import RunPlan, Step
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"

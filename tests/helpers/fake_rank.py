@@ -12,7 +12,7 @@ import sys
 import time
 
 from trainguard.agent.wire import Telemetry
-from trainguard.link import PlanWatcher, TelemetrySender
+from trainguard.run.link import PlanWatcher, TelemetrySender
 
 
 def main() -> int:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from trainguard.agent.privilege import features_off
-from trainguard.hosted_agent import prune_old
+from trainguard.launch.hosted_agent import prune_old
 
 DENIED = "eBPF off: needs root or CAP_BPF+CAP_PERFMON (running as uid 1000 without them)"
 

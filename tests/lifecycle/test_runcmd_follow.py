@@ -1,4 +1,4 @@
-"""``trainguard run``'s follower when the agent goes away mid-job (``trainguard.runcmd.follow``),
+"""``trainguard run``'s follower when the agent goes away mid-job (``trainguard.launch.runcmd.follow``),
 against a stand-in for the agent's API: it waits while a rank of the job still runs, follows on
 once the agent answers again, and gives up only when the ranks are gone and no agent came back.
 The real thing, an agent SIGKILLed and started again, is in test_run_command.py."""
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from trainguard.agent.api.client import ApiClientError
-from trainguard.runcmd import follow
+from trainguard.launch.runcmd import follow
 
 LOST = ApiClientError(0, "no agent at /run/x/agent.sock: is `trainguard agent` running?")
 

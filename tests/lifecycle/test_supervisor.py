@@ -118,14 +118,14 @@ def test_warm_ranks_start_with_their_imports_and_the_corpus_listing_done(tmp_pat
     sup, _ = make_supervisor(tmp_path, "warm")
     script = tmp_path / "probe.py"
     script.write_text("import sys\n"
-                      "warm = [m for m in ('trainguard.snapshot', 'trainguard.checkpointing', 'trainguard.trainer.train')"
+                      "warm = [m for m in ('trainguard.checkpoint.snapshot.writer', 'trainguard.checkpoint.tier', 'trainguard.trainer.train')"
                       " if m in sys.modules]\n"
                       "from trainguard.trainer.data import stdlib_digest\n"
                       "print('WARM', ','.join(warm), stdlib_digest.cache_info().currsize, flush=True)\n")
     sup.submit(JobSpec("warm-job", 1, command=[sys.executable, str(script)]))
     assert wait_state(sup, "warm-job", {JobState.SUCCEEDED, JobState.FAILED}) == JobState.SUCCEEDED
     log = (tmp_path / "jobs" / "warm-job" / "rank0.log").read_text()
-    assert "WARM trainguard.snapshot,trainguard.checkpointing,trainguard.trainer.train 1" in log, log
+    assert "WARM trainguard.checkpoint.snapshot.writer,trainguard.checkpoint.tier,trainguard.trainer.train 1" in log, log
     sup.launcher.close_job("warm-job")
     sup.close()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trainguard.cli import build_parser
-from trainguard.torchrun_args import Launch, UsageError, resolve
+from trainguard.launch.torchrun_args import Launch, UsageError, resolve
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import free_port
 from trainguard.agent.lifecycle.rdzvjobs import block_from
-from trainguard.multinode import Driver
-from trainguard.noderanks import ChildRanks
-from trainguard.rendezvous import RdzvConfig, Rendezvous, Round
-from trainguard.resumepoint import Agreed, Holdings
+from trainguard.launch.multinode import Driver
+from trainguard.launch.noderanks import ChildRanks
+from trainguard.launch.rendezvous import RdzvConfig, Rendezvous, Round
+from trainguard.launch.resumepoint import Agreed, Holdings
 
 
 def nodes(n: int, *, low: int, high: int, nproc: tuple[int, ...] = (), **conf: float) -> list[Rendezvous]:

@@ -1,4 +1,4 @@
-"""trainguard.alignment on problems whose answer is known: a quadratic bowl under plain SGD. Too
+"""trainguard.run.alignment on problems whose answer is known: a quadratic bowl under plain SGD. Too
 small a step keeps going the same way (cosine +1), an overshooting one flips sign (cosine -1)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from trainguard.alignment import UpdateAlignment
+from trainguard.run.alignment import UpdateAlignment
 
 
 def cosines(lr: float, steps: int = 6) -> list[float | None]:

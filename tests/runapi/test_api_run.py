@@ -29,9 +29,9 @@ from trainguard.agent.checkpoint.memory import MemoryTier
 from trainguard.agent.checkpoint.snapshots import SnapshotSet, snapshot_dir
 from trainguard.agent.lifecycle.launcher import free_port
 from trainguard.agent.wire import Plan, write_plan_file
-from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
-from trainguard.plansync import MAX_GAP, SYNC_TARGET_S
-from trainguard.run import SNAPSHOT_COST_WINDOW, SNAPSHOT_EARLY_MIN, Run
+from trainguard.run.environment import SNAPSHOT_AUTO, RunEnvironment
+from trainguard.run.plansync import MAX_GAP, SYNC_TARGET_S
+from trainguard.run.run import SNAPSHOT_COST_WINDOW, SNAPSHOT_EARLY_MIN, Run
 
 
 def test_no_agent_is_a_working_no_op(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Compute time without the collective wait (trainguard.computetime), the CUDA logic on the CPU.
+"""Compute time without the collective wait (trainguard.run.computetime), the CUDA logic on the CPU.
 
 On CUDA the gradient clock's stamps are events on the compute stream, a wall clock. Here the same
 code path runs with a host wall clock in a real two-rank gloo DDP job whose rank 1 is slow: timed by
@@ -24,12 +24,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard
-import trainguard.computetime as computetime
-import trainguard.run as run_module
+import trainguard.run.computetime as computetime
+import trainguard.run.run as run_module
 from bench.trainjobs import TelemetryCapture
 from tests.conftest import join_ranks
 from trainguard.agent.lifecycle.launcher import free_port
-from trainguard.computetime import ClockStamps, GradientClock
+from trainguard.run.computetime import ClockStamps, GradientClock
 
 SLOW_S = 0.12
 """Rank 1's extra time per step inside its compute, before the forward pass (a slow device)."""

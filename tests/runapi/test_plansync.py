@@ -1,4 +1,4 @@
-"""The plan sync points' store round trips run off the training thread (``trainguard.plansync``):
+"""The plan sync points' store round trips run off the training thread (``trainguard.run.plansync``):
 rank 0's write goes out in the background, the other ranks fetch a point's key while they train
 towards the next one, and every rank still applies the same plan at the same step. Real c10d
 TCPStore on loopback; the ranks' steps interleaved in one thread, as synchronous training orders
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-import trainguard.plansync as plansync
+import trainguard.run.plansync as plansync
 from trainguard.agent.wire import Plan
-from trainguard.plansync import PlanSync
+from trainguard.run.plansync import PlanSync
 
 STEP_S = 0.1
 """Steps long enough that sync points stay 4 steps apart (``PlanSync.every``)."""

@@ -20,7 +20,6 @@ import torch.multiprocessing as mp
 import trainguard
 from bench.trainjobs import TelemetryCapture
 from tests.conftest import join_ranks
-from trainguard import rendezvous_clock
 from trainguard.agent.lifecycle.launcher import free_port
 from trainguard.agent.wire import (
     APPLIES_ALL,
@@ -30,6 +29,7 @@ from trainguard.agent.wire import (
     applies_mask,
     applies_names,
 )
+from trainguard.run import rendezvous_clock
 
 REPO = Path(__file__).resolve().parents[2]
 UNTIMED_INIT = dist.distributed_c10d.init_process_group

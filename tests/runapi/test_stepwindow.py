@@ -1,4 +1,4 @@
-"""Short steps gathered into one telemetry message (``trainguard.stepwindow``), over a real socket:
+"""Short steps gathered into one telemetry message (``trainguard.run.stepwindow``), over a real socket:
 nothing is lost (samples and tokens add up to every step's, also when the script exits without
 ``close()``), windows end at multiples of their length, a bad loss and a new plan version are
 never averaged into other steps, long steps go alone."""
@@ -18,7 +18,7 @@ from bench.trainjobs import TelemetryCapture
 from trainguard.agent.controller.controller import by_part
 from trainguard.agent.detect.service import step_samples
 from trainguard.agent.wire import Plan, Telemetry, write_plan_file
-from trainguard.stepwindow import (
+from trainguard.run.stepwindow import (
     MAX_PARTS,
     MAX_STEPS,
     PART_S,

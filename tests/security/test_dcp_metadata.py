@@ -1,6 +1,6 @@
-"""DCP metadata is read with an allow-listed unpickler (trainguard/dcpsafe.py): a ``.metadata``
+"""DCP metadata is read with an allow-listed unpickler (trainguard/checkpoint/dcpsafe.py): a ``.metadata``
 pickle whose ``__reduce__`` runs a command is refused before anything in it runs, through the
-loader ranks use (``trainguard.checkpointing.load``); real checkpoints still load."""
+loader ranks use (``trainguard.checkpoint.tier.load``); real checkpoints still load."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainguard.checkpointing import META, load
-from trainguard.dcpsafe import SafeFileSystemReader, UnsafeMetadataError, loads_metadata
+from trainguard.checkpoint.dcpsafe import SafeFileSystemReader, UnsafeMetadataError, loads_metadata
+from trainguard.checkpoint.tier import META, load
 
 
 class _Exploit:

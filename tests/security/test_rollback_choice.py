@@ -18,7 +18,7 @@ from trainguard.agent.checkpoint import CheckpointManager, CheckpointSettings
 from trainguard.agent.checkpoint.snapshots import HEADER_BYTES, SnapshotSet, read_header, slot_path
 from trainguard.agent.config import AgentConfig
 from trainguard.agent.recovery.service import ENV_RESTORE, RecoveryService
-from trainguard.snapshot import SnapshotWriter
+from trainguard.checkpoint.snapshot.writer import SnapshotWriter
 
 
 class _Plans:

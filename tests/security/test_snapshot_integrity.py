@@ -1,4 +1,4 @@
-"""Snapshot integrity (agent/checkpoint/snapshots.py, trainguard/snapshot.py, snapshot_load.py):
+"""Snapshot integrity (agent/checkpoint/snapshots.py, trainguard/checkpoint/snapshot/):
 a forged header whose sizes the slot file cannot hold is a counted skip, never a MemoryError in
 the agent's thread; tensor bytes damaged in a slot after the snapshot are caught by their crc32,
 by the agent (the slot is emptied, the older snapshot or the checkpoint restored) and by the
@@ -24,8 +24,8 @@ from trainguard.agent.checkpoint.snapshots import (
     read_header,
     slot_path,
 )
-from trainguard.snapshot import SnapshotError, SnapshotWriter
-from trainguard.snapshot_load import load_snapshot
+from trainguard.checkpoint.snapshot.load import load_snapshot
+from trainguard.checkpoint.snapshot.writer import SnapshotError, SnapshotWriter
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:

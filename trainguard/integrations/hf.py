@@ -19,8 +19,8 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import trainguard
-from trainguard import rendezvous_clock
-from trainguard.run import Run, Step
+from trainguard.run import rendezvous_clock
+from trainguard.run.run import Run, Step
 
 APPLIES = ("lr", "stop")
 """What of the agent's plan this callback applies (``trainguard.init(applies=...)``)."""

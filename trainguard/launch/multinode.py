@@ -33,12 +33,12 @@ from typing import Any, TextIO
 from trainguard.agent.cluster.netif import interface_for
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import RankBlock
-from trainguard.forward import SignalQueue
-from trainguard.forward import name as forwarded_name
-from trainguard.noderanks import AgentRanks, ChildRanks, Ranks
-from trainguard.rendezvous import RdzvConfig, Rendezvous, RendezvousError, Round, Verdict
-from trainguard.runcmd import Terminated, raise_terminated, resolve_command
-from trainguard.torchrun_args import Launch
+from trainguard.launch.forward import SignalQueue
+from trainguard.launch.forward import name as forwarded_name
+from trainguard.launch.noderanks import AgentRanks, ChildRanks, Ranks
+from trainguard.launch.rendezvous import RdzvConfig, Rendezvous, RendezvousError, Round, Verdict
+from trainguard.launch.runcmd import Terminated, raise_terminated, resolve_command
+from trainguard.launch.torchrun_args import Launch
 
 
 def round_block(rnd: Round, nproc: int, run_id: str, max_restarts: int, addr: str) -> RankBlock:

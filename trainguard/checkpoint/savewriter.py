@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from trainguard.snapshot import TensorRef, TensorSpec, map_leaves, spec_nbytes, unmap
+from trainguard.checkpoint.snapshot.writer import TensorRef, TensorSpec, map_leaves, spec_nbytes, unmap
 
 _ALIGN = 64
 _LENGTH = struct.Struct("<Q")

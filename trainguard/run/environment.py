@@ -122,14 +122,14 @@ class RunEnvironment:
     launched_by_agent: bool
     """True when a trainguard agent started this process (it restarts and restores the job)."""
     snapshot_dir: str = ""
-    """Where this rank's per-step snapshots go ("" when none: ``trainguard.snapshot``)."""
+    """Where this rank's per-step snapshots go ("" when none: ``trainguard.checkpoint.snapshot.writer``)."""
     snapshot_every: int = 0
     """Steps between snapshots: 0 none, SNAPSHOT_AUTO chosen from the measured stall."""
     snapshot_step: int = -1
     """The snapshot the agent picked for this attempt (-1: none; ``restore_path`` is the fallback)."""
     restore_step: int = -1
     """A job spanning nodes: the whole checkpoint the nodes agreed on (-1: none); ranks with a
-    ``restore_path`` send it to those without (``trainguard.checkpoint_share``)."""
+    ``restore_path`` send it to those without (``trainguard.checkpoint.share``)."""
     group_rank: int = 0
     """The node's place among the job's nodes (torchrun's GROUP_RANK)."""
     lr_batch_rule: str = "sqrt"

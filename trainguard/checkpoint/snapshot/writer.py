@@ -1,4 +1,4 @@
-"""Per-step snapshots of a rank's state into pre-faulted shared memory (``trainguard.snapshot_load``
+"""Per-step snapshots of a rank's state into pre-faulted shared memory (``trainguard.checkpoint.snapshot.load``
 restores them).
 
 The file format and the agent's side are in ``trainguard.agent.checkpoint.snapshots``. Here a
@@ -30,7 +30,7 @@ checkpoint state is built for DCP resharding, whose ``state_dict`` costs millise
 
 Data-parallel replicas on one node share out the tensors they hold alike (``share``): each rank's
 slot keeps its part of them and says which rank's slot keeps each of the others
-(``trainguard.replicas``), so the ranks together copy and keep one copy, not one each.
+(``trainguard.checkpoint.snapshot.replicas``), so the ranks together copy and keep one copy, not one each.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from trainguard.agent.checkpoint.snapshots import (
     write_payload_crc,
 )
 from trainguard.agent.lifecycle.cgroups import cpu_limit
-from trainguard.replicas import holders, replicated_ids
+from trainguard.checkpoint.snapshot.replicas import holders, replicated_ids
 
 _ALIGN = 64
 _SKELETON_RESERVE = 64 << 10
@@ -127,7 +127,7 @@ class TensorSpec:
     shape: tuple[int, ...]
     holder: int = -1
     """-1: the bytes are in this slot at ``offset``; else the rank whose slot of the same step holds
-    them (a data-parallel replica's share, ``trainguard.replicas``; ``offset`` is -1 then)."""
+    them (a data-parallel replica's share, ``trainguard.checkpoint.snapshot.replicas``; ``offset`` is -1 then)."""
 
 
 class _SkeletonUnpickler(pickle.Unpickler):
@@ -340,7 +340,7 @@ class _Plan:
         self.static_bytes = pickle.dumps(self.static, protocol=5)
         self.signature = _signature(self.tensors)
         self.holders: tuple[int, ...] = ()
-        """Per plan tensor, whose slot keeps it (-1: this rank's; ``trainguard.replicas.holders``)."""
+        """Per plan tensor, whose slot keeps it (-1: this rank's; ``trainguard.checkpoint.snapshot.replicas.holders``)."""
         if share is not None:
             ids = replicated_ids(view)
             sizes = [t.numel() * t.element_size() if id(t) in ids else None for t in self.tensors]
@@ -757,7 +757,7 @@ def _wait_all_before_fork() -> None:
 
 class SnapshotWriter:
     """One rank's snapshots (see the module docstring). ``share``: the ranks of this job share out
-    the tensors they hold alike (data-parallel replicas on one node: ``trainguard.replicas``)."""
+    the tensors they hold alike (data-parallel replicas on one node: ``trainguard.checkpoint.snapshot.replicas``)."""
 
     def __init__(self, directory: str, rank: int, world_size: int, attempt: int, *, share: bool = False,
                  overlap: bool = False, checksum: bool = True) -> None:

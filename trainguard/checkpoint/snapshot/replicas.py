@@ -5,7 +5,7 @@ snapshot of each rank's whole state keeps W copies of those bytes: W times the h
 times the copy (on an 8-GPU node, eight device-to-host copies of the model at every snapshot, and
 sixteen slots of it in /dev/shm). Instead each rank's snapshot keeps 1/W of them, contiguous runs
 of the snapshot plan's tensors balanced by bytes (``holders``), and a restore reads the other
-ranks' shares of the same step from their slots (``trainguard.snapshot_load``). Every rank
+ranks' shares of the same step from their slots (``trainguard.checkpoint.snapshot.load``). Every rank
 restores the same step, and the agent picks only a step whose slot every rank holds complete.
 
 What counts as replicated (``replicated_ids``): the parameters of a ``DistributedDataParallel``

@@ -26,8 +26,8 @@ from typing import Any, TextIO
 
 from trainguard.agent.api.client import ApiClientError
 from trainguard.agent.wire import process_start_ticks
-from trainguard.forward import SignalQueue
-from trainguard.forward import name as forwarded_name
+from trainguard.launch.forward import SignalQueue
+from trainguard.launch.forward import name as forwarded_name
 
 FINISHED = {"succeeded", "failed", "stopped"}
 # What the agent says about a job that a user running it wants to see as it happens.

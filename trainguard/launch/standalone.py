@@ -21,9 +21,9 @@ from typing import IO, TextIO
 
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import SOCKET_IFNAME_VARS, RankBlock, free_port, torchrun_env
-from trainguard.forward import SignalQueue
-from trainguard.forward import name as forwarded_name
-from trainguard.runcmd import Terminated, prefixed, raise_terminated
+from trainguard.launch.forward import SignalQueue
+from trainguard.launch.forward import name as forwarded_name
+from trainguard.launch.runcmd import Terminated, prefixed, raise_terminated
 
 
 def _pump(rank: int, stream: IO[bytes], out: TextIO, lock: threading.Lock) -> None:

@@ -34,7 +34,7 @@ from trainguard.agent.api.client import ApiClient, ApiClientError
 from trainguard.agent.paths import AgentPaths
 from trainguard.agent.privilege import FEATURE_OFF
 from trainguard.agent.safefs import ensure_agent_dir, rmtree_beneath
-from trainguard.environment import ENV_STATE_DIR
+from trainguard.run.environment import ENV_STATE_DIR
 
 START_TIMEOUT_S = 60.0
 """How long a hosted agent may take to answer its control socket (imports on a loaded node)."""

@@ -17,7 +17,7 @@ dropped, reported once on stderr, and training goes on.
 
 When the ranks are data-parallel replicas (or there is one rank), rank 0 writes the one copy alone,
 and not in the step: the state is copied into the buffer of its background writer process
-(``trainguard.savewriter``), which writes the DCP files, ``meta.json`` and the commit while training
+(``trainguard.checkpoint.savewriter``), which writes the DCP files, ``meta.json`` and the commit while training
 goes on (the step waited ~110 ms for that write in the recovery bench, ~350 ms for a state of 1,800
 DCP items). A failure there is rank 0's to report, at its next checkpoint call or ``wait``.
 """
@@ -58,12 +58,12 @@ from trainguard.agent.checkpoint.errors import CheckpointError
 from trainguard.agent.checkpoint.memory import MemoryTier, open_for_overwrite
 from trainguard.agent.checkpoint.tier import step_dirname
 from trainguard.agent.wire import CKPT_FAILED_ELSEWHERE, part_key
-from trainguard.dcpreplay import ReplaySaver, object_bytes
-from trainguard.dcpsafe import SafeFileSystemReader, SafeLoadPlanner
-from trainguard.environment import RunEnvironment
-from trainguard.savewriter import SaveJob, SaveResult, SaveWriter, SaveWriterError, WriteFailed
-from trainguard.snapshot import rng_states, set_rng_states
-from trainguard.statedict import LearnedStateDicts, sharded
+from trainguard.checkpoint.dcpreplay import ReplaySaver, object_bytes
+from trainguard.checkpoint.dcpsafe import SafeFileSystemReader, SafeLoadPlanner
+from trainguard.checkpoint.savewriter import SaveJob, SaveResult, SaveWriter, SaveWriterError, WriteFailed
+from trainguard.checkpoint.snapshot.writer import rng_states, set_rng_states
+from trainguard.checkpoint.statedict import LearnedStateDicts, sharded
+from trainguard.run.environment import RunEnvironment
 
 META = "meta.json"
 SAVE_WAIT_S = 120.0
@@ -145,7 +145,7 @@ def _resolved(state: Mapping[str, Any], learned: LearnedStateDicts | None = None
     two getters works out the model's names and checks its options again (~7 -> ~5 ms for a
     160-parameter model with AdamW, on every rank at every memory-tier save); with ``learned`` (a
     writer's cache from save to save) that pair's names are worked out once
-    (``trainguard.statedict``)."""
+    (``trainguard.checkpoint.statedict``)."""
     models = [(k, v) for k, v in state.items() if isinstance(v, _ModuleState)]
     optims = [(k, v) for k, v in state.items() if isinstance(v, _OptimizerState)]
     both: dict[str, Any] = {}

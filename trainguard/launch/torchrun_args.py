@@ -6,7 +6,7 @@ replaced by ``trainguard run`` runs the same way on one node.
 ``PET_*`` environment as the defaults (flags win, as in torchrun), into one ``Launch``: the rank
 command, the rank count, the job id and how to run it. Bad values raise ``UsageError`` with one
 line for the user. Several nodes (``--nnodes`` above 1, or ``MIN:MAX`` with MAX above 1 and an
-endpoint) meet through the c10d backend: ``Launch.rdzv`` says how (``trainguard.multinode``).
+endpoint) meet through the c10d backend: ``Launch.rdzv`` says how (``trainguard.launch.multinode``).
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ from typing import Any
 import torch.distributed as dist
 
 from trainguard.agent.wire import Plan
-from trainguard.environment import plan_prefix
-from trainguard.link import PlanWatcher
+from trainguard.run.environment import plan_prefix
+from trainguard.run.link import PlanWatcher
 
 _TIMEOUT = timedelta(seconds=300)
 _KEEP = 3  # rank 0 deletes keys this many steps old: every rank has read them by then

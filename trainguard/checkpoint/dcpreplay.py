@@ -1,6 +1,6 @@
 """DCP saves of a state whose layout has not changed since the last one, written without DCP's planner.
 
-A rank that writes its memory-tier checkpoints alone (the background writer, ``trainguard.savewriter``)
+A rank that writes its memory-tier checkpoints alone (the background writer, ``trainguard.checkpoint.savewriter``)
 saves the same layout save after save: the same keys, the same tensor shapes, the same kinds of
 values; only the bytes change. ``dcp.save`` plans every item again each time and serialises each
 one through ``torch.save`` (~40 us for a float, ~80 us for a tensor, a class built per item): ~10 ms

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.nodefaults import CpuCgroup, cpu_cgroup_unavailable, own_cpu_cgroup
+from trainguard.demo.nodefaults import CpuCgroup, cpu_cgroup_unavailable, own_cpu_cgroup
 
 REPO = Path(__file__).resolve().parents[1]
 

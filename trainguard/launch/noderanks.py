@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 from trainguard.agent.api.client import ApiClientError
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import RankBlock
-from trainguard.resumepoint import Holdings
-from trainguard.runcmd import NOTABLE, OutputFollower, job_spec
-from trainguard.standalone import LocalRanks
+from trainguard.launch.resumepoint import Holdings
+from trainguard.launch.runcmd import NOTABLE, OutputFollower, job_spec
+from trainguard.launch.standalone import LocalRanks
 
 if TYPE_CHECKING:
-    from trainguard.rendezvous import Round
+    from trainguard.launch.rendezvous import Round
 
 
 @dataclass(frozen=True)

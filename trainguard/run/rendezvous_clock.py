@@ -3,7 +3,7 @@ it returned, for a recovery's timeline (the script's own start-up ends where its
 
 ``watch()`` wraps ``torch.distributed.init_process_group`` once, where torch.distributed is already
 imported and its group is not up yet; it never imports torch itself (the node agent imports this
-package). ``trainguard`` calls it when ``trainguard.run`` is imported and in ``trainguard.init``;
+package). ``trainguard`` calls it when ``trainguard.run.run`` is imported and in ``trainguard.init``;
 a script that calls ``init_process_group`` through a name it bound before either is not timed, and
 its timeline then counts the rendezvous in the script's start-up, never the other way round.
 """

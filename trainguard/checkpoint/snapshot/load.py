@@ -1,7 +1,7 @@
-"""Restoring a rank's per-step snapshot (``trainguard.snapshot`` takes them).
+"""Restoring a rank's per-step snapshot (``trainguard.checkpoint.snapshot.writer`` takes them).
 
 A restore reads the rank's slot of the step the agent picked into fresh memory, and from the slot
-of each rank that kept a share of the replicated tensors (``trainguard.replicas``) that share, and
+of each rank that kept a share of the replicated tensors (``trainguard.checkpoint.snapshot.replicas``) that share, and
 loads it into the same objects the snapshot was taken of: modules and optimizers through their
 ``load_state_dict``, a DTensor's local shard onto the layout of the live parameter it goes into,
 plain values written back into the mapping, then the RNG. The skeleton is read by an unpickler
@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainguard.agent.checkpoint.snapshots import HEADER_BYTES, SLOTS, open_slot, read_done, slot_path
-from trainguard.snapshot import (
+from trainguard.checkpoint.snapshot.writer import (
     SnapshotError,
     TensorRef,
     TensorSpec,

@@ -1,14 +1,14 @@
 """The public API a training script uses: ``trainguard.init()`` and the ``Run`` it returns.
 
 A ``Run`` reports per-step telemetry to the node agent (fire-and-forget; steps shorter than the
-link's flush interval gathered into one message, ``trainguard.stepwindow``), applies
+link's flush interval gathered into one message, ``trainguard.run.stepwindow``), applies
 the agent's plan (LR, this rank's batch size, checkpoint-now, stop) at the same step on every
 rank, saves checkpoints into the agent's memory tier when they are due, and restores the one the
 agent picked after a restart. With no agent every call is a cheap no-op that never raises into
 training: ``restore`` returns 0, ``checkpoint`` does nothing, ``plan`` stays the default.
 
 This module imports no torch (the agent imports the package); the parts that need it live in
-``trainguard.checkpointing`` and ``trainguard.plansync`` and are imported when first used.
+``trainguard.checkpoint.tier`` and ``trainguard.run.plansync`` and are imported when first used.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from trainguard import rendezvous_clock
 from trainguard.agent.batch_rule import follow_batch
 from trainguard.agent.wire import (
     APPLIES_ALL,
@@ -38,9 +37,10 @@ from trainguard.agent.wire import (
     Telemetry,
     applies_mask,
 )
-from trainguard.environment import SNAPSHOT_AUTO, RunEnvironment
-from trainguard.link import PlanWatcher, TelemetrySender
-from trainguard.stepwindow import PART_S, WINDOW_S, StepWindow, window_length
+from trainguard.run import rendezvous_clock
+from trainguard.run.environment import SNAPSHOT_AUTO, RunEnvironment
+from trainguard.run.link import PlanWatcher, TelemetrySender
+from trainguard.run.stepwindow import PART_S, WINDOW_S, StepWindow, window_length
 
 PHASES = ("data", "compute", "comm", "optim")
 _CPU_PHASES = frozenset(("compute", "optim"))
@@ -87,7 +87,7 @@ class Step:
     measured that way. With ``run.watch_gradients(model.parameters())`` the compute is the span
     from the start of the compute phase (or of the step) to the step's last gradient, on the
     device's own clock: on CUDA that leaves out the gradient all-reduce wait that wall time holds
-    (``trainguard.computetime``).
+    (``trainguard.run.computetime``).
     """
 
     __slots__ = ("run", "step", "samples", "tokens", "wall", "cpu", "reported", "_t0", "_c0", "_phase")
@@ -290,23 +290,23 @@ class Run:
         self._ckpt_id_seen = 0
         self._meta_cache: tuple[Plan, int, dict[str, Any]] | None = None
         self._view = self._make_view(self._plan)
-        self._sync: Any = None  # trainguard.plansync.PlanSync once torch.distributed is up
-        self._writer: Any = None  # trainguard.checkpointing.TierWriter on first use
+        self._sync: Any = None  # trainguard.run.plansync.PlanSync once torch.distributed is up
+        self._writer: Any = None  # trainguard.checkpoint.tier.TierWriter on first use
         self._started = False
         self.last_step = -1
         self.checkpoint_failures = 0
         self._failures_waited = 0
         self.last_checkpoint: str | None = None
         self._failed_save: tuple[int, str] | None = None
-        self._grad_clock: Any = None  # trainguard.computetime.GradientClock after watch_gradients()
-        self._snapshots: Any = None  # trainguard.snapshot.SnapshotWriter on first use
+        self._grad_clock: Any = None  # trainguard.run.computetime.GradientClock after watch_gradients()
+        self._snapshots: Any = None  # trainguard.checkpoint.snapshot.writer.SnapshotWriter on first use
         auto = env.snapshot_every == SNAPSHOT_AUTO
         self.snapshot_every = (env.snapshot_every if env.snapshot_every > 0 else int(auto)) if env.snapshot_dir else 0
         """Steps between snapshots now (0: none); tuned from the measured stall when automatic."""
         self._snapshot_wish = self.snapshot_every  # what this rank's stalls ask for (rank 0's is agreed)
         self._stall_ratios: list[float] = []
         self._snapshot_cost_scale = 1.0
-        """``trainguard.snapshot.cost_scale`` of this node, set with the first snapshot."""
+        """``trainguard.checkpoint.snapshot.writer.cost_scale`` of this node, set with the first snapshot."""
         self._last_step_s = 0.0
         self.restored_from = ""
         """What ``restore`` loaded: "snapshot", "checkpoint" or "" (nothing)."""
@@ -392,7 +392,7 @@ class Run:
         if dist is None or not dist.is_available() or not dist.is_initialized():
             return None
         # Imported here, not at the top: it imports torch, which the agent never loads.
-        from trainguard.plansync import PlanSync
+        from trainguard.run.plansync import PlanSync
 
         self._sync = PlanSync(self.plans, is_leader=self.env.rank == 0, attempt=self.env.attempt, every=self.plan_every)
         return self._sync
@@ -542,7 +542,7 @@ class Run:
             if not any(p.device.type == "cuda" for p in params):
                 return
             # Imported here: it needs torch, which the agent (importing this package) must not load.
-            from trainguard.computetime import GradientClock
+            from trainguard.run.computetime import GradientClock
 
             clock = GradientClock.for_params(params)
         else:
@@ -559,7 +559,7 @@ class Run:
     def _tier_writer(self) -> Any:
         if self._writer is None and self.env.memory_root:
             # Imported here: torch and DCP are needed only by a run that checkpoints.
-            from trainguard.checkpointing import TierWriter
+            from trainguard.checkpoint.tier import TierWriter
 
             self._writer = TierWriter(self.env)
         return self._writer
@@ -573,7 +573,7 @@ class Run:
     def checkpoint(self, step: int, state: Mapping[str, Any]) -> bool:
         """After step ``step`` (counting from 0) is done: snapshot ``state`` into this rank's shared
         memory when a snapshot is due (every step by default, wider where that costs over 1% of the
-        step: ``_tune_snapshots``; ``trainguard.snapshot``: no collective),
+        step: ``_tune_snapshots``; ``trainguard.checkpoint.snapshot.writer``: no collective),
         and save it into the memory tier when that is due (every ``memory_every`` steps, or when the
         plan asks; collective: every rank calls it). Objects with ``state_dict``/``load_state_dict``
         (models, optimizers, schedulers) and plain values are saved; a failed save is skipped and
@@ -620,13 +620,19 @@ class Run:
 
     @property
     def snapshot_stats(self) -> Any:
-        """``trainguard.snapshot.SnapshotStats`` of this rank (None before the first snapshot)."""
+        """``trainguard.checkpoint.snapshot.writer.SnapshotStats`` of this rank (None before the first snapshot)."""
         return self._snapshots.stats if self._snapshots is not None else None
 
     def _snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
         """Take the snapshot that is due after ``step``."""
         # Imported here: torch is needed only by a run that checkpoints.
-        from trainguard.snapshot import SnapshotError, SnapshotWriter, cost_scale, overlap_pays, usable_cpus
+        from trainguard.checkpoint.snapshot.writer import (
+            SnapshotError,
+            SnapshotWriter,
+            cost_scale,
+            overlap_pays,
+            usable_cpus,
+        )
 
         try:
             if self._snapshots is None:
@@ -656,7 +662,7 @@ class Run:
 
     def _tune_snapshots(self, stall_s: float) -> None:
         """The fewest steps between snapshots, a power of two, that keeps their cost to the job
-        within 1% of the step time (``stall_s`` times ``trainguard.snapshot.cost_scale``: where the
+        within 1% of the step time (``stall_s`` times ``trainguard.checkpoint.snapshot.writer.cost_scale``: where the
         node's ranks outnumber its cores, each rank's snapshot work slows them all), from the
         median of the last ``SNAPSHOT_COST_WINDOW`` cost/step ratios (one slow step or one slow
         copy does not move it, nor does the noise of a cost near the budget flip it back and
@@ -756,12 +762,12 @@ class Run:
         path = from_env if from_env and os.path.isdir(from_env) else None
         if path is None and self.env.memory_root and not self.env.launched_by_agent:
             # A job the agent did not start (torchrun's own restarts): the newest memory checkpoint.
-            from trainguard.checkpointing import newest_memory_checkpoint
+            from trainguard.checkpoint.tier import newest_memory_checkpoint
 
             path = newest_memory_checkpoint(self.env.memory_root, self.env.job)
         if path is None:
             return 0
-        from trainguard.checkpointing import load
+        from trainguard.checkpoint.tier import load
 
         meta = load(path, state, rank=self.env.rank)
         self.take_meta(meta)
@@ -770,10 +776,10 @@ class Run:
 
     def _restore_shared(self, state: Mapping[str, Any]) -> int:
         """A job spanning nodes in a new world: the whole checkpoint the nodes agreed on, which the
-        ranks of the nodes that hold it send to the others (``trainguard.checkpoint_share``)."""
+        ranks of the nodes that hold it send to the others (``trainguard.checkpoint.share``)."""
         # torch stays out of ``import trainguard`` until a script restores
-        from trainguard.checkpoint_share import ShareError, share
-        from trainguard.checkpointing import load
+        from trainguard.checkpoint.share import ShareError, share
+        from trainguard.checkpoint.tier import load
 
         env = self.env
         held = env.restore_path if env.restore_path and os.path.isdir(env.restore_path) else None
@@ -796,8 +802,8 @@ class Run:
         return int(meta.get("step", 0))
 
     def _restore_snapshot(self, state: Mapping[str, Any]) -> int | None:
-        from trainguard.snapshot import SnapshotError
-        from trainguard.snapshot_load import load_snapshot
+        from trainguard.checkpoint.snapshot.load import load_snapshot
+        from trainguard.checkpoint.snapshot.writer import SnapshotError
 
         step = self.env.snapshot_step
         meta: dict[str, Any] = {}
@@ -936,7 +942,7 @@ def init(*, job: str | None = None, dp_rank: int | None = None, dp_size: int | N
     ``batch_size``: this rank's own samples per step, what ``run.plan.batch_size`` says until the
     agent moves samples between ranks. ``plan_every``: the fewest steps between two looks at the
     agent's plan (one store round trip each, made by a thread of the rank; more steps when steps
-    are short, about one look per 0.3 s: ``trainguard.plansync``). ``applies``: what of the plan this
+    are short, about one look per 0.3 s: ``trainguard.run.plansync``). ``applies``: what of the plan this
     rank applies, of ``"batch_sizes"``, ``"lr"``, ``"stop"`` (default: LR and stop, and batch sizes
     when ``batch_size`` is given); the agent moves samples only where every rank takes batch sizes.
     Never raises for a missing agent (an unknown ``applies`` name is a ValueError: a script's bug)."""

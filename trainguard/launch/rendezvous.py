@@ -34,7 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainguard.resumepoint import Agreed, Holdings
+from trainguard.launch.resumepoint import Agreed, Holdings
 
 DEFAULT_PORT = 29400
 """torchrun's c10d endpoint port when HOST has none."""
