@@ -277,7 +277,7 @@ class CheckpointSection:
     snapshot_every: int = 0
     """Steps between snapshots; 0: chosen by each rank from its measured stall, the fewest steps
     (1, 2, 4, ... 64) that keep snapshots within 1% of its step time (a stall counted as many times
-    over as the node's ranks outnumber its cores: ``trainguard.checkpoint.snapshot.writer.cost_scale``)."""
+    over as the node's ranks outnumber its cores: ``trainguard.checkpoint.snapshot.cost.cost_scale``)."""
     disk_dir: str = ""
     """Disk tier directory (empty: <state_dir>/checkpoints)."""
     disk_every: int = 500

@@ -381,7 +381,8 @@ os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"
                   MASTER_PORT=sys.argv[3])
 import torch
 torch.set_num_threads(1)
-from trainguard.checkpoint.snapshot.writer import SnapshotWriter, overlap_pays
+from trainguard.checkpoint.snapshot.cost import overlap_pays
+from trainguard.checkpoint.snapshot.writer import SnapshotWriter
 from trainguard.trainer.parallel import RankEnv
 from bench.trainjobs import tiny_config
 from trainguard.trainer.train import Trainer

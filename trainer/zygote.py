@@ -48,8 +48,8 @@ PRELOAD = (
 # What a rank imports on its way to its first step, the API's torch-side modules included (a
 # user's script forked from here needs them as much as the trainer): ~80 ms per rank otherwise.
 TRAINER_PRELOAD = ("trainguard.trainer.worker", "trainguard.trainer.train", "trainguard.trainer.checkpoint",
-                   "trainguard.checkpoint.tier", "trainguard.checkpoint.snapshot.writer", "trainguard.run.plansync", "trainguard.run.computetime",
-                   "trainguard.trainer.faults")
+                   "trainguard.checkpoint.tier", "trainguard.checkpoint.snapshot.writer", "trainguard.run.plansync",
+                   "trainguard.run.computetime", "trainguard.trainer.faults")
 # Rank set-up work that is the same for every rank and every attempt, done once before forking.
 TRAINER_WARM = (("trainguard.trainer.data", "stdlib_digest"),)
 

@@ -30,7 +30,8 @@ _RANK = textwrap.dedent("""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from trainguard.agent.checkpoint.snapshots import mark_empty, slot_path
     from trainguard.checkpoint.snapshot.replicas import replicated_ids
-    from trainguard.checkpoint.snapshot.writer import SnapshotError, SnapshotWriter
+    from trainguard.checkpoint.snapshot.errors import SnapshotError
+    from trainguard.checkpoint.snapshot.writer import SnapshotWriter
     from trainguard.checkpoint.snapshot.load import load_snapshot
 
     directory, out = sys.argv[1], sys.argv[2]

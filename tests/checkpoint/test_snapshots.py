@@ -1,4 +1,4 @@
-"""Per-step snapshots (trainguard/checkpoint/snapshot/writer.py, agent/checkpoint/snapshots.py): a round trip of a
+"""Per-step snapshots (trainguard/checkpoint/snapshot/, agent/checkpoint/snapshots.py): a round trip of a
 model, its optimizer, plain values and the RNG; two slots so a copy cut short leaves the previous
 snapshot; the agent's choice of the newest step every rank holds; a full tmpfs and a state that
 snapshots cannot carry are clear errors, never a SIGBUS or a half-restored state."""
@@ -26,14 +26,10 @@ from trainguard.agent.checkpoint.snapshots import (
     slot_path,
     snapshot_dir,
 )
+from trainguard.checkpoint.snapshot.cost import cost_scale, overlap_pays
+from trainguard.checkpoint.snapshot.errors import SnapshotError
 from trainguard.checkpoint.snapshot.load import load_snapshot
-from trainguard.checkpoint.snapshot.writer import (
-    SnapshotError,
-    SnapshotWriter,
-    _LateCopy,
-    cost_scale,
-    overlap_pays,
-)
+from trainguard.checkpoint.snapshot.writer import SnapshotWriter, _LateCopy
 from trainguard.trainer.checkpoint import TrainerState
 
 

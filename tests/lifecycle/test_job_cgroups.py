@@ -230,7 +230,7 @@ def test_a_rank_in_a_job_cgroup_with_a_cpu_quota_counts_the_quota_not_the_host_c
     cg = groups.for_job("cpu-limit")
     try:
         cg.limit(cpus=0.5)
-        code = ("from trainguard.checkpoint.snapshot.writer import overlap_pays, usable_cpus; "
+        code = ("from trainguard.checkpoint.snapshot.cost import overlap_pays, usable_cpus; "
                 "print(usable_cpus(), overlap_pays(1, threads=1))")
         files = cg.procs_files()
         out = subprocess.run(["/bin/sh", "-c", JOIN_SCRIPT, "sh", str(len(files)), *files, sys.executable, "-c", code],

@@ -24,8 +24,9 @@ from trainguard.agent.checkpoint.snapshots import (
     read_header,
     slot_path,
 )
+from trainguard.checkpoint.snapshot.errors import SnapshotError
 from trainguard.checkpoint.snapshot.load import load_snapshot
-from trainguard.checkpoint.snapshot.writer import SnapshotError, SnapshotWriter
+from trainguard.checkpoint.snapshot.writer import SnapshotWriter
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:

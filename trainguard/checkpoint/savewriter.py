@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from trainguard.checkpoint.snapshot.writer import TensorRef, TensorSpec, map_leaves, spec_nbytes, unmap
+from trainguard.checkpoint.snapshot.skeleton import TensorRef, TensorSpec, map_leaves, spec_nbytes
+from trainguard.checkpoint.snapshot.slot import unmap
 
 _ALIGN = 64
 _LENGTH = struct.Struct("<Q")

@@ -60,8 +60,8 @@ from trainguard.agent.checkpoint.tier import step_dirname
 from trainguard.agent.wire import CKPT_FAILED_ELSEWHERE, part_key
 from trainguard.checkpoint.dcpreplay import ReplaySaver, object_bytes
 from trainguard.checkpoint.dcpsafe import SafeFileSystemReader, SafeLoadPlanner
+from trainguard.checkpoint.rng import load_rng_file, pack, rng_bytes, unpack, write_rng_file
 from trainguard.checkpoint.savewriter import SaveJob, SaveResult, SaveWriter, SaveWriterError, WriteFailed
-from trainguard.checkpoint.snapshot.writer import rng_states, set_rng_states
 from trainguard.checkpoint.statedict import LearnedStateDicts, sharded
 from trainguard.run.environment import RunEnvironment
 
@@ -395,7 +395,7 @@ class TierWriter:
         else:
             path, error = self._staging_path(label)
             alone = world == 1
-            rngs = [_rng_blob()]
+            rngs = [pack(rng_bytes())]
         if path is None:
             return self._failed(label, error or "no staging directory")
         final = os.path.join(os.path.dirname(path), step_dirname(label))
@@ -410,7 +410,7 @@ class TierWriter:
         try:
             resolved = _dcp_state(state)
             dcp.save(resolved, storage_writer=_writer(path), planner=ObjectsFastPlanner())
-            _write_rng(os.path.join(path, "rng", f"rank{rank}.pt"))
+            write_rng_file(os.path.join(path, "rng", f"rank{rank}.pt"))
             ok = self._all_ok(True)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a checkpoint that cannot be written must not stop training
             # DCP gathers every rank's failure into a CheckpointException, which is a BaseException.
@@ -472,7 +472,7 @@ class TierWriter:
         self._replay.save(path, tree, _save_alone_dcp)
         for rank, blob in enumerate(rngs):
             if blob:
-                _write_rng(os.path.join(path, "rng", f"rank{rank}.pt"), _rng_states(blob))
+                write_rng_file(os.path.join(path, "rng", f"rank{rank}.pt"), unpack(blob))
         _write_meta(path, label, world, meta)
         assert self._tier is not None
         self._tier.commit(self.tier_job, label, self._commit_extra(world, whole=True), staged=path, prune=False)
@@ -581,7 +581,7 @@ class TierWriter:
 _ROW_HEAD = 11  # layout hash (8 bytes), flags (1: _STAGED, _LATER), text length (2)
 _STAGED, _LATER = 1, 2
 _ROW_TEXT = 4085
-_ROW_RNG = 8192  # the rank's RNG states: their length (4 bytes) and ``_rng_blob`` (CPU ~5 KB, CUDA 16 bytes)
+_ROW_RNG = 8192  # the rank's RNG states: their length (4 bytes) and ``rng.pack`` (CPU ~5 KB, CUDA 16 bytes)
 
 
 @dataclass
@@ -618,7 +618,7 @@ def _replica_row(staged: str | None, error: str | None, layout: int, *, later: b
     flags = (_STAGED if staged is not None else 0) | (_LATER if later else 0)
     head = layout.to_bytes(8, "little", signed=True) + bytes([flags])
     head += len(text).to_bytes(2, "little")
-    rng = _rng_blob()
+    rng = pack(rng_bytes())
     rng = rng if len(rng) <= _ROW_RNG - 4 else b""  # not expected: the RNG file is then left out
     row = torch.zeros(_ROW_HEAD + _ROW_TEXT + _ROW_RNG, dtype=torch.uint8)
     row[:_ROW_HEAD + len(text)] = torch.frombuffer(bytearray(head + text), dtype=torch.uint8)
@@ -648,31 +648,6 @@ def _writer(path: str) -> dcp.FileSystemWriter:
     return writer
 
 
-def _rng_blob() -> bytes:
-    """This rank's RNG states as bytes: the CPU generator's, then CUDA's (absent when unused)."""
-    states = rng_states()
-    cpu = states["torch"].numpy().tobytes()
-    cuda = states["cuda"].numpy().tobytes() if states["cuda"] is not None else b""
-    return len(cpu).to_bytes(4, "little") + cpu + cuda
-
-
-def _rng_states(blob: bytes) -> dict[str, torch.Tensor | None]:
-    """``_rng_blob``'s states as ``load`` restores them."""
-    n = int.from_bytes(blob[:4], "little")
-    cpu, cuda = blob[4:4 + n], blob[4 + n:]
-    return {"torch": torch.frombuffer(bytearray(cpu), dtype=torch.uint8),
-            "cuda": torch.frombuffer(bytearray(cuda), dtype=torch.uint8) if cuda else None}
-
-
-def _write_rng(path: str, states: Mapping[str, Any] | None = None) -> None:
-    """RNG states (this rank's by default), pickled in memory first: torch.save straight into a
-    full filesystem fails with a zip writer's "unexpected pos" instead of the OSError that says why.
-    In torch's legacy format (``torch.load`` reads it): ~40 us against ~300 us for the zip format."""
-    raw = object_bytes(states if states is not None else rng_states())
-    with open(path, "wb") as fh:
-        fh.write(raw)
-
-
 def _write_meta(path: str, label: int, world: int, meta: Mapping[str, Any]) -> None:
     with open(os.path.join(path, META), "w") as fh:
         json.dump({"step": label, "world_size": world, **meta}, fh)
@@ -691,7 +666,7 @@ def save_dir(path: str, state: Mapping[str, Any], meta: Mapping[str, Any]) -> st
     if distributed:
         dist.barrier()
     dcp.save(_dcp_state(state), checkpoint_id=tmp)
-    _write_rng(os.path.join(tmp, "rng", f"rank{rank}.pt"))
+    write_rng_file(os.path.join(tmp, "rng", f"rank{rank}.pt"))
     if distributed:
         dist.barrier()
     if rank == 0:
@@ -720,9 +695,7 @@ def load(path: str, state: MutableMapping[str, Any] | Mapping[str, Any], *, rank
         for key, value in target.items():
             if not isinstance(value, Stateful) and not isinstance(state[key], Stateful):
                 state[key] = value
-    rng_file = os.path.join(path, "rng", f"rank{rank}.pt")
-    if os.path.exists(rng_file):
-        set_rng_states(torch.load(rng_file, weights_only=True))  # never unpickle arbitrary objects
+    load_rng_file(os.path.join(path, "rng", f"rank{rank}.pt"))
     return meta
 
 

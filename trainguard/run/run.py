@@ -306,7 +306,7 @@ class Run:
         self._snapshot_wish = self.snapshot_every  # what this rank's stalls ask for (rank 0's is agreed)
         self._stall_ratios: list[float] = []
         self._snapshot_cost_scale = 1.0
-        """``trainguard.checkpoint.snapshot.writer.cost_scale`` of this node, set with the first snapshot."""
+        """``trainguard.checkpoint.snapshot.cost.cost_scale`` of this node, set with the first snapshot."""
         self._last_step_s = 0.0
         self.restored_from = ""
         """What ``restore`` loaded: "snapshot", "checkpoint" or "" (nothing)."""
@@ -626,13 +626,9 @@ class Run:
     def _snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
         """Take the snapshot that is due after ``step``."""
         # Imported here: torch is needed only by a run that checkpoints.
-        from trainguard.checkpoint.snapshot.writer import (
-            SnapshotError,
-            SnapshotWriter,
-            cost_scale,
-            overlap_pays,
-            usable_cpus,
-        )
+        from trainguard.checkpoint.snapshot.cost import cost_scale, overlap_pays, usable_cpus
+        from trainguard.checkpoint.snapshot.errors import SnapshotError
+        from trainguard.checkpoint.snapshot.writer import SnapshotWriter
 
         try:
             if self._snapshots is None:
@@ -662,7 +658,7 @@ class Run:
 
     def _tune_snapshots(self, stall_s: float) -> None:
         """The fewest steps between snapshots, a power of two, that keeps their cost to the job
-        within 1% of the step time (``stall_s`` times ``trainguard.checkpoint.snapshot.writer.cost_scale``: where the
+        within 1% of the step time (``stall_s`` times ``trainguard.checkpoint.snapshot.cost.cost_scale``: where the
         node's ranks outnumber its cores, each rank's snapshot work slows them all), from the
         median of the last ``SNAPSHOT_COST_WINDOW`` cost/step ratios (one slow step or one slow
         copy does not move it, nor does the noise of a cost near the budget flip it back and
@@ -802,8 +798,8 @@ class Run:
         return int(meta.get("step", 0))
 
     def _restore_snapshot(self, state: Mapping[str, Any]) -> int | None:
+        from trainguard.checkpoint.snapshot.errors import SnapshotError
         from trainguard.checkpoint.snapshot.load import load_snapshot
-        from trainguard.checkpoint.snapshot.writer import SnapshotError
 
         step = self.env.snapshot_step
         meta: dict[str, Any] = {}

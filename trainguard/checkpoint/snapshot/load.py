@@ -22,13 +22,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainguard.agent.checkpoint.snapshots import HEADER_BYTES, SLOTS, open_slot, read_done, slot_path
-from trainguard.checkpoint.snapshot.writer import (
-    SnapshotError,
+from trainguard.checkpoint.rng import set_rng_states
+from trainguard.checkpoint.snapshot.errors import SnapshotError
+from trainguard.checkpoint.snapshot.skeleton import (
     TensorRef,
     TensorSpec,
     loads_skeleton,
     map_leaves,
-    set_rng_states,
     skeleton_parts,
     snapshot_view,
     spec_nbytes,
