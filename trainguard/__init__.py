@@ -19,6 +19,8 @@ them. Importing this package loads no torch (the node agent imports it too).
 """
 
 from trainguard.agent import __version__
-from trainguard.run.run import Run, RunPlan, Step, init
+from trainguard.run.plan import RunPlan
+from trainguard.run.run import Run, init
+from trainguard.run.step import Step
 
 __all__ = ["Run", "RunPlan", "Step", "__version__", "init"]

@@ -31,7 +31,8 @@ from trainguard.agent.lifecycle.launcher import free_port
 from trainguard.agent.wire import Plan, write_plan_file
 from trainguard.run.environment import SNAPSHOT_AUTO, RunEnvironment
 from trainguard.run.plansync import MAX_GAP, SYNC_TARGET_S
-from trainguard.run.run import SNAPSHOT_COST_WINDOW, SNAPSHOT_EARLY_MIN, Run
+from trainguard.run.run import Run
+from trainguard.run.snapshot_cadence import SNAPSHOT_COST_WINDOW, SNAPSHOT_EARLY_MIN
 
 
 def test_no_agent_is_a_working_no_op(tmp_path: Path) -> None:
@@ -402,7 +403,7 @@ def _snapshot_ranks(rank: int, nproc: int, port: int, plan_path: str, snap_dir: 
         if run.checkpoint(step, state):
             taken.append(step + 1)
     Path(out_dir, f"taken{rank}").write_text(",".join(map(str, taken)))
-    Path(out_dir, f"wish{rank}").write_text(str(run._snapshot_wish))
+    Path(out_dir, f"wish{rank}").write_text(str(run._cadence.wish))
     dist.destroy_process_group()
 
 
@@ -482,7 +483,7 @@ def test_the_automatic_snapshot_interval_keeps_within_one_percent_and_ignores_no
     # 0.8 % of the step on a node with twice as many ranks as cores costs the job 1.6 %.
     crowded = Run(env)
     crowded._last_step_s = 0.027
-    crowded._snapshot_cost_scale = 2.0
+    crowded._cadence.cost_scale = 2.0
     for _ in range(SNAPSHOT_COST_WINDOW):
         crowded._tune_snapshots(0.027 * 0.008)
     assert crowded.snapshot_every == 2

@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard
 import trainguard.run.computetime as computetime
-import trainguard.run.run as run_module
+import trainguard.run.step as step_module
+import trainguard.run.telemetry as telemetry_module
 from bench.trainjobs import TelemetryCapture
 from tests.conftest import join_ranks
 from trainguard.agent.lifecycle.launcher import free_port
@@ -132,7 +133,7 @@ def test_a_mark_from_another_thread_leaves_the_step_unmeasured() -> None:
 
 
 def test_step_timings_take_the_clock_and_count_the_rest_as_waiting(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr(run_module, "_cuda_in_use", lambda: True)  # wall time, as on CUDA
+    monkeypatch.setattr(step_module, "cuda_in_use", lambda: True)  # wall time, as on CUDA
     stamps = _Stamps()
     run = trainguard.init(environ={"HOME": str(tmp_path)})
     run.watch_gradients([], clock=GradientClock(stamps))
@@ -157,7 +158,7 @@ def _ranks(rank: int, nproc: int, port: int, out_dir: str, clocked: bool) -> Non
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TRAINGUARD_JOB": "c"})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=nproc)
-    run_module._cuda_in_use = lambda: True  # the step's compute by wall time, as on CUDA
+    telemetry_module.cuda_in_use = lambda: True  # the step's compute by wall time, as on CUDA
     sock = str(Path(out_dir, f"t{rank}.sock"))
     cap = TelemetryCapture(sock)
     os.environ["TRAINGUARD_SOCKET"] = sock

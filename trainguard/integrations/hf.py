@@ -20,7 +20,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 import trainguard
 from trainguard.run import rendezvous_clock
-from trainguard.run.run import Run, Step
+from trainguard.run.run import Run
+from trainguard.run.step import Step
 
 APPLIES = ("lr", "stop")
 """What of the agent's plan this callback applies (``trainguard.init(applies=...)``)."""

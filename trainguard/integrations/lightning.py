@@ -18,7 +18,8 @@ from lightning.pytorch.callbacks import Callback
 
 import trainguard
 from trainguard.run import rendezvous_clock
-from trainguard.run.run import Run, Step
+from trainguard.run.run import Run
+from trainguard.run.step import Step
 
 APPLIES = ("lr", "stop")
 """What of the agent's plan this callback applies (``trainguard.init(applies=...)``)."""
