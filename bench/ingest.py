@@ -8,7 +8,7 @@ receivers run side by side on the same offered load:
             table snapshot once a second as the daemon's main loop takes one.
 
 Loads: 1,024 simulated ranks at 10 steps/s each (10,240 msg/s offered, each rank at its own
-phase, sent non-blocking the way trainguard/link.TelemetrySender does, so a full socket queue
+phase, sent non-blocking the way trainguard/run/link.py's TelemetrySender does, so a full socket queue
 shows up as sender-side drops), then one blocking sender as fast as the receiver takes them
 (the receiver's maximum rate).
 
