@@ -113,10 +113,13 @@ def leader_for(ranks: int, tmp: str) -> SimpleNamespace:
     spec = SimpleNamespace(job=JOB, nproc=ranks, trainer=trainer)
     return SimpleNamespace(
         table=RankTable(RankTableConfig(ring=64, window=32)),
-        supervisor=SimpleNamespace(jobs={JOB: SimpleNamespace(spec=spec, state=JobState.RUNNING, decides_here=True)}),
+        supervisor=SimpleNamespace(jobs={JOB: SimpleNamespace(spec=spec, state=JobState.RUNNING, decides_here=True,
+                                                              attempt=0, block=None)}),
         plans=PlanStore(os.path.join(tmp, "plans")),
         events=Events(),
-        collectors=[],
+        ebpf=None,
+        gpu=None,
+        recovery=None,
         tick_hooks=[],
     )
 

@@ -1,15 +1,15 @@
 """The straggler service the agent runs once per tick: detect, attribute, migrate, exclude.
 
 ``install(agent, config)`` appends the service's tick hook, adds it to the exporter's metric
-sources and exposes ``agent.detection_config`` / ``agent.update_detection`` for the control API
-(GET/PUT /v1/config/detection) and ``agent.straggler`` for status and the dashboard.
+sources and sets the agent's declared ``straggler`` field, which the control API reads for status,
+the dashboard and GET/PUT /v1/config/detection.
 
 Per job and tick: every rank's recent telemetry plus its CPU run delay go to the detector
 (straggler.py); a rank that becomes a straggler gets a cause from the collectors (causes.py) and a
 ``straggler_detected`` event; the migration policy (agent/heal/migration.py) publishes per-dp-rank
 batch sizes through the job's plan, and takes them back to even once no straggler is left. A rank
-that stays a straggler past ``exclude_after_s`` is handed to ``agent.exclude_rank`` when the agent
-has one (the recovery path restarts the job without it), or reported as not excludable.
+that stays a straggler past ``exclude_after_s`` is excluded (``agent.heal``: the job restarts without
+its data-parallel replica) unless ``observe_only`` holds.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def takes_batch_sizes(views: Mapping[int, Any]) -> bool:
 
 
 def _layout(agent: Agent, job: str, views: Mapping[int, Any]) -> Layout:
-    rec = getattr(agent.supervisor, "jobs", {}).get(job)
+    rec = agent.supervisor.jobs.get(job)
     trainer = rec.spec.trainer if rec is not None else None
     if trainer:
         par = trainer.get("parallel", {}) or {}
@@ -218,7 +218,7 @@ class StragglerService:
         if not cfg.enabled:
             return
         snapshot = self.agent.table.snapshot()
-        records = getattr(self.agent.supervisor, "jobs", {})
+        records = self.agent.supervisor.jobs
         # A job that ended keeps its telemetry in the table for a while; it has nothing left to judge.
         live = {j: v for j, v in snapshot.jobs.items()
                 if not (j in records and (records[j].state.finished or not records[j].decides_here))}
@@ -231,7 +231,7 @@ class StragglerService:
                 self._jobs.pop(job)
             for job in {k[0] for k in self.evidence.keys()} - set(live) - set(hosted):
                 self.evidence.forget_job(job)
-            ebpf = self._collector("ebpf")
+            ebpf = self.agent.ebpf
             for job, views in hosted.items():
                 for rank, view in views.items():
                     if self._is_local(job, rank):
@@ -243,12 +243,6 @@ class StragglerService:
                 except Exception:  # noqa: BLE001 - one job's odd data must not stop the others
                     log.exception("straggler detection failed for job %s", job)
 
-    def _collector(self, name: str) -> Any | None:
-        for c in getattr(self.agent, "collectors", []):
-            if getattr(c, "name", None) == name:
-                return c
-        return None
-
     def _tick_job(self, job: str, views: Mapping[int, Any], now: float) -> None:
         cfg = self.config
         st = self._jobs.get(job)
@@ -258,7 +252,7 @@ class StragglerService:
         attempt = current_attempt(views)
         views = {r: v for r, v in views.items() if v.attempt == attempt}  # ranks not yet back wait
         layout = _layout(self.agent, job, views)
-        ebpf = self._collector("ebpf")
+        ebpf = self.agent.ebpf
         inputs: dict[int, RankInput] = {}
         local = self._local_ranks(job, views)
         for rank, view in views.items():
@@ -300,7 +294,7 @@ class StragglerService:
 
     # --- detection events ---------------------------------------------------------------------
     def _gpu_errors(self, pid: int) -> tuple[Any | None, int]:
-        gpu_col = self._collector("gpu")
+        gpu_col = self.agent.gpu
         if gpu_col is None:
             return None, 0
         stats = gpu_col.gpu_stats_for_pid(pid)
@@ -317,8 +311,8 @@ class StragglerService:
     # --- ranks on other nodes --------------------------------------------------------------------
     def _is_local(self, job: str, rank: int) -> bool:
         """Does ``rank`` of ``job`` run on this node (every rank does unless the job spans nodes)?"""
-        record = getattr(self.agent.supervisor, "jobs", {}).get(job)
-        block = getattr(record, "block", None)
+        record = self.agent.supervisor.jobs.get(job)
+        block = record.block if record is not None else None
         return block is None or block.rank_offset <= rank < block.rank_offset + block.nproc
 
     def _local_ranks(self, job: str, views: Mapping[int, Any]) -> set[int]:
@@ -570,13 +564,11 @@ class StragglerService:
             if cfg.observe_only:
                 action = "observe_only"
             else:
-                exclude = getattr(self.agent, "exclude_rank", None)
-                action = "exclude" if exclude is not None else "exclude_not_available"
-                if exclude is not None:
-                    try:
-                        exclude(job, rank, reason)
-                    except Exception as exc:  # noqa: BLE001
-                        action = f"exclude_failed: {exc}"
+                action = "exclude"
+                try:
+                    self.agent.recovery.exclude_rank(job, rank, reason)
+                except Exception as exc:  # noqa: BLE001
+                    action = f"exclude_failed: {exc}"
             self.agent.events.emit("rank_excluded", f"job {job}: {reason}; {action}",
                                    severity="error", cause=cause, job=job, rank=rank, action=action,
                                    slow_for_s=round(now - since, 1))
@@ -610,7 +602,7 @@ def install(agent: Agent, config: StragglerConfig | None = None, **kwargs: Any) 
 
     Idempotent: an agent that already runs one (the daemon installs it when ``detection.enabled``)
     keeps it, with ``config`` applied, so two services never judge and migrate the same job."""
-    existing = getattr(agent, "straggler", None)
+    existing = agent.straggler
     if isinstance(existing, StragglerService) and not kwargs:
         if config is not None:
             existing.set_config(config)
@@ -619,12 +611,8 @@ def install(agent: Agent, config: StragglerConfig | None = None, **kwargs: Any) 
         uninstall(agent, existing)
     service = StragglerService(agent, config or StragglerConfig(), **kwargs)
     agent.tick_hooks.append(service)
-    exporter = getattr(agent, "exporter", None)
-    if exporter is not None:
-        exporter.sources.append(service)
-    agent.straggler = service  # type: ignore[attr-defined]
-    agent.detection_config = service.detection_config  # type: ignore[attr-defined]
-    agent.update_detection = service.update_detection  # type: ignore[attr-defined]
+    agent.exporter.sources.append(service)
+    agent.straggler = service
     return service
 
 
@@ -632,8 +620,7 @@ def uninstall(agent: Agent, service: StragglerService) -> None:
     """Take a service out of the agent's loop, metrics and API."""
     if service in agent.tick_hooks:
         agent.tick_hooks.remove(service)
-    exporter = getattr(agent, "exporter", None)
-    if exporter is not None and service in exporter.sources:
-        exporter.sources.remove(service)
-    if getattr(agent, "straggler", None) is service:
-        del agent.straggler  # type: ignore[attr-defined]
+    if service in agent.exporter.sources:
+        agent.exporter.sources.remove(service)
+    if agent.straggler is service:
+        agent.straggler = None

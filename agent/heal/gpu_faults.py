@@ -109,9 +109,8 @@ class GpuFaults:
                 f"GPU {failure.gpu} failed ({failure.reason}): left out of later launches on this node",
                 severity="error", cause=failure.reason, gpu=failure.gpu, jobs=sorted(jobs),
                 action="exclude_gpu")
-        recovery = getattr(self.agent, "recovery", None)
         for job, rank in sorted(jobs.items()):
-            if not self.exclude or recovery is None:
+            if not self.exclude:
                 self.agent.events.emit(
                     "gpu_exclusion_off", f"job {job} rank {rank} is on failed GPU {failure.gpu}; "
                     "gpu.exclude_failed is off: the job is left to restart as it is",
@@ -121,4 +120,4 @@ class GpuFaults:
             if record is not None and record.state.finished:
                 continue
             log.warning("job %s rank %d ran on failed GPU %d: restarting without it", job, rank, failure.gpu)
-            recovery.exclude_rank(job, rank, reason=f"GPU {failure.gpu}: {failure.reason}", kind="gpu_failure")
+            self.agent.recovery.exclude_rank(job, rank, reason=f"GPU {failure.gpu}: {failure.reason}", kind="gpu_failure")
