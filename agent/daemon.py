@@ -38,6 +38,7 @@ from trainguard.agent.controller import Controller
 from trainguard.agent.controller import install as install_controller
 from trainguard.agent.detect import StragglerService
 from trainguard.agent.detect import install as install_stragglers
+from trainguard.agent.detect.activity import descends_from
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.exporter import (
     AgentExporter,
@@ -60,7 +61,6 @@ from trainguard.agent.metrics_http import MetricsServerLimits
 from trainguard.agent.paths import AgentPaths, agent_tag
 from trainguard.agent.privilege import FEATURE_OFF, features_off
 from trainguard.agent.ranktable import RankTable, RankTableConfig
-from trainguard.agent.recovery.activity import descends_from
 from trainguard.agent.recovery.service import RecoveryService, checkpoint_settings
 from trainguard.agent.sdnotify import Notifier
 from trainguard.agent.telemetry import TelemetryServer

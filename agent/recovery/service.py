@@ -7,7 +7,7 @@ what every (re)start of a job restores from.
   embedded trainer is hung when no rank advanced its step for long enough (or never reached its
   first step). A user's command is judged only on what it gives: with step telemetry
   (``trainguard.init()``), a step stall while its ranks use no CPU; with ``--hang-timeout``, ranks
-  that used no CPU for that long (``agent.recovery.activity``). A silent script is never hung.
+  that used no CPU for that long (``agent.detect.activity``). A silent script is never hung.
 * Loss NaN/spike: roll back to the newest checkpoint before the divergence and cut the LR.
 * Exclusion (a rank that stays slow): restart without one dp replica; DCP reshards on load.
 """
@@ -27,12 +27,14 @@ from prometheus_client.metrics_core import Metric
 from trainguard.agent.checkpoint import CheckpointManager, CheckpointSettings, ObjectStoreConfig, Restored
 from trainguard.agent.checkpoint.snapshots import SnapshotSet
 from trainguard.agent.config import AgentConfig, apply_state_dir
+from trainguard.agent.detect.activity import ActivityProbe, descends_from
+from trainguard.agent.detect.divergence import LossDetector
+from trainguard.agent.detect.finding import Finding
+from trainguard.agent.detect.hang import HangDetector
+from trainguard.agent.detect.stacks import probe_all
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
 from trainguard.agent.metricspec import MetricSpec
 from trainguard.agent.paths import agent_tag
-from trainguard.agent.recovery.activity import ActivityProbe, descends_from
-from trainguard.agent.recovery.detectors import Finding, HangDetector, LossDetector
-from trainguard.agent.recovery.stacks import probe_all
 from trainguard.agent.wire import CKPT_FAILED_ELSEWHERE, PART_MARK
 from trainguard.environment import ENV_SNAPSHOT_DIR, ENV_SNAPSHOT_EVERY, ENV_SNAPSHOT_STEP
 
