@@ -47,7 +47,10 @@ from trainguard.agent.exporter import (
     serve_metrics,
     stop_metrics,
 )
+from trainguard.agent.heal.counts import ActionCounts
+from trainguard.agent.heal.exclusion import Exclusion
 from trainguard.agent.heal.gpu_faults import GpuFaults
+from trainguard.agent.heal.rollback import Rollback
 from trainguard.agent.health import ThreadHealth, Watch
 from trainguard.agent.lifecycle.cgroups import CgroupError, JobCgroups
 from trainguard.agent.lifecycle.jobs import JobSpec
@@ -135,8 +138,14 @@ class Agent:
         self.checkpoints: CheckpointManager
 
         # --- detection and healing (run once per tick) ------------------------------------------
+        self.heal_counts = ActionCounts()
+        """Healing actions taken, by job, action and cause (the recovery service exports them)."""
+        self.rollback: Rollback
+        """Restarts a diverged job from an older checkpoint with its LR cut."""
+        self.exclude_rank: Exclusion
+        """Restarts a job without one data-parallel replica (stragglers, failed GPUs, drains)."""
         self.recovery: RecoveryService
-        """Rank exits, hangs, loss divergence: what each start restores, rollback and exclusion."""
+        """Acts on hangs and loss divergence, times recoveries, picks what each start restores."""
         self.gpu_faults: GpuFaults
         self.straggler: StragglerService | None = None
         """Straggler detection and shard migration (None: ``detection.enabled`` is off)."""
@@ -412,12 +421,16 @@ class Agent:
             self.checkpoints.set_job_owner(lambda _job: (owner.uid, owner.gid))
         if self.cluster.gangs is not None and self.checkpoints.object is not None:
             self.cluster.gangs.shared_tiers = [self.checkpoints.object]
-        self.recovery = RecoveryService(self, self.checkpoints)
+        self.rollback = Rollback(self.supervisor, self.plans, self.events, self.heal_counts,
+                                 lr_factor=self.cfg.recovery.rollback_lr_factor)
+        self.exclude_rank = Exclusion(self.supervisor, self.plans, self.events, self.heal_counts)
+        self.recovery = RecoveryService(lambda: self.cfg, self.events, self.supervisor, self.table, self.checkpoints,
+                                        self.rollback, self.heal_counts)
         self.supervisor.launch_env = self.recovery.launch_env
         self.supervisor.peer_node_of = self._peer_node_of
         self.supervisor.before_survivors_stop = self.recovery.before_survivors_stop
         self.tick_hooks.append(self.recovery.tick)
-        self.gpu_faults = GpuFaults(self, exclude=self.cfg.gpu.exclude_failed)
+        self.gpu_faults = GpuFaults(self.supervisor, self.events, self.exclude_rank, exclude=self.cfg.gpu.exclude_failed)
         self.tick_hooks.append(lambda _agent, _now: self.gpu_faults.tick())
         self.events.subscribe(self._watch_failures)
 
@@ -449,7 +462,7 @@ class Agent:
                 raise ApiError(503, f"drain not recorded: {exc}") from None
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise ApiError(400, "drain needs {\"rank\": N} (or {\"node\": NAME} in a cluster)")
-        if not self.recovery.exclude_rank(job, rank, "drained by an operator"):
+        if not self.exclude_rank(job, rank, "drained by an operator"):
             raise ApiError(409, f"job {job}: rank {rank} cannot be drained (data parallelism is already 1)")
         return {"job": job, "drained_rank": rank}
 

@@ -165,7 +165,7 @@ class Loop:
         if controller is not None:
             self.agent = SimpleNamespace(
                 table=RankTable(), plans=PlanStore(os.path.join(workdir, "plans")),
-                events=EventLog(os.path.join(workdir, "events"), "bench"), tick_hooks=[], recovery=None,
+                events=EventLog(os.path.join(workdir, "events"), "bench"), tick_hooks=[], rollback=None,
                 exporter=SimpleNamespace(sources=[]),
                 supervisor=SimpleNamespace(jobs={JOB: SimpleNamespace(spec=SimpleNamespace(trainer=cfg.to_dict()),
                                                                       decides_here=True, attempt=0)}))

@@ -491,13 +491,13 @@ class Controller:
         good = jc.good
         target = space.clamp(Setting(min(good.lr_scale, bad.lr_scale) * self.config.lr_cut, good.batch))
         restored = False
-        recovery = agent.recovery
+        rollback = agent.rollback
         if external:
             restored = True  # the recovery service already restarted the job from a checkpoint
-        elif recovery is not None:
+        elif rollback is not None:
             try:
                 # Back to a checkpoint from before the change.
-                recovery.rollback(jc.job, reason, before_step=w.points[0].step if w.points else None)
+                rollback(jc.job, reason, before_step=w.points[0].step if w.points else None)
                 restored = True
             except Exception as exc:  # noqa: BLE001 - the LR cut below still happens
                 log.warning("agent rollback for %s failed: %s", jc.job, exc)

@@ -8,7 +8,7 @@ Per job and tick: every rank's recent telemetry plus its CPU run delay go to the
 (straggler.py); a rank that becomes a straggler gets a cause from the collectors (causes.py) and a
 ``straggler_detected`` event; the migration policy (agent/heal/migration.py) publishes per-dp-rank
 batch sizes through the job's plan, and takes them back to even once no straggler is left. A rank
-that stays a straggler past ``exclude_after_s`` is excluded (``agent.heal``: the job restarts without
+that stays a straggler past ``exclude_after_s`` is excluded (``agent.heal.exclusion``: the job restarts without
 its data-parallel replica) unless ``observe_only`` holds.
 """
 
@@ -566,7 +566,7 @@ class StragglerService:
             else:
                 action = "exclude"
                 try:
-                    self.agent.recovery.exclude_rank(job, rank, reason)
+                    self.agent.exclude_rank(job, rank, reason)
                 except Exception as exc:  # noqa: BLE001
                     action = f"exclude_failed: {exc}"
             self.agent.events.emit("rank_excluded", f"job {job}: {reason}; {action}",

@@ -119,7 +119,7 @@ def make_agent(tmp_path: Path, **trainer: Any) -> SimpleNamespace:
     record = SimpleNamespace(spec=SimpleNamespace(trainer=cfg), decides_here=True, attempt=0)
     return SimpleNamespace(
         table=RankTable(), plans=PlanStore(str(tmp_path / "plans")), events=EventLog(str(tmp_path / "events"), "n1"),
-        supervisor=SimpleNamespace(jobs={JOB: record}), tick_hooks=[], recovery=None,
+        supervisor=SimpleNamespace(jobs={JOB: record}), tick_hooks=[], rollback=None,
         exporter=SimpleNamespace(sources=[]))
 
 
@@ -157,7 +157,7 @@ def test_warmup_window_and_change_applied_from_the_plan_version_step(tmp_path: P
 def test_divergence_rolls_back_and_cuts_lr(tmp_path: Path) -> None:
     agent = make_agent(tmp_path)
     calls: list[tuple[str, str]] = []
-    agent.recovery = SimpleNamespace(rollback=lambda job, reason, before_step=None: calls.append((job, reason)))
+    agent.rollback = lambda job, reason, before_step=None: calls.append((job, reason))
     strat = Scripted([Setting(1.0, 8), Setting(8.0, 8)])
     cfg = ControllerConfig(strategy="rl", every_steps=10, warmup_steps=10, lr_scale_max=16.0)
     ctl = install(agent, cfg, strategy_factory=lambda c, s, j: strat)
