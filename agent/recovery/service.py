@@ -209,7 +209,7 @@ class RecoveryService:
             self.checkpoints.prepare_job(job)
         except OSError as exc:
             self.events.emit("agent_dir_refused", f"job {job}: cannot prepare its memory-tier directories: "
-                                   f"{exc}", severity="error", job=job, error=str(exc))
+                             f"{exc}", severity="error", job=job, error=str(exc))
         env = {
             "TRAINGUARD_CKPT_MEMORY_ROOT": self.checkpoints.settings.memory_root,
             "TRAINGUARD_CKPT_MEMORY_EVERY": str(self.checkpoints.settings.memory_interval),
@@ -302,8 +302,8 @@ class RecoveryService:
         env[ENV_SNAPSHOT_STEP] = str(step)
         record.restored_from = {"tier": "snapshot", "step": step, "path": str(snapshots.dir), "fallback": None}
         self.events.emit("restore_selected", f"job {job}: ranks restore step {step} from their snapshots in "
-                               "shared memory (the newest step every node's ranks hold)",
-                               job=job, tier="snapshot", step=step, fallback=None, settled_s=0.0)
+                         "shared memory (the newest step every node's ranks hold)",
+                         job=job, tier="snapshot", step=step, fallback=None, settled_s=0.0)
         return env
 
     def _rendezvous_checkpoint(self, record: JobRecord, env: dict[str, str]) -> dict[str, str]:
@@ -317,34 +317,34 @@ class RecoveryService:
         env[ENV_RESTORE_STEP] = str(step)
         if not record.block.restore_here:
             record.restored_from = {"tier": "other node", "step": step}
-            self.agent.events.emit("restore_selected", f"job {job}: ranks restore step {step}, sent by the ranks "
-                                   "of the node(s) that hold it", job=job, tier="other node", step=step)
+            self.events.emit("restore_selected", f"job {job}: ranks restore step {step}, sent by the ranks "
+                             "of the node(s) that hold it", job=job, tier="other node", step=step)
             return env
         try:
             restored = self.checkpoints.restore(job, max_step=step)
         except Exception as exc:  # noqa: BLE001 - the ranks then start afresh, said in the event
-            self.agent.events.emit("checkpoint_restore_failed", f"job {job}: cannot restore: {exc}", severity="error",
-                                   job=job)
+            self.events.emit("checkpoint_restore_failed", f"job {job}: cannot restore: {exc}", severity="error",
+                             job=job)
             restored = None
         if restored is None or restored.info.step != step:
             if restored is not None:
                 restored.release()
-            self.agent.events.emit("checkpoint_restore_failed", f"job {job}: the checkpoint of step {step} the "
-                                   "nodes agreed on no longer verifies here", severity="error", job=job, step=step)
+            self.events.emit("checkpoint_restore_failed", f"job {job}: the checkpoint of step {step} the "
+                             "nodes agreed on no longer verifies here", severity="error", job=job, step=step)
             return env
         self._restored[job] = restored
         env[ENV_RESTORE] = str(restored.path)
         record.restored_from = {"tier": restored.tier, "step": step, "path": str(restored.path)}
-        self.agent.events.emit("restore_selected", f"job {job}: ranks restore step {step} from the {restored.tier} "
-                               "tier, and send it to the ranks of nodes that do not hold it", job=job,
-                               tier=restored.tier, step=step)
+        self.events.emit("restore_selected", f"job {job}: ranks restore step {step} from the {restored.tier} "
+                         "tier, and send it to the ranks of nodes that do not hold it", job=job,
+                         tier=restored.tier, step=step)
         return env
 
     def _tell_snapshot_problems(self, job: str, snapshots: SnapshotSet) -> None:
         """Slots skipped as forged or damaged: one event each (the count is ``REJECTED``)."""
         for problem in snapshots.problems[:16]:
             self.events.emit("snapshot_corrupt", f"job {job}: snapshot slot skipped: {problem}",
-                                   severity="error", job=job, tier="snapshot", problem=problem)
+                             severity="error", job=job, tier="snapshot", problem=problem)
         snapshots.problems.clear()
 
     def _clean_staging(self, job: str) -> None:
@@ -355,8 +355,8 @@ class RecoveryService:
         removed = sum(memory.cleanup_job_tmp(k) for k in keys)
         if removed:
             self.events.emit("checkpoint_tmp_cleaned", f"job {job}: removed {removed} half-written memory "
-                                   "checkpoint(s) of ranks that died during a save", job=job, tier="memory",
-                                   removed=removed)
+                             "checkpoint(s) of ranks that died during a save", job=job, tier="memory",
+                             removed=removed)
 
     def _note_save_failures(self, job: str, ranks: list[Any], now: float) -> None:
         """Checkpoints the ranks could not write (they skip them and train on): one event per
