@@ -433,7 +433,7 @@ def test_observe_only_reports_without_acting_and_exclusion(sim_agent: Any, tmp_p
         svc.tick(sim2.t)
     exc = [e for e in _kinds(sim_agent, "rank_excluded") if e["job"] == "act"]
     assert [e["fields"]["action"] for e in exc] == ["exclude_failed: dp is already 1"]
-    sim_agent.exclude_rank = lambda job, rank, reason: asked.append((job, rank))
+    svc.exclude_rank = lambda job, rank, reason: asked.append((job, rank))
     sim3 = SimJob(sim_agent.table, sim_agent.plans, "act2", [0.001, 0.001, 0.001, 0.005])
     for _ in range(12):
         sim3.run(4)
