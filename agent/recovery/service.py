@@ -213,7 +213,7 @@ class RecoveryService:
         env = {
             "TRAINGUARD_CKPT_MEMORY_ROOT": self.checkpoints.settings.memory_root,
             "TRAINGUARD_CKPT_MEMORY_EVERY": str(self.checkpoints.settings.memory_interval),
-            "TRAINGUARD_LR_BATCH_RULE": self.agent.cfg.controller.lr_batch_rule,
+            "TRAINGUARD_LR_BATCH_RULE": self.config().controller.lr_batch_rule,
         }
         if record.block is not None and record.block.rendezvous:
             return self._rendezvous_env(record, env)
