@@ -87,7 +87,7 @@ class Agent:
     Every part is declared in ``__init__``, grouped by concern; those that bind sockets, start
     threads or read files are built by ``start()`` (in the order their collaborators need), the
     others here. A part that a configuration leaves out is ``None`` (``straggler``, the metrics
-    server) and is never attached from outside. Services get the parts they use, not the agent.
+    server); no other module adds attributes. Services get the parts they use, not the agent.
     """
 
     def __init__(self, cfg: AgentConfig, config_path: str | None = None, *, print_bpf: bool = False,
@@ -437,9 +437,9 @@ class Agent:
     def _install_policies(self) -> None:
         """Straggler detection/migration and the LR/batch controller, as configured."""
         if self.cfg.detection.enabled:
-            service = install_stragglers(self, self.cfg.detection)
+            self.straggler = install_stragglers(self, self.cfg.detection)
             if self.cluster.gangs is not None:
-                self.cluster.gangs.evidence_for = service.local_evidence  # sent along with forwarded telemetry
+                self.cluster.gangs.evidence_for = self.straggler.local_evidence  # sent along with forwarded telemetry
         # Installed with strategy "none" too: the LR still follows a global batch that healing
         # changed (controller.lr_batch_rule), which is cheap (no per-step telemetry read).
         self.controller = install_controller(self, self.cfg.controller)
