@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard.agent import __version__
 from trainguard.agent.api.handler import ApiError, Blob, BlobReader, Json
+from trainguard.agent.cluster.gang import decode_forwarded
 from trainguard.agent.lifecycle import rdzvjobs
 from trainguard.agent.lifecycle.jobs import JobSpec, JobSpecError
 from trainguard.agent.wire import WireError
@@ -47,7 +48,7 @@ class AgentControl:
         agent = self.agent
         snapshot = agent.table.snapshot()
         jobs = []
-        straggler = getattr(agent, "straggler", None)
+        straggler = agent.straggler
         for rec in agent.supervisor.status():
             ranks_tel = snapshot.get(rec["job"], {})
             scores = straggler.scores(rec["job"]) if straggler is not None else {}
@@ -87,7 +88,7 @@ class AgentControl:
             "pid": os.getpid(),
             "uptime_s": round(time.time() - agent.started, 3),
             "leader": _leader(agent),
-            "cluster": agent.cluster.status() if getattr(agent, "cluster", None) is not None else None,
+            "cluster": agent.cluster.status(),
             "collectors": {k: {"up": v[0], "reason": v[1]} for k, v in agent.collector_state.items()},
             "jobs": jobs,
             "gpus": _gpu_view(agent),
@@ -112,8 +113,8 @@ class AgentControl:
         except JobSpecError as exc:
             raise ApiError(400, str(exc)) from None
         if job_spec.nodes > 1:
-            cluster = getattr(self.agent, "cluster", None)
-            if cluster is None or cluster.gangs is None:
+            cluster = self.agent.cluster
+            if cluster.gangs is None:
                 raise ApiError(400, "nodes: a job over several nodes needs a cluster ([cluster] etcd_endpoints)")
             try:
                 cluster.submit_spanning(job_spec.to_dict())
@@ -139,7 +140,7 @@ class AgentControl:
     def get_job(self, job: str) -> dict[str, Any]:
         result: dict[str, Any] = self._job(job).to_dict()
         launcher = self.agent.supervisor.launcher
-        cg = getattr(launcher, "job_cgroups", {}).get(job)
+        cg = launcher.job_cgroups.get(job)
         if cg is not None:
             use = cg.usage()
             result["cgroup"] = {"paths": [str(p) for p in cg.paths], "limits": dict(cg.limits),
@@ -150,8 +151,7 @@ class AgentControl:
 
     def stop_job(self, job: str, options: dict[str, Any]) -> dict[str, Any]:
         reason = str(options.get("reason", "requested through the API"))
-        cluster = getattr(self.agent, "cluster", None)
-        gangs = cluster.gangs if cluster is not None else None
+        gangs = self.agent.cluster.gangs
         if gangs is not None and gangs.is_spanning(job):
             # Stopping one node's ranks would only make the leader restart them: stop it everywhere.
             try:
@@ -215,10 +215,7 @@ class AgentControl:
         return _plan_dict(plan)
 
     def list_checkpoints(self, job: str | None) -> Json:
-        provider = getattr(self.agent, "checkpoint_catalog", None)
-        if provider is None:
-            return []
-        result: Json = provider(job)
+        result: Json = self.agent.checkpoints.catalog(job)
         return result
 
     def checkpoint_now(self, job: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -234,59 +231,43 @@ class AgentControl:
         record = self.agent.supervisor.jobs.get(job)
         if record is None or record.block is None or record.block.group_rank != 0:
             raise ApiError(409, f"job {job} does not hold rank 0 here; telemetry goes to the node that does")
-        from trainguard.agent.cluster.gang import decode_forwarded
-
         good, dropped = decode_forwarded(job, messages)
         result = self.agent.table.add_many(good, time.time())
         dropped += sum(result.rejected.values())
         self.agent.forwarded_in[node] = self.agent.forwarded_in.get(node, 0) + len(result.accepted)
-        straggler = getattr(self.agent, "straggler", None)
+        straggler = self.agent.straggler
         evidence = straggler.note_remote_evidence(job, node, body.get("evidence")) if straggler is not None else 0
         return {"accepted": len(result.accepted), "dropped": dropped, "evidence_ranks": evidence}
 
     def drain(self, job: str, target: dict[str, Any]) -> dict[str, Any]:
-        if not (isinstance(target, dict) and "node" in target and getattr(self.agent, "cluster", None) is not None
-                and getattr(self.agent.cluster, "gangs", None) is not None):
+        if not (isinstance(target, dict) and "node" in target and self.agent.cluster.gangs is not None):
             self._job(job)  # a node drain in a cluster may name any cluster job: its record decides
-        handler = getattr(self.agent, "drain_handler", None)
-        if handler is None:
-            raise ApiError(501, "draining needs the straggler/healing module, which is not enabled on this agent")
-        result: dict[str, Any] = handler(job, target)
-        return result
+        return self.agent.drain(job, target)
 
     def get_detection_config(self) -> dict[str, Any]:
-        det = getattr(self.agent, "detection_config", None)
-        return dict(det()) if det else {}
+        straggler = self.agent.straggler
+        return dict(straggler.detection_config()) if straggler is not None else {}
 
     def update_detection_config(self, fields: dict[str, Any]) -> dict[str, Any]:
-        upd = getattr(self.agent, "update_detection", None)
-        if upd is None:
+        straggler = self.agent.straggler
+        if straggler is None:
             raise ApiError(501, "no runtime-changeable detection settings on this agent")
         try:
-            result: dict[str, Any] = upd(fields)
+            result: dict[str, Any] = straggler.update_detection(fields)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         return result
 
     def put_blob(self, namespace: str, path: str, body: BlobReader) -> dict[str, Any]:
-        store = getattr(self.agent, "blob_store", None)
-        if store is None:
-            raise ApiError(501, "this agent holds no peer checkpoint data")
-        result: dict[str, Any] = store.put(namespace, path, body)
+        result: dict[str, Any] = self.agent.cluster.store.put(namespace, path, body)
         return result
 
     def get_blob(self, namespace: str, path: str) -> Blob:
-        store = getattr(self.agent, "blob_store", None)
-        if store is None:
-            raise ApiError(404, "no such blob")
-        blob: Blob = store.get(namespace, path)
+        blob: Blob = self.agent.cluster.store.get(namespace, path)
         return blob
 
     def delete_blob(self, namespace: str, path: str) -> dict[str, Any]:
-        store = getattr(self.agent, "blob_store", None)
-        if store is None:
-            raise ApiError(404, "no such blob")
-        result: dict[str, Any] = store.delete(namespace, path)
+        result: dict[str, Any] = self.agent.cluster.store.delete(namespace, path)
         return result
 
 
@@ -307,25 +288,21 @@ def _telemetry_dict(tel: Any) -> dict[str, Any]:
     return dict(tel)
 
 
-def _collector(agent: Any, name: str) -> Any:
-    return next((c for c in agent.collectors if getattr(c, "name", None) == name), None)
-
-
-def _gpu_view(agent: Any) -> dict[str, Any]:
+def _gpu_view(agent: Agent) -> dict[str, Any]:
     """Latest GPU readings by index (empty without the GPU collector)."""
-    gpu = _collector(agent, "gpu")
+    gpu = agent.gpu
     if gpu is None:
         return {}
     out: dict[str, Any] = {}
     for index, reading in gpu.readings().items():
-        body = dataclasses.asdict(reading) if dataclasses.is_dataclass(reading) and not isinstance(reading, type) else dict(reading)
+        body = dataclasses.asdict(reading)
         out[str(index)] = {k: v for k, v in body.items() if not (isinstance(v, float) and v != v)}
     return out
 
 
-def _kernel_view(agent: Any) -> dict[str, Any]:
+def _kernel_view(agent: Agent) -> dict[str, Any]:
     """Cumulative log2 latency histograms (run queue per node and rank, block I/O per device)."""
-    ebpf = _collector(agent, "ebpf")
+    ebpf = agent.ebpf
     snap = ebpf.snapshot if ebpf is not None else None
     if snap is None:
         return {}
@@ -347,9 +324,6 @@ def _kernel_view(agent: Any) -> dict[str, Any]:
     return view
 
 
-def _leader(agent: Any) -> str | None:
-    cluster = getattr(agent, "cluster", None)
-    if cluster is None:
-        return str(agent.cfg.agent.node)
-    leader: str | None = cluster.leader
+def _leader(agent: Agent) -> str | None:
+    leader: str | None = agent.cluster.leader
     return leader

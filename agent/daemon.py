@@ -15,27 +15,58 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from trainguard.agent import __version__
+from trainguard.agent.agent_metrics import agent_metrics
+from trainguard.agent.api.auth import TokenFileError, read_client_token
+from trainguard.agent.api.config import ApiConfig
+from trainguard.agent.api.handler import ApiError
+from trainguard.agent.api.server import ApiServer
+from trainguard.agent.api.tls import TlsConfigError, TlsFiles, client_context, server_context
+from trainguard.agent.checkpoint import CheckpointManager
+from trainguard.agent.checkpoint.objectstore import ObjectScope
+from trainguard.agent.cluster.service import ClusterService
 from trainguard.agent.collectors.base import Collector, CollectorUnavailable, TrackedProcess
+from trainguard.agent.collectors.ebpf import EbpfCollector
+from trainguard.agent.collectors.gpu import GpuCollector, Nvml
+from trainguard.agent.collectors.host import HostCollector
 from trainguard.agent.config import AgentConfig, ConfigError, load_config, parse_host_port
+from trainguard.agent.control import AgentControl
+from trainguard.agent.controller import Controller
+from trainguard.agent.controller import install as install_controller
+from trainguard.agent.detect import StragglerService
+from trainguard.agent.detect import install as install_stragglers
+from trainguard.agent.detect.activity import descends_from
 from trainguard.agent.eventlog import EventLog
+from trainguard.agent.exporter import (
+    AgentExporter,
+    HealthMetrics,
+    TelemetryMetrics,
+    serve_metrics,
+    stop_metrics,
+)
+from trainguard.agent.heal.counts import ActionCounts
+from trainguard.agent.heal.exclusion import Exclusion
 from trainguard.agent.heal.gpu_faults import GpuFaults
+from trainguard.agent.heal.rollback import Rollback
 from trainguard.agent.health import ThreadHealth, Watch
+from trainguard.agent.lifecycle.cgroups import CgroupError, JobCgroups
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.rankenv import RankUser, RankUserError
 from trainguard.agent.lifecycle.records import RecordStore
 from trainguard.agent.lifecycle.supervisor import Supervisor
+from trainguard.agent.lifecycle.units import under_systemd
+from trainguard.agent.metrics_http import MetricsServerLimits
 from trainguard.agent.paths import AgentPaths, agent_tag
 from trainguard.agent.privilege import FEATURE_OFF, features_off
-from trainguard.agent.recovery.activity import descends_from
+from trainguard.agent.ranktable import RankTable, RankTableConfig
+from trainguard.agent.recovery.service import RecoveryService, checkpoint_settings
 from trainguard.agent.sdnotify import Notifier
-
-if TYPE_CHECKING:
-    from trainguard.agent.checkpoint.objectstore import ObjectScope
+from trainguard.agent.telemetry import TelemetryServer
 
 log = logging.getLogger("trainguard.agent")
 EXTERNAL_SILENCE_S = 60.0
@@ -50,43 +81,104 @@ TickHook = Callable[["Agent", float], None]
 
 
 class Agent:
+    """One node's agent: supervises the ranks it launched, watches every rank that reports to it,
+    heals failures and serves the control API and /metrics.
+
+    Every part is declared in ``__init__``, grouped by concern; those that bind sockets, start
+    threads or read files are built by ``start()`` (in the order their collaborators need), the
+    others here. A part that a configuration leaves out is ``None`` (``straggler``, the metrics
+    server); no other module adds attributes. Services get the parts they use, not the agent.
+    """
+
     def __init__(self, cfg: AgentConfig, config_path: str | None = None, *, print_bpf: bool = False,
                  nvml_module: Any = None) -> None:
         """``nvml_module``: a stand-in for ``pynvml`` (tests pass a fake NVML); None: the real one."""
+        # --- configuration and the files it names -----------------------------------------------
         self.cfg = cfg
-        self.nvml_module = nvml_module
-        self._tls: tuple[Any, Any] | None = None
-        self.cgroups_reason = ""
-        self._oom_seen: dict[str, int] = {}
+        """The configuration in force (``reload`` replaces it; paths and sockets stay as started)."""
         self.config_path = config_path
         self.print_bpf = print_bpf
+        self.nvml_module = nvml_module
         self.paths = AgentPaths(cfg.agent.state_dir, cfg.agent.run_dir)
+        self.rank_user: RankUser | None = None
+        """``launcher.user`` looked up by ``start()`` (None: ranks run as the agent's user)."""
+        self._tls: tuple[Any, Any] | None = None
+        """The TCP API's (server, client) SSL contexts, made once on first use."""
+
+        # --- the agent's own health and its reports ---------------------------------------------
         self.notifier = Notifier()
         self.health = Watch(cfg.agent.heartbeat_stale_s, on_change=self._on_thread_health,
                             on_errors=self._on_thread_errors)
         """The long-lived threads whose heartbeats gate the systemd watchdog (agent.health)."""
+        self.events: EventLog
+        """The event log every part writes to (built first by ``start()``)."""
         self.started = time.time()
-        self.tick_hooks: list[TickHook] = []
-        self.collectors: list[Collector] = []
-        self.collector_state: dict[str, tuple[bool, str | None]] = {}
-        self._stop = threading.Event()
-        self._reload = threading.Event()
         self.ticks = 0
+
+        # --- ranks: telemetry, plans, supervision -----------------------------------------------
+        self.table: RankTable
+        """The ranks' latest telemetry, per job and rank."""
+        self.telemetry: TelemetryServer
+        self.plans: PlanStore
+        self.supervisor: Supervisor
+        """Launches, watches and restarts the ranks of the jobs this agent runs."""
+        self.cgroups_reason = ""
+        """Why job cgroups are what they are (said once at start in a ``feature_off`` event)."""
         self.forwarded_in: dict[str, int] = {}
         """Telemetry messages other nodes forwarded here, per node (jobs spanning nodes)."""
-        self.metrics_port: int | None = None
         self._external: dict[int, TrackedProcess] = {}
+        """Ranks of jobs this agent did not start that report to it (torchrun jobs), by pid."""
         self._managed_pids: dict[str, frozenset[int]] = {}
         self._sender_cache: dict[int, str] = {}
+        self._oom_seen: dict[str, int] = {}
+
+        # --- checkpoints and the cluster --------------------------------------------------------
+        self.cluster: ClusterService
+        """Membership, leader election, the peer tier and the blob store (its own leader without etcd)."""
+        self.checkpoints: CheckpointManager
+
+        # --- detection and healing (run once per tick) ------------------------------------------
+        self.heal_counts = ActionCounts()
+        """Healing actions taken, by job, action and cause (the recovery service exports them)."""
+        self.rollback: Rollback
+        """Restarts a diverged job from an older checkpoint with its LR cut."""
+        self.exclude_rank: Exclusion
+        """Restarts a job without one data-parallel replica (stragglers, failed GPUs, drains)."""
+        self.recovery: RecoveryService
+        """Acts on hangs and loss divergence, times recoveries, picks what each start restores."""
+        self.gpu_faults: GpuFaults
+        self.straggler: StragglerService | None = None
+        """Straggler detection and shard migration (None: ``detection.enabled`` is off)."""
+        self.controller: Controller
+        """The LR/batch controller (installed with strategy "none" too: the LR follows healing)."""
+        self.tick_hooks: list[TickHook] = []
+        """Detectors and healers run after each collection, in order."""
+
+        # --- collectors -------------------------------------------------------------------------
+        self.collectors: list[Collector] = []
+        """The collectors that started (a collector that cannot run here is left out)."""
+        self.collector_state: dict[str, tuple[bool, str | None]] = {}
+        """Per collector name: (up, why not)."""
+        self.ebpf: EbpfCollector | None = None
+        self.gpu: GpuCollector | None = None
+
+        # --- outward: metrics and the control API -----------------------------------------------
+        self.exporter: AgentExporter
+        self.metrics_server: Any = None
+        """The /metrics HTTP server (None: ``metrics.addr`` is empty)."""
+        self.metrics_port: int | None = None
+        self.control: AgentControl
+        self.api: ApiServer
         self.api_tcp_port: int | None = None
+
+        # --- the main loop ----------------------------------------------------------------------
+        self._stop = threading.Event()
+        self._reload = threading.Event()
 
     # --- start-up ---------------------------------------------------------------------------
     def start(self) -> None:
-        from trainguard.agent.exporter import AgentExporter, HealthMetrics, TelemetryMetrics, serve_metrics
-        from trainguard.agent.metrics_http import MetricsServerLimits
-        from trainguard.agent.ranktable import RankTable, RankTableConfig
-        from trainguard.agent.telemetry import TelemetryServer
-
+        """Build the parts declared in ``__init__`` that touch the system, in dependency order, and
+        start their threads; the API answers last."""
         cfg = self.cfg
         self.rank_user = self._rank_user()
         self.paths.ensure(ranks_traverse=self.rank_user is not None)
@@ -121,7 +213,7 @@ class Agent:
         self._start_collectors()
         self._adopt_jobs()
         self.exporter = AgentExporter(
-            sources=[HealthMetrics(self.health, lambda: getattr(self, "_metrics_server", None)),
+            sources=[HealthMetrics(self.health, lambda: self.metrics_server),
                      TelemetryMetrics(self.table, self.telemetry), *self.collectors, self.checkpoints, self.recovery, self],
             build_info={"version": __version__, "python": platform.python_version(), "node": cfg.agent.node},
             collector_status=lambda: dict(self.collector_state),
@@ -130,7 +222,7 @@ class Agent:
         if cfg.metrics.addr:
             host, port = parse_host_port(cfg.metrics.addr)
             limits = MetricsServerLimits(max_connections=cfg.metrics.max_connections, timeout_s=cfg.metrics.timeout_s)
-            self._metrics_server, self.metrics_port = serve_metrics(self.exporter.registry, host, port, limits=limits,
+            self.metrics_server, self.metrics_port = serve_metrics(self.exporter.registry, host, port, limits=limits,
                                                                     tls=self._metrics_tls())
             _write_whole(self.paths.metrics_addr_file, f"{host}:{self.metrics_port}\n")
         # Before the API answers: whoever sees the agent up finds them in the log.
@@ -178,8 +270,6 @@ class Agent:
 
     def _metrics_tls(self) -> Any:
         """The /metrics server's TLS context (None: plain HTTP); a bad file is a ConfigError naming its key."""
-        from trainguard.agent.api.tls import TlsConfigError, TlsFiles, server_context
-
         m = self.cfg.metrics
         files = TlsFiles(m.tls_cert, m.tls_key, m.tls_ca, m.tls_client_auth)
         if not files.enabled:
@@ -192,11 +282,10 @@ class Agent:
 
     def _register_job(self, job: str) -> None:
         """Its telemetry is kept (even with accept_unknown_jobs off) for ranks below its world size."""
-        record = self.supervisor.jobs.get(job) if hasattr(self, "supervisor") else None
+        record = self.supervisor.jobs.get(job)
         world = None
         if record is not None:
-            block = getattr(record, "block", None)
-            world = max(record.spec.nproc, getattr(block, "world_size", 0) or 0)
+            world = max(record.spec.nproc, record.block.world_size if record.block is not None else 0)
         self.table.register_job(job, world)
 
     def _watch_threads(self) -> None:
@@ -205,28 +294,24 @@ class Agent:
         watch = self.health.watch
         watch(self.supervisor, "rank-monitor")
         watch(self.telemetry, "telemetry")
-        for lst in getattr(getattr(self, "api", None), "_listeners", []):
+        for lst in self.api._listeners:
             watch(lst, "api-unix" if lst.is_unix else "api-tcp")
-        server = getattr(self, "_metrics_server", None)
-        if server is not None:
-            watch(server, "metrics-http")
-        cluster = getattr(self, "cluster", None)
-        membership = getattr(cluster, "membership", None)
-        if membership is not None and getattr(membership, "_thread", None) is not None:
+        if self.metrics_server is not None:
+            watch(self.metrics_server, "metrics-http")
+        membership = self.cluster.membership
+        if membership is not None and membership._thread is not None:
             watch(membership, "cluster-membership")
-        if cluster is not None and getattr(cluster, "_thread", None) is not None:
-            watch(cluster, "cluster-jobs")
-        gangs = getattr(cluster, "gangs", None)
-        if gangs is not None and getattr(gangs, "_forwarder", None) is not None:
+        if self.cluster._thread is not None:
+            watch(self.cluster, "cluster-jobs")
+        gangs = self.cluster.gangs
+        if gangs is not None and gangs._forwarder is not None:
             watch(gangs, "gang-telemetry")
-        for c in self.collectors:
-            if getattr(c, "_thread", None) is not None and c.name == "ebpf":
-                watch(c, "ebpf-events")
-            watcher = getattr(c, "_watcher", None)
-            if watcher is not None and getattr(watcher, "_thread", None) is not None:
-                watch(watcher, "gpu-xid")
-        replicator = getattr(getattr(self, "checkpoints", None), "replicator", None)
-        for worker in getattr(replicator, "_workers", []):
+        if self.ebpf is not None and self.ebpf._thread is not None:
+            watch(self.ebpf, "ebpf-events")
+        watcher = self.gpu._watcher if self.gpu is not None else None
+        if watcher is not None and watcher._thread is not None:
+            watch(watcher, "gpu-xid")
+        for worker in self.checkpoints.replicator._workers:
             if worker.thread.is_alive():
                 # An upload of a large checkpoint is one long iteration: only a hang past this is stuck.
                 watch(worker, worker.thread.name, stale_after_s=max(self.cfg.agent.heartbeat_stale_s, REPLICATE_STALE_S))
@@ -265,10 +350,6 @@ class Agent:
         _write_whole(self.paths.discovery_file, json.dumps(body))
 
     def _peer_token(self) -> str | None:
-        from pathlib import Path
-
-        from trainguard.agent.api.auth import TokenFileError, read_client_token
-
         path = self.cfg.cluster.peer_token_file or self.cfg.api.token_file
         if not path:
             return None
@@ -298,8 +379,6 @@ class Agent:
         """The object-tier scope of a checkpoint key (a job, or a spanning job's part
         ``<job>.part-<node>``): the job's submission uid and this node's fencing epoch for it
         (the record's epoch; for a spanning job the attempt its ranks run)."""
-        from trainguard.agent.checkpoint.objectstore import ObjectScope
-
         job = key.split(".part-", 1)[0]
         record = self.supervisor.jobs.get(job)
         if record is None or not record.spec.uid:
@@ -312,10 +391,6 @@ class Agent:
         return ObjectScope(record.spec.uid, self.cluster.epoch_of(job))
 
     def _start_recovery(self) -> None:
-        from trainguard.agent.checkpoint import CheckpointManager
-        from trainguard.agent.cluster.service import ClusterService
-        from trainguard.agent.recovery.service import RecoveryService, checkpoint_settings
-
         settings = checkpoint_settings(self.cfg)
         # Membership, leader election and the peer tier; with no etcd this node is its own leader.
         self.cluster = ClusterService(
@@ -327,7 +402,6 @@ class Agent:
             on_adopt=lambda job, when: self.recovery.note_failure(job, "node_lost", when),
             tls=self._tls_contexts()[1],
         )
-        self.blob_store = self.cluster.store
         if self.cluster.gangs is not None:
             # Ranks of a job spanning nodes report to their own node; the node holding rank 0 judges them all.
             self.telemetry.on_message = self.cluster.gangs.on_telemetry
@@ -347,42 +421,35 @@ class Agent:
             self.checkpoints.set_job_owner(lambda _job: (owner.uid, owner.gid))
         if self.cluster.gangs is not None and self.checkpoints.object is not None:
             self.cluster.gangs.shared_tiers = [self.checkpoints.object]
-        self.recovery = RecoveryService(self, self.checkpoints)
+        self.rollback = Rollback(self.supervisor, self.plans, self.events, self.heal_counts,
+                                 lr_factor=self.cfg.recovery.rollback_lr_factor)
+        self.exclude_rank = Exclusion(self.supervisor, self.plans, self.events, self.heal_counts)
+        self.recovery = RecoveryService(lambda: self.cfg, self.events, self.supervisor, self.table, self.checkpoints,
+                                        self.rollback, self.heal_counts)
         self.supervisor.launch_env = self.recovery.launch_env
         self.supervisor.peer_node_of = self._peer_node_of
         self.supervisor.before_survivors_stop = self.recovery.before_survivors_stop
         self.tick_hooks.append(self.recovery.tick)
-        self.checkpoint_catalog = self.checkpoints.catalog
-        self.rollback = self.recovery.rollback
-        self.exclude_rank = self.recovery.exclude_rank
-        self.gpu_faults = GpuFaults(self, exclude=self.cfg.gpu.exclude_failed)
+        self.gpu_faults = GpuFaults(self.supervisor, self.events, self.exclude_rank, exclude=self.cfg.gpu.exclude_failed)
         self.tick_hooks.append(lambda _agent, _now: self.gpu_faults.tick())
         self.events.subscribe(self._watch_failures)
 
     def _install_policies(self) -> None:
         """Straggler detection/migration and the LR/batch controller, as configured."""
         if self.cfg.detection.enabled:
-            from trainguard.agent.detect import install as install_stragglers
-
-            service = install_stragglers(self, self.cfg.detection)
-            gangs = getattr(getattr(self, "cluster", None), "gangs", None)
-            if gangs is not None:
-                gangs.evidence_for = service.local_evidence  # sent along with forwarded telemetry
+            self.straggler = install_stragglers(self, self.cfg.detection)
+            if self.cluster.gangs is not None:
+                self.cluster.gangs.evidence_for = self.straggler.local_evidence  # sent along with forwarded telemetry
         # Installed with strategy "none" too: the LR still follows a global batch that healing
         # changed (controller.lr_batch_rule), which is cheap (no per-step telemetry read).
-        from trainguard.agent.controller import install as install_controller
-
         self.controller = install_controller(self, self.cfg.controller)
-        self.drain_handler = self._drain
 
-    def _drain(self, job: str, target: dict[str, Any]) -> dict[str, Any]:
+    def drain(self, job: str, target: dict[str, Any]) -> dict[str, Any]:
         """Operator drain: restart the job without the rank's data-parallel replica."""
-        from trainguard.agent.api.handler import ApiError
-
         rank = target.get("rank")
         node = target.get("node")
         if node is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
-            if getattr(self.cluster, "gangs", None) is None:
+            if self.cluster.gangs is None:
                 raise ApiError(409, f"node {node} is the only node of this agent's job: there is nowhere to move its "
                                     "ranks; drain a rank instead (its data-parallel replica leaves the job)")
             try:
@@ -395,7 +462,7 @@ class Agent:
                 raise ApiError(503, f"drain not recorded: {exc}") from None
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise ApiError(400, "drain needs {\"rank\": N} (or {\"node\": NAME} in a cluster)")
-        if not self.recovery.exclude_rank(job, rank, "drained by an operator"):
+        if not self.exclude_rank(job, rank, "drained by an operator"):
             raise ApiError(409, f"job {job}: rank {rank} cannot be drained (data parallelism is already 1)")
         return {"job": job, "drained_rank": rank}
 
@@ -411,17 +478,11 @@ class Agent:
             "warning" if kind in ("agent_dir_taken_over", "agent_dir_tightened") else "info")
         job = fields.pop("job", None)
         self.events.emit(kind, f"{kind.replace('_', ' ')}: {fields}", severity=severity, job=job if isinstance(job, str) else None, **_safe_fields(fields))
-        gangs = getattr(getattr(self, "cluster", None), "gangs", None)
+        gangs = self.cluster.gangs
         if kind == "checkpoint_committed" and gangs is not None and isinstance(job, str):
             gangs.note_commit(job)  # a spanning job's part: its commit record is written at once
 
     def _start_api(self) -> None:
-        from pathlib import Path
-
-        from trainguard.agent.api.config import ApiConfig
-        from trainguard.agent.api.server import ApiServer
-        from trainguard.agent.control import AgentControl
-
         cfg = self.cfg.api
         self.control = AgentControl(self)
         api_cfg = ApiConfig(
@@ -451,8 +512,6 @@ class Agent:
         _write_whole(os.path.join(self.cfg.agent.run_dir, "api.addr"), f"{tcp[0]}:{tcp[1]}\n" if tcp else "\n")
 
     def _make_launcher(self) -> Launcher:
-        from trainguard.agent.lifecycle.units import under_systemd
-
         cfg = self.cfg
         mode = cfg.launcher.systemd_units
         units = mode == "on" or (mode == "auto" and under_systemd())
@@ -468,8 +527,6 @@ class Agent:
 
     def _job_cgroups(self) -> Any:
         """Where job cgroups are made (None: launcher.cgroups is off, or auto and not possible here)."""
-        from trainguard.agent.lifecycle.cgroups import CgroupError, JobCgroups
-
         mode = self.cfg.launcher.cgroups
         if mode == "off":
             self.cgroups_reason = "off in config (launcher.cgroups)"
@@ -502,8 +559,6 @@ class Agent:
         """(server, client) SSL contexts of the TCP API from ``[api] tls_*`` (None, None without a
         certificate); a missing or bad file refuses the start with a ConfigError naming the key."""
         if self._tls is None:
-            from trainguard.agent.api.tls import TlsConfigError, TlsFiles, client_context, server_context
-
             cfg = self.cfg.api
             files = TlsFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.tls_client_auth)
             if not files.enabled:
@@ -555,6 +610,10 @@ class Agent:
                 continue
             self.collectors.append(collector)
             self.collector_state[name] = (True, None)
+            if isinstance(collector, EbpfCollector):
+                self.ebpf = collector
+            elif isinstance(collector, GpuCollector):
+                self.gpu = collector
         for name in ("host", "ebpf", "gpu"):
             if name not in self.collector_state:
                 self.collector_state[name] = (False, "disabled in config")
@@ -564,18 +623,12 @@ class Agent:
         log.warning("collector %s is off: %s", name, reason)
 
     def _make_host(self) -> Collector:
-        from trainguard.agent.collectors.host import HostCollector
-
         return HostCollector()
 
     def _make_ebpf(self) -> Collector:
-        from trainguard.agent.collectors.ebpf import EbpfCollector
-
         return EbpfCollector(self._on_collector_event, interval=self.cfg.agent.interval_s, print_bpf=self.print_bpf)
 
     def _make_gpu(self) -> Collector:
-        from trainguard.agent.collectors.gpu import GpuCollector, Nvml
-
         return GpuCollector(self._on_collector_event, Nvml(module=self.nvml_module), self.cfg.gpu)
 
     def _on_collector_event(self, kind: str, fields: dict[str, Any]) -> None:
@@ -647,14 +700,12 @@ class Agent:
         return ok
 
     def _ranks_changed(self, processes: dict[int, TrackedProcess]) -> None:
-        sup = getattr(self, "supervisor", None)
-        if sup is not None:
-            # Every rank of the current attempt, alive or not: a rank's last datagrams may still be
-            # queued when it exits. Replaced whole: the telemetry thread reads it without a lock.
-            self._managed_pids = {j: frozenset(r.pid for r in rec.ranks)
-                                  for j, rec in list(sup.jobs.items()) if not rec.state.finished}
-            self._sender_cache = {}
-        processes = {**getattr(self, "_external", {}), **processes}
+        # Every rank of the current attempt, alive or not: a rank's last datagrams may still be
+        # queued when it exits. Replaced whole: the telemetry thread reads it without a lock.
+        self._managed_pids = {j: frozenset(r.pid for r in rec.ranks)
+                              for j, rec in list(self.supervisor.jobs.items()) if not rec.state.finished}
+        self._sender_cache = {}
+        processes = {**self._external, **processes}
         for c in self.collectors:
             try:
                 c.track(processes)
@@ -677,8 +728,7 @@ class Agent:
         )
 
     def _healthy_gpus(self) -> tuple[int, ...] | None:
-        gpu: Any = next((c for c in self.collectors if getattr(c, "name", None) == "gpu"), None)
-        return self.gpu_faults.healthy(gpu.gpu_indices()) if gpu is not None else None
+        return self.gpu_faults.healthy(self.gpu.gpu_indices()) if self.gpu is not None else None
 
     # --- main loop --------------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -750,33 +800,30 @@ class Agent:
         self.notifier.ready(self._status_line())
 
     def shutdown(self) -> None:
+        """Stop every part ``start()`` built; a start that failed part-way (a ConfigError) built
+        only some, so the parts are looked up among those built rather than assumed."""
+        built = vars(self)
         self.notifier.stopping()
-        cluster = getattr(self, "cluster", None)
-        if cluster is not None:
-            cluster.stop(leave=True)  # resign leadership and release the lease first
-        events = getattr(self, "events", None)
+        if "cluster" in built:
+            self.cluster.stop(leave=True)  # resign leadership and release the lease first
+        events: EventLog | None = built.get("events")
         if events is not None:
             events.emit("agent_stopping", f"agent stopping ({self.cfg.agent.on_stop})")
-        sup = getattr(self, "supervisor", None)
-        if sup is not None:
+        if "supervisor" in built:
             if self.cfg.agent.on_stop == "stop_ranks":
-                sup.stop_all("agent shutdown")
-            sup.close()
-            launcher = sup.launcher
-            if self.cfg.agent.on_stop == "stop_ranks" and hasattr(launcher, "close_all"):
-                launcher.close_all()  # no stray, warm launcher or cgroup left (left ranks keep theirs)
+                self.supervisor.stop_all("agent shutdown")
+            self.supervisor.close()
+            if self.cfg.agent.on_stop == "stop_ranks":
+                self.supervisor.launcher.close_all()  # no stray, warm launcher or cgroup left (left ranks keep theirs)
         for part in ("api", "telemetry", "checkpoints"):
-            obj = getattr(self, part, None)
+            obj = built.get(part)
             if obj is not None:
                 try:
                     obj.stop()
                 except Exception as exc:  # noqa: BLE001
                     log.warning("stopping %s: %s", part, exc)
-        server = getattr(self, "_metrics_server", None)
-        if server is not None:
-            from trainguard.agent.exporter import stop_metrics
-
-            stop_metrics(server)
+        if self.metrics_server is not None:
+            stop_metrics(self.metrics_server)
         for c in self.collectors:
             try:
                 c.stop()
@@ -793,8 +840,7 @@ class Agent:
 
     # --- reporting --------------------------------------------------------------------------
     def _status_line(self) -> str:
-        sup = getattr(self, "supervisor", None)
-        running = sum(1 for j in sup.jobs.values() if not j.state.finished) if sup else 0
+        running = sum(1 for j in self.supervisor.jobs.values() if not j.state.finished)
         up = [k for k, v in self.collector_state.items() if v[0]]
         line = f"{running} job(s) running; collectors up: {', '.join(up) or 'none'}"
         bad = [t for t in self.health.check() if not t.healthy]
@@ -808,8 +854,6 @@ class Agent:
 
     def metrics(self) -> Any:
         """Agent-level metric families (events, restarts, jobs) for the exporter."""
-        from trainguard.agent.agent_metrics import agent_metrics
-
         return agent_metrics(self)
 
 

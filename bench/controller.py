@@ -165,9 +165,10 @@ class Loop:
         if controller is not None:
             self.agent = SimpleNamespace(
                 table=RankTable(), plans=PlanStore(os.path.join(workdir, "plans")),
-                events=EventLog(os.path.join(workdir, "events"), "bench"), tick_hooks=[],
+                events=EventLog(os.path.join(workdir, "events"), "bench"), tick_hooks=[], rollback=None,
+                exporter=SimpleNamespace(sources=[]),
                 supervisor=SimpleNamespace(jobs={JOB: SimpleNamespace(spec=SimpleNamespace(trainer=cfg.to_dict()),
-                                                                      decides_here=True)}))
+                                                                      decides_here=True, attempt=0)}))
             self.agent.plans.reset(JOB)
             self.controller = install(self.agent, controller)
             self.watcher = PlanWatcher(self.agent.plans.path(JOB))

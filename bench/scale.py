@@ -113,10 +113,12 @@ def leader_for(ranks: int, tmp: str) -> SimpleNamespace:
     spec = SimpleNamespace(job=JOB, nproc=ranks, trainer=trainer)
     return SimpleNamespace(
         table=RankTable(RankTableConfig(ring=64, window=32)),
-        supervisor=SimpleNamespace(jobs={JOB: SimpleNamespace(spec=spec, state=JobState.RUNNING, decides_here=True)}),
+        supervisor=SimpleNamespace(jobs={JOB: SimpleNamespace(spec=spec, state=JobState.RUNNING, decides_here=True,
+                                                              attempt=0, block=None)}),
         plans=PlanStore(os.path.join(tmp, "plans")),
         events=Events(),
-        collectors=[],
+        exclude_rank=lambda job, rank, reason: False,  # the bench times detection: no restarts
+        rollback=None,
         tick_hooks=[],
     )
 
@@ -132,8 +134,9 @@ def run(mode: str, ranks: int, rate: float, seconds: float, slow_at: float, seed
             os.makedirs(empty)
             from pathlib import Path
 
-            straggler = StragglerService(agent, StragglerConfig(include_run_delay=False),  # type: ignore[arg-type]
-                                         proc_root=Path(empty), sys_root=Path(empty))
+            straggler = StragglerService(StragglerConfig(include_run_delay=False), events=agent.events,  # type: ignore[arg-type]
+                                         table=agent.table, supervisor=agent.supervisor, plans=agent.plans,
+                                         exclude_rank=agent.exclude_rank, proc_root=Path(empty), sys_root=Path(empty))
             controller = Controller(ControllerConfig(strategy="goodput", every_steps=50, warmup_steps=20))
             hooks = [straggler.tick, lambda now: controller.tick(agent, now)]
         period = 1.0 / rate

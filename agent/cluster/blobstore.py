@@ -1,6 +1,6 @@
 """What other agents push to this one over the blob API: peer-tier checkpoint copies in RAM.
 
-The daemon sets ``agent.blob_store = BlobStore(root)``; the control API's blob routes
+The cluster service holds one (``ClusterService.store``); the control API's blob routes
 (``PUT/GET/DELETE /v1/blobs/<ns>/<path>``, admin token) call ``put``/``get``/``delete``.
 
 Namespace ``ckpt`` holds checkpoints, laid out exactly like a ``LocalDirTier`` per origin node, so

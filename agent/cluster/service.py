@@ -6,7 +6,7 @@ Daemon wiring (``agent.daemon.Agent._start_recovery`` and ``start``)::
                              emit=...)                      # before the checkpoint manager
     CheckpointManager(..., extra_tiers=cluster.tiers, extra_intervals=cluster.intervals,
                       extra_keep=cluster.keep)
-    agent.blob_store = cluster.store                        # before the API starts
+    AgentControl serves cluster.store                       # the blob routes
     cluster.start(api_address, agent.supervisor)            # after the API is bound
     cluster.stop()                                          # first thing in shutdown
 

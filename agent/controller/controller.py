@@ -27,7 +27,6 @@ Every decision (keep, change, rollback, rescale) is an event with its reason and
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import statistics
@@ -182,17 +181,15 @@ def split_batch(total: int, dp: int, unit: int, weights: list[int] | None) -> li
     return [u * unit for u in out]
 
 
-def strategy_seed(seed: int, job: str, agent: Any) -> int:
+def strategy_seed(seed: int, job: str, attempt: int) -> int:
     """The strategies' seed: ``seed`` where set, else one drawn from the job and its attempt, so
     jobs and restarts do not all explore alike.
 
-    >>> strategy_seed(7, "j", None), strategy_seed(0, "j", None) == strategy_seed(0, "j", None)
+    >>> strategy_seed(7, "j", 0), strategy_seed(0, "j", 0) == strategy_seed(0, "j", 0)
     (7, True)
     """
     if seed:
         return seed
-    record = getattr(getattr(agent, "supervisor", None), "jobs", {}).get(job)
-    attempt = getattr(record, "attempt", 0)
     return zlib.crc32(f"{job}:{attempt}".encode()) & 0x7FFFFFFF
 
 
@@ -221,7 +218,7 @@ class Controller:
         with self._lock:
             for job in [j for j in self.jobs if j not in snapshot.jobs]:
                 self.jobs.pop(job).strategy.close()
-            records = getattr(getattr(agent, "supervisor", None), "jobs", {})
+            records = agent.supervisor.jobs
             for job, ranks in snapshot.jobs.items():
                 if not ranks or (job in records and not records[job].decides_here):
                     continue
@@ -230,9 +227,13 @@ class Controller:
                 except Exception:  # noqa: BLE001 - one job's trouble must not stop the others
                     log.exception("controller failed on job %s", job)
 
+    @staticmethod
+    def _attempt(agent: Any, job: str) -> int:
+        record = agent.supervisor.jobs.get(job)
+        return record.attempt if record is not None else 0
+
     def _trainer_cfg(self, agent: Any, job: str) -> dict[str, Any]:
-        sup = getattr(agent, "supervisor", None)
-        record = sup.jobs.get(job) if sup is not None else None
+        record = agent.supervisor.jobs.get(job)
         trainer = record.spec.trainer if record is not None else None
         return trainer if isinstance(trainer, dict) else {}
 
@@ -269,7 +270,7 @@ class Controller:
         plan = agent.plans.get(job)
         batch = sum(plan.batch_sizes) if plan.batch_sizes and len(plan.batch_sizes) == dp else base
         current = Setting(float(plan.lr_scale), int(batch))
-        strategy = self.strategy_factory(replace(self.config, seed=strategy_seed(self.config.seed, job, agent)),
+        strategy = self.strategy_factory(replace(self.config, seed=strategy_seed(self.config.seed, job, self._attempt(agent, job))),
                                          space, job)
         return JobControl(job, space, strategy, dp, current, current, NoiseScale(self.config.noise_ema),
                           known_version=plan.version)
@@ -490,16 +491,13 @@ class Controller:
         good = jc.good
         target = space.clamp(Setting(min(good.lr_scale, bad.lr_scale) * self.config.lr_cut, good.batch))
         restored = False
-        hook = getattr(agent, "rollback", None)
+        rollback = agent.rollback
         if external:
             restored = True  # the recovery service already restarted the job from a checkpoint
-        elif callable(hook):
+        elif rollback is not None:
             try:
-                # Back to a checkpoint from before the change (recovery's rollback takes the step).
-                if "before_step" in inspect.signature(hook).parameters:
-                    hook(jc.job, reason, before_step=w.points[0].step if w.points else None)
-                else:
-                    hook(jc.job, reason)
+                # Back to a checkpoint from before the change.
+                rollback(jc.job, reason, before_step=w.points[0].step if w.points else None)
                 restored = True
             except Exception as exc:  # noqa: BLE001 - the LR cut below still happens
                 log.warning("agent rollback for %s failed: %s", jc.job, exc)
@@ -551,7 +549,7 @@ class Controller:
         plan = agent.plans.get(jc.job)
         if plan.version <= jc.known_version:
             return
-        changes = agent.plans.changes_since(jc.job, jc.known_version) if hasattr(agent.plans, "changes_since") else [plan]
+        changes = agent.plans.changes_since(jc.job, jc.known_version)
         rollback = next((p for p in changes if p.reason.startswith("rollback")), None)
         jc.known_version = plan.version
         sizes = plan.batch_sizes
@@ -692,13 +690,11 @@ class Controller:
 
 def install(agent: Any, config: ControllerConfig, *, strategy_factory: StrategyFactory | None = None,
             evidence: EvidenceConfig | None = None) -> Controller:
-    """Attach a controller to a started agent: a tick hook, a metric source, ``agent.controller``."""
+    """A controller for a started agent, as its tick hook and a metric source (the agent keeps it
+    as its declared ``controller``)."""
     controller = Controller(config, strategy_factory=strategy_factory, evidence=evidence)
     agent.tick_hooks.append(controller.tick)
-    exporter = getattr(agent, "exporter", None)
-    if exporter is not None and hasattr(exporter, "sources"):
-        exporter.sources.append(controller)
-    agent.controller = controller
+    agent.exporter.sources.append(controller)
     return controller
 
 

@@ -1,15 +1,15 @@
 """The straggler service the agent runs once per tick: detect, attribute, migrate, exclude.
 
 ``install(agent, config)`` appends the service's tick hook, adds it to the exporter's metric
-sources and exposes ``agent.detection_config`` / ``agent.update_detection`` for the control API
-(GET/PUT /v1/config/detection) and ``agent.straggler`` for status and the dashboard.
+sources and sets the agent's declared ``straggler`` field, which the control API reads for status,
+the dashboard and GET/PUT /v1/config/detection.
 
 Per job and tick: every rank's recent telemetry plus its CPU run delay go to the detector
 (straggler.py); a rank that becomes a straggler gets a cause from the collectors (causes.py) and a
 ``straggler_detected`` event; the migration policy (agent/heal/migration.py) publishes per-dp-rank
 batch sizes through the job's plan, and takes them back to even once no straggler is left. A rank
-that stays a straggler past ``exclude_after_s`` is handed to ``agent.exclude_rank`` when the agent
-has one (the recovery path restarts the job without it), or reported as not excludable.
+that stays a straggler past ``exclude_after_s`` is excluded (``agent.heal.exclusion``: the job restarts without
+its data-parallel replica) unless ``observe_only`` holds.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
 
+from trainguard.agent.collectors.ebpf import EbpfCollector
+from trainguard.agent.collectors.gpu import GpuCollector
 from trainguard.agent.detect.causes import (
     Attribution,
     Evidence,
@@ -44,12 +46,18 @@ from trainguard.agent.detect.straggler import (
     StragglerDetector,
     Transition,
 )
+from trainguard.agent.eventlog import EventLog
 from trainguard.agent.heal.migration import Decision, MigrationPolicy, ReplicaModel, even_sizes
+from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.metricspec import MetricSpec
+from trainguard.agent.ranktable import RankTable
 from trainguard.agent.wire import APPLIES_BATCH_SIZES, Telemetry
 
 if TYPE_CHECKING:
+    # Types only, both real cycles: the daemon imports this package, and the supervisor imports
+    # agent.detect.peerdiag, which loads this package first.
     from trainguard.agent.daemon import Agent
+    from trainguard.agent.lifecycle.supervisor import Supervisor
 
 log = logging.getLogger("trainguard.straggler")
 
@@ -124,8 +132,8 @@ def takes_batch_sizes(views: Mapping[int, Any]) -> bool:
     return bool(views) and all(v.applies is not None and v.applies & APPLIES_BATCH_SIZES for v in views.values())
 
 
-def _layout(agent: Agent, job: str, views: Mapping[int, Any]) -> Layout:
-    rec = getattr(agent.supervisor, "jobs", {}).get(job)
+def _layout(supervisor: Supervisor, job: str, views: Mapping[int, Any]) -> Layout:
+    rec = supervisor.jobs.get(job)
     trainer = rec.spec.trainer if rec is not None else None
     if trainer:
         par = trainer.get("parallel", {}) or {}
@@ -149,9 +157,24 @@ class RemoteEvidence:
 
 
 class StragglerService:
-    def __init__(self, agent: Agent, config: StragglerConfig, *, proc_root: Path = Path("/proc"),
-                 sys_root: Path = Path("/sys"), clock: Callable[[], float] = time.time) -> None:
-        self.agent = agent
+    """Judges every job's ranks once per tick, attributes a cause, migrates shards and excludes a
+    rank that stays slow. Its collaborators are the agent's parts it uses (``install`` hands them)."""
+
+    def __init__(self, config: StragglerConfig, *, events: EventLog, table: RankTable, supervisor: Supervisor,
+                 plans: PlanStore, exclude_rank: Callable[[str, int, str], object],
+                 ebpf: EbpfCollector | None = None, gpu: GpuCollector | None = None,
+                 proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
+                 clock: Callable[[], float] = time.time) -> None:
+        self.events = events
+        self.table = table
+        self.supervisor = supervisor
+        self.plans = plans
+        self.exclude_rank = exclude_rank
+        """Restarts a job without one rank's data-parallel replica (agent.heal.exclusion)."""
+        self.ebpf = ebpf
+        """Per-rank kernel statistics for causes (None: the eBPF collector is off)."""
+        self.gpu = gpu
+        """Per-process GPU errors for causes (None: the GPU collector is off)."""
         self.config = config
         self.clock = clock
         self.evidence = RankEvidence(ProcReader(proc_root, sys_root))
@@ -181,7 +204,7 @@ class StragglerService:
         with self._lock:
             new = self.config.updated(fields)
             self.set_config(new)
-        self.agent.events.emit("config_changed", f"detection settings changed: {sorted(fields)}",
+        self.events.emit("config_changed", f"detection settings changed: {sorted(fields)}",
                                section="detection", changes=dict(fields))
         return new.as_dict()
 
@@ -217,8 +240,8 @@ class StragglerService:
         cfg = self.config
         if not cfg.enabled:
             return
-        snapshot = self.agent.table.snapshot()
-        records = getattr(self.agent.supervisor, "jobs", {})
+        snapshot = self.table.snapshot()
+        records = self.supervisor.jobs
         # A job that ended keeps its telemetry in the table for a while; it has nothing left to judge.
         live = {j: v for j, v in snapshot.jobs.items()
                 if not (j in records and (records[j].state.finished or not records[j].decides_here))}
@@ -231,7 +254,7 @@ class StragglerService:
                 self._jobs.pop(job)
             for job in {k[0] for k in self.evidence.keys()} - set(live) - set(hosted):
                 self.evidence.forget_job(job)
-            ebpf = self._collector("ebpf")
+            ebpf = self.ebpf
             for job, views in hosted.items():
                 for rank, view in views.items():
                     if self._is_local(job, rank):
@@ -243,12 +266,6 @@ class StragglerService:
                 except Exception:  # noqa: BLE001 - one job's odd data must not stop the others
                     log.exception("straggler detection failed for job %s", job)
 
-    def _collector(self, name: str) -> Any | None:
-        for c in getattr(self.agent, "collectors", []):
-            if getattr(c, "name", None) == name:
-                return c
-        return None
-
     def _tick_job(self, job: str, views: Mapping[int, Any], now: float) -> None:
         cfg = self.config
         st = self._jobs.get(job)
@@ -257,14 +274,14 @@ class StragglerService:
                 StragglerDetector(cfg), MigrationPolicy(cfg.min_gain, cfg.rebalance_gain, cfg.settle_steps))
         attempt = current_attempt(views)
         views = {r: v for r, v in views.items() if v.attempt == attempt}  # ranks not yet back wait
-        layout = _layout(self.agent, job, views)
-        ebpf = self._collector("ebpf")
+        layout = _layout(self.supervisor, job, views)
+        ebpf = self.ebpf
         inputs: dict[int, RankInput] = {}
         local = self._local_ranks(job, views)
         for rank, view in views.items():
             if rank in st.excluded:
                 continue
-            window = self.agent.table.window(job, rank, 2 * cfg.window + cfg.warmup_steps)
+            window = self.table.window(job, rank, 2 * cfg.window + cfg.warmup_steps)
             steps = step_samples([m for m in window if m.attempt == attempt])
             if rank in local:
                 stats = ebpf.rank_stats(job, rank) if ebpf is not None else None
@@ -300,7 +317,7 @@ class StragglerService:
 
     # --- detection events ---------------------------------------------------------------------
     def _gpu_errors(self, pid: int) -> tuple[Any | None, int]:
-        gpu_col = self._collector("gpu")
+        gpu_col = self.gpu
         if gpu_col is None:
             return None, 0
         stats = gpu_col.gpu_stats_for_pid(pid)
@@ -317,8 +334,8 @@ class StragglerService:
     # --- ranks on other nodes --------------------------------------------------------------------
     def _is_local(self, job: str, rank: int) -> bool:
         """Does ``rank`` of ``job`` run on this node (every rank does unless the job spans nodes)?"""
-        record = getattr(self.agent.supervisor, "jobs", {}).get(job)
-        block = getattr(record, "block", None)
+        record = self.supervisor.jobs.get(job)
+        block = record.block if record is not None else None
         return block is None or block.rank_offset <= rank < block.rank_offset + block.nproc
 
     def _local_ranks(self, job: str, views: Mapping[int, Any]) -> set[int]:
@@ -335,7 +352,7 @@ class StragglerService:
         the forwarded telemetry): rank -> Evidence fields and run delay per step."""
         now = self.clock() if now is None else now
         out: dict[str, dict[str, Any]] = {}
-        views = self.agent.table.snapshot().jobs.get(job, {})
+        views = self.table.snapshot().jobs.get(job, {})
         with self._lock:
             for (j, rank) in self.evidence.keys():
                 if j != job:
@@ -419,7 +436,7 @@ class StragglerService:
             peers = [f.per_sample_s for f in figures.values() if f.group == fig.group and f.rank != tr.rank]
             if peers:
                 fields["fastest_per_sample_s"] = min(peers)
-        self.agent.events.emit(
+        self.events.emit(
             "straggler_detected",
             f"job {job} rank {tr.rank} is a straggler (score {tr.score:.2f}, cause {attr.cause})",
             severity="warning", cause=attr.cause, job=job, rank=tr.rank, **fields)
@@ -441,7 +458,7 @@ class StragglerService:
             if attr.cause == "unknown":
                 continue
             st.causes[rank] = attr.cause
-            self.agent.events.emit(
+            self.events.emit(
                 "straggler_cause", f"job {job} rank {rank}: the straggler's cause is {attr.cause} "
                 f"(unknown when it was detected)", severity="warning", cause=attr.cause, job=job, rank=rank,
                 details=attr.details, step=figures[rank].last_step)
@@ -449,7 +466,7 @@ class StragglerService:
     def _on_recovered(self, job: str, st: _JobState, tr: Transition, figures: Mapping[int, RankFigures]) -> None:
         cause = st.causes.pop(tr.rank, "")
         fig = figures.get(tr.rank)
-        self.agent.events.emit(
+        self.events.emit(
             "straggler_recovered", f"job {job} rank {tr.rank} is no longer a straggler (score {tr.score:.2f})",
             severity="info", cause=cause, job=job, rank=tr.rank, score=round(tr.score, 4),
             step=fig.last_step if fig is not None else None)
@@ -483,7 +500,7 @@ class StragglerService:
         models = {d: self._model(f, common) for d, f in slowest.items()}
         if slow and sorted(models) != list(range(layout.dp)):
             return  # not every replica measured yet
-        plan = self.agent.plans.get(job)
+        plan = self.plans.get(job)
         total = sum(plan.batch_sizes) if plan.batch_sizes else (
             layout.global_batch or sum(self._replica_batches(views).values()))
         if total < layout.dp * layout.quantum or total % layout.quantum:
@@ -511,7 +528,7 @@ class StragglerService:
         for rank, view in sorted(views.items()):
             ran.setdefault(view.dp_rank if view.dp_rank is not None else rank, view.batch_size)
         sizes = [ran[d] for d in sorted(ran)]
-        self.agent.events.emit(
+        self.events.emit(
             "batch_sizes_applied", f"job {job}: every rank runs plan v{version}; batch sizes {sizes} as the ranks report",
             job=job, plan_version=min_version, published_version=version, batch_sizes=sizes, step=min(v.step for v in views.values()))
 
@@ -533,7 +550,7 @@ class StragglerService:
             reason = "shard migration undone: no straggler left"
         else:
             reason = f"shard migration ({d.action}) away from straggler rank(s) {stragglers}"
-        plan = self.agent.plans.update(job, {"batch_sizes": d.sizes, "reason": reason})
+        plan = self.plans.update(job, {"batch_sizes": d.sizes, "reason": reason})
         st.policy.note_published(d.sizes, plan.version)
         st.sizes = list(d.sizes) if d.sizes is not None else even_sizes(total, layout.dp, layout.quantum)
         st.migrations += 1
@@ -547,7 +564,7 @@ class StragglerService:
             fields["note"] = (f"tp={layout.tp} pp={layout.pp}: batch moved between whole dp replicas "
                               f"(each replica as fast as its slowest member)")
         speeds = {f.rank: round(f.speed, 3) for f in figures.values()}
-        self.agent.events.emit(
+        self.events.emit(
             "shard_migration", f"job {job}: {reason}; plan v{plan.version} asks for batch sizes {st.sizes}",
             severity="info" if d.action == "undo" else "warning",
             cause=",".join(st.causes.get(r, "") for r in stragglers), job=job,
@@ -570,14 +587,12 @@ class StragglerService:
             if cfg.observe_only:
                 action = "observe_only"
             else:
-                exclude = getattr(self.agent, "exclude_rank", None)
-                action = "exclude" if exclude is not None else "exclude_not_available"
-                if exclude is not None:
-                    try:
-                        exclude(job, rank, reason)
-                    except Exception as exc:  # noqa: BLE001
-                        action = f"exclude_failed: {exc}"
-            self.agent.events.emit("rank_excluded", f"job {job}: {reason}; {action}",
+                action = "exclude"
+                try:
+                    self.exclude_rank(job, rank, reason)
+                except Exception as exc:  # noqa: BLE001
+                    action = f"exclude_failed: {exc}"
+            self.events.emit("rank_excluded", f"job {job}: {reason}; {action}",
                                    severity="error", cause=cause, job=job, rank=rank, action=action,
                                    slow_for_s=round(now - since, 1))
 
@@ -587,7 +602,7 @@ class StragglerService:
     def metrics(self) -> Iterator[Metric]:
         with self._lock:
             score, detected, migrations, share = SCORE.gauge(), DETECTED.counter(), MIGRATIONS.counter(), SHARE.gauge()
-            snapshot = self.agent.table.snapshot()
+            snapshot = self.table.snapshot()
             for job, st in sorted(self._jobs.items()):
                 for rank in st.detector.ranks():
                     value = st.detector.score(rank)
@@ -610,21 +625,19 @@ def install(agent: Agent, config: StragglerConfig | None = None, **kwargs: Any) 
 
     Idempotent: an agent that already runs one (the daemon installs it when ``detection.enabled``)
     keeps it, with ``config`` applied, so two services never judge and migrate the same job."""
-    existing = getattr(agent, "straggler", None)
+    existing = agent.straggler
     if isinstance(existing, StragglerService) and not kwargs:
         if config is not None:
             existing.set_config(config)
         return existing
     if isinstance(existing, StragglerService):
         uninstall(agent, existing)
-    service = StragglerService(agent, config or StragglerConfig(), **kwargs)
+    service = StragglerService(config or StragglerConfig(), events=agent.events, table=agent.table,
+                               supervisor=agent.supervisor, plans=agent.plans, exclude_rank=agent.exclude_rank,
+                               ebpf=agent.ebpf, gpu=agent.gpu, **kwargs)
     agent.tick_hooks.append(service)
-    exporter = getattr(agent, "exporter", None)
-    if exporter is not None:
-        exporter.sources.append(service)
-    agent.straggler = service  # type: ignore[attr-defined]
-    agent.detection_config = service.detection_config  # type: ignore[attr-defined]
-    agent.update_detection = service.update_detection  # type: ignore[attr-defined]
+    agent.exporter.sources.append(service)
+    agent.straggler = service
     return service
 
 
@@ -632,8 +645,7 @@ def uninstall(agent: Agent, service: StragglerService) -> None:
     """Take a service out of the agent's loop, metrics and API."""
     if service in agent.tick_hooks:
         agent.tick_hooks.remove(service)
-    exporter = getattr(agent, "exporter", None)
-    if exporter is not None and service in exporter.sources:
-        exporter.sources.remove(service)
-    if getattr(agent, "straggler", None) is service:
-        del agent.straggler  # type: ignore[attr-defined]
+    if service in agent.exporter.sources:
+        agent.exporter.sources.remove(service)
+    if agent.straggler is service:
+        agent.straggler = None

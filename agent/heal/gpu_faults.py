@@ -21,6 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trainguard.agent.eventlog import EventLog
+from trainguard.agent.heal.exclusion import Exclusion
+from trainguard.agent.lifecycle.supervisor import Supervisor
+
 log = logging.getLogger(__name__)
 
 GPU_EVENT_KINDS = frozenset({"gpu_lost", "gpu_xid", "gpu_ecc"})
@@ -56,9 +60,12 @@ class _Failure:
 class GpuFaults:
     """Failed GPUs of this node and what was done about them."""
 
-    def __init__(self, agent: Any, exclude: bool = True) -> None:
-        self.agent = agent
+    def __init__(self, supervisor: Supervisor, events: EventLog, exclude_rank: Exclusion, exclude: bool = True) -> None:
+        self.supervisor = supervisor
+        self.events = events
+        self.exclude_rank = exclude_rank
         self.exclude = exclude
+        """``gpu.exclude_failed``: restart a job on a failed GPU without that rank's replica."""
         self.failed: dict[int, str] = {}
         """GPU index -> why it failed (kept until the agent restarts)."""
         self._pending: deque[_Failure] = deque()
@@ -100,25 +107,24 @@ class GpuFaults:
     def _handle(self, failure: _Failure, first: bool) -> None:
         jobs: dict[str, int] = {}
         for pid in failure.pids:
-            found = self.agent.supervisor.find_rank(pid)
+            found = self.supervisor.find_rank(pid)
             if found is not None:
                 jobs.setdefault(found[0].job, found[1].rank)
         if first:
-            self.agent.events.emit(
+            self.events.emit(
                 "gpu_failed",
                 f"GPU {failure.gpu} failed ({failure.reason}): left out of later launches on this node",
                 severity="error", cause=failure.reason, gpu=failure.gpu, jobs=sorted(jobs),
                 action="exclude_gpu")
-        recovery = getattr(self.agent, "recovery", None)
         for job, rank in sorted(jobs.items()):
-            if not self.exclude or recovery is None:
-                self.agent.events.emit(
+            if not self.exclude:
+                self.events.emit(
                     "gpu_exclusion_off", f"job {job} rank {rank} is on failed GPU {failure.gpu}; "
                     "gpu.exclude_failed is off: the job is left to restart as it is",
                     severity="warning", job=job, rank=rank, cause=failure.reason, gpu=failure.gpu)
                 continue
-            record = self.agent.supervisor.jobs.get(job)
+            record = self.supervisor.jobs.get(job)
             if record is not None and record.state.finished:
                 continue
             log.warning("job %s rank %d ran on failed GPU %d: restarting without it", job, rank, failure.gpu)
-            recovery.exclude_rank(job, rank, reason=f"GPU {failure.gpu}: {failure.reason}", kind="gpu_failure")
+            self.exclude_rank(job, rank, reason=f"GPU {failure.gpu}: {failure.reason}", kind="gpu_failure")

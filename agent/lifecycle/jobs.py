@@ -43,7 +43,7 @@ class JobSpec:
     """Working directory of a command's ranks (absolute; empty: the job's log directory)."""
     hang_timeout_s: float = 0.0
     """A command job is hung when none of its ranks used the CPU for this long (0: hangs of a job
-    that does not report steps are never judged; see ``agent.recovery.activity``)."""
+    that does not report steps are never judged; see ``agent.detect.activity``)."""
     cpus: float = 0.0
     """CPU quota of the job's cgroup, in CPUs (0: the agent's ``launcher.job_cpus``)."""
     memory_max: int = 0

@@ -86,6 +86,10 @@ class RankProcess:
     ended: float | None = None
     gpu: int | None = None
     """The GPU the agent gave the rank (None: the rank's own choice)."""
+    pidfd: int | None = field(default=None, init=False, repr=False, compare=False)
+    """The supervisor's pidfd of the process (None: not opened yet; -1: none, or closed)."""
+    pidfd_fired: bool = field(default=False, init=False, repr=False, compare=False)
+    """The pidfd said the process ended; its exit status has not been reaped yet."""
 
     @property
     def pid(self) -> int:

@@ -20,13 +20,13 @@ from typing import Any
 
 from trainguard.agent import health
 from trainguard.agent.collectors.base import TrackedProcess
+from trainguard.agent.detect.peerdiag import diagnose, read_tail
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState, check_transition
 from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher, RankBlock, RankProcess
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.records import AdoptedProcess, RecordStore, SavedJob
 from trainguard.agent.lifecycle.zygote_client import ZygoteChild
-from trainguard.agent.recovery.peerdiag import diagnose, read_tail
 from trainguard.agent.wire import process_start_ticks
 
 
@@ -146,10 +146,10 @@ but whose warm launcher has not reported yet."""
 
 
 def _close_pidfd(rank: RankProcess) -> None:
-    fd = getattr(rank, "_pidfd", -1)
-    if fd >= 0:
+    fd = rank.pidfd
+    if fd is not None and fd >= 0:
         os.close(fd)
-        rank._pidfd = -1  # type: ignore[attr-defined]
+        rank.pidfd = -1
 
 
 MAX_DIAGNOSED_RANKS = 4
@@ -684,20 +684,20 @@ class Supervisor:
                 for r in rec.ranks:
                     if not r.alive:
                         continue
-                    if getattr(r, "_pidfd_fired", False):
+                    if r.pidfd_fired:
                         # Its process ended and its status has not come (a warm launcher's rank
                         # whose zygote has not reported yet): polled again, its pidfd would
                         # answer at once, a busy loop (~800-1,300 rounds a kill on the recovery
                         # bench) that held the GIL from the very thread that brings the report.
                         waiting = True
                         continue
-                    fd = getattr(r, "_pidfd", None)
+                    fd = r.pidfd
                     if fd is None:
                         try:
                             fd = os.pidfd_open(r.pid)
                         except OSError:
                             fd = -1
-                        r._pidfd = fd  # type: ignore[attr-defined]
+                        r.pidfd = fd
                     if fd >= 0:
                         fds[fd] = (rec, r)
         poller = select.poll()
@@ -714,7 +714,7 @@ class Supervisor:
         self.reap_all()
         for fd, _ in ready:
             if fd in fds:
-                fds[fd][1]._pidfd_fired = True  # type: ignore[attr-defined]
+                fds[fd][1].pidfd_fired = True
 
     def reap_all(self) -> None:
         with self._lock:

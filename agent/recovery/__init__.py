@@ -1,2 +1,2 @@
-"""Failure detection and recovery: hangs (with stacks), loss divergence (rollback), rank exits
-(restart from the newest verified checkpoint across tiers), crash loops, rank exclusion."""
+"""Recovery: acts on what agent.detect finds once per tick, times each recovery, and picks what every
+(re)start of a job restores (the newest verified checkpoint across tiers, or the ranks' snapshots)."""

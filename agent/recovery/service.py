@@ -7,19 +7,20 @@ what every (re)start of a job restores from.
   embedded trainer is hung when no rank advanced its step for long enough (or never reached its
   first step). A user's command is judged only on what it gives: with step telemetry
   (``trainguard.init()``), a step stall while its ranks use no CPU; with ``--hang-timeout``, ranks
-  that used no CPU for that long (``agent.recovery.activity``). A silent script is never hung.
-* Loss NaN/spike: roll back to the newest checkpoint before the divergence and cut the LR.
-* Exclusion (a rank that stays slow): restart without one dp replica; DCP reshards on load.
+  that used no CPU for that long (``agent.detect.activity``). A silent script is never hung.
+* Loss NaN/spike: roll back to the newest checkpoint before the divergence and cut the LR
+  (``agent.heal.rollback``).
+
+The detectors are agent.detect's; the actions other parts take (excluding a rank) are agent.heal's.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
@@ -27,18 +28,24 @@ from prometheus_client.metrics_core import Metric
 from trainguard.agent.checkpoint import CheckpointManager, CheckpointSettings, ObjectStoreConfig, Restored
 from trainguard.agent.checkpoint.snapshots import SnapshotSet
 from trainguard.agent.config import AgentConfig, apply_state_dir
-from trainguard.agent.lifecycle.jobs import JobSpec, JobState
+from trainguard.agent.detect.activity import ActivityProbe, descends_from
+from trainguard.agent.detect.divergence import LossDetector
+from trainguard.agent.detect.finding import Finding
+from trainguard.agent.detect.hang import HangDetector
+from trainguard.agent.detect.stacks import probe_all
+from trainguard.agent.eventlog import EventLog
+from trainguard.agent.heal.counts import ActionCounts
+from trainguard.agent.heal.rollback import Rollback
+from trainguard.agent.lifecycle.jobs import JobState
+from trainguard.agent.lifecycle.supervisor import JobRecord, Supervisor
 from trainguard.agent.metricspec import MetricSpec
 from trainguard.agent.paths import agent_tag
-from trainguard.agent.recovery.activity import ActivityProbe, descends_from
-from trainguard.agent.recovery.detectors import Finding, HangDetector, LossDetector
-from trainguard.agent.recovery.stacks import probe_all
+from trainguard.agent.ranktable import RankTable
 from trainguard.agent.wire import CKPT_FAILED_ELSEWHERE, PART_MARK
 from trainguard.run.environment import ENV_SNAPSHOT_DIR, ENV_SNAPSHOT_EVERY, ENV_SNAPSHOT_STEP
 
 if TYPE_CHECKING:
-    from trainguard.agent.daemon import Agent
-    from trainguard.agent.lifecycle.supervisor import JobRecord
+    from trainguard.agent.daemon import Agent  # the daemon imports this module: only its type here
 
 log = logging.getLogger("trainguard.recovery")
 
@@ -139,10 +146,22 @@ SECONDHAND_WAIT_S = 5.0
 
 
 class RecoveryService:
-    def __init__(self, agent: Agent, checkpoints: CheckpointManager) -> None:
-        self.agent = agent
-        self.cfg = agent.cfg.recovery
+    """Judges every running job once per tick, heals what it finds (a hung job restarts with its
+    stacks in the event, a diverged one rolls back), times each recovery and picks what every start
+    of a job restores. Its collaborators are the agent's parts it uses, not the agent."""
+
+    def __init__(self, config: Callable[[], AgentConfig], events: EventLog, supervisor: Supervisor,
+                 table: RankTable, checkpoints: CheckpointManager, rollback: Rollback, counts: ActionCounts) -> None:
+        self.config = config
+        """The agent's configuration in force, read at each use (a reload takes effect)."""
+        self.cfg = config().recovery
+        self.events = events
+        self.supervisor = supervisor
+        self.table = table
         self.checkpoints = checkpoints
+        self.rollback = rollback
+        """Restarts a diverged job from an older checkpoint (agent.heal.rollback)."""
+        self.counts = counts
         self.hangs = HangDetector(self.cfg.hang_factor, self.cfg.hang_floor_s, self.cfg.startup_timeout_s)
         self.losses = LossDetector(self.cfg.loss_spike_factor)
         self.activity = ActivityProbe()
@@ -153,14 +172,13 @@ class RecoveryService:
         self._busy: set[str] = set()
         self._recovering = threading.RLock()
         """Held while a failure's clock starts or stops: the supervisor's thread and the tick both do."""
-        self.actions: dict[tuple[str, str, str], int] = {}
         self.detections: dict[tuple[str, str], int] = {}
         self._failure_at: dict[str, float] = {}
         self._died_at: dict[str, float] = {}
         """The kernel's time of the first rank death of a failure the supervisor has not seen yet,
         or of the one its clock runs for (``note_death``)."""
         self._launch_at: dict[str, float] = {}
-        self._rolled_back_from: dict[str, set[int]] = {}
+        self._rolled_back_from = rollback.rolled_back_from
         """Steps each job diverged after restoring: no later start of the job picks them again."""
         self.last_recovery_s: dict[str, float] = {}
         self._settled_s: dict[str, float] = {}
@@ -168,7 +186,7 @@ class RecoveryService:
     # --- hooks the daemon installs --------------------------------------------------------------
     def before_survivors_stop(self, record: JobRecord) -> None:
         """Called by the supervisor when ranks of a job died, before it kills the rest."""
-        if not self.agent.cfg.checkpoint.snapshots or record.block is not None:
+        if not self.config().checkpoint.snapshots or record.block is not None:
             return
         dead = [r.rank for r in record.ranks if not r.alive and r.exit_code != 0]
         alive = [r.rank for r in record.ranks if r.alive]
@@ -190,12 +208,12 @@ class RecoveryService:
         try:
             self.checkpoints.prepare_job(job)
         except OSError as exc:
-            self.agent.events.emit("agent_dir_refused", f"job {job}: cannot prepare its memory-tier directories: "
-                                   f"{exc}", severity="error", job=job, error=str(exc))
+            self.events.emit("agent_dir_refused", f"job {job}: cannot prepare its memory-tier directories: "
+                             f"{exc}", severity="error", job=job, error=str(exc))
         env = {
             "TRAINGUARD_CKPT_MEMORY_ROOT": self.checkpoints.settings.memory_root,
             "TRAINGUARD_CKPT_MEMORY_EVERY": str(self.checkpoints.settings.memory_interval),
-            "TRAINGUARD_LR_BATCH_RULE": self.agent.cfg.controller.lr_batch_rule,
+            "TRAINGUARD_LR_BATCH_RULE": self.config().controller.lr_batch_rule,
         }
         if record.block is not None and record.block.rendezvous:
             return self._rendezvous_env(record, env)
@@ -205,7 +223,7 @@ class RecoveryService:
             record.restored_from = record.block.restore
             record.restore_max_step = None
             if record.block.restore is not None:
-                self.agent.events.emit(
+                self.events.emit(
                     "restore_selected",
                     f"job {job}: ranks restore step {record.block.restore['step']} assembled from the "
                     f"parts of nodes {', '.join(sorted(record.block.restore.get('parts', {})))}",
@@ -216,8 +234,8 @@ class RecoveryService:
         snapshots = SnapshotSet(self.checkpoints.settings.memory_root, job)
         snap_step = None
         excluded = self._rolled_back_from.get(job, set())
-        if self.agent.cfg.checkpoint.snapshots:
-            every = self.agent.cfg.checkpoint.snapshot_every
+        if self.config().checkpoint.snapshots:
+            every = self.config().checkpoint.snapshot_every
             env[ENV_SNAPSHOT_DIR] = str(snapshots.dir)
             env[ENV_SNAPSHOT_EVERY] = str(every) if every > 0 else "auto"
             # The same world size only: a snapshot is one rank's own state, not reshardable. Its
@@ -228,7 +246,7 @@ class RecoveryService:
         try:
             restored = self.checkpoints.restore(job, max_step=record.restore_max_step, exclude=excluded)
         except Exception as exc:  # noqa: BLE001 - no checkpoint is better than no job
-            self.agent.events.emit("checkpoint_restore_failed", f"job {job}: cannot restore: {exc}", severity="error", job=job)
+            self.events.emit("checkpoint_restore_failed", f"job {job}: cannot restore: {exc}", severity="error", job=job)
             restored = None
         record.restore_max_step = None
         if restored is not None:
@@ -240,7 +258,7 @@ class RecoveryService:
             env[ENV_SNAPSHOT_STEP] = str(snap_step)
             fallback = {"tier": restored.tier, "step": restored.info.step} if restored is not None else None
             record.restored_from = {"tier": "snapshot", "step": snap_step, "path": str(snapshots.dir), "fallback": fallback}
-            self.agent.events.emit(
+            self.events.emit(
                 "restore_selected",
                 f"job {job}: ranks restore step {snap_step} from their snapshots in shared memory"
                 + (f" (fallback: step {restored.info.step} from the {restored.tier} tier)" if restored is not None else "")
@@ -255,7 +273,7 @@ class RecoveryService:
             record.restored_from = None
             return env
         record.restored_from = {"tier": restored.tier, "step": restored.info.step, "path": str(restored.path)}
-        self.agent.events.emit(
+        self.events.emit(
             "restore_selected",
             f"job {job}: ranks restore step {restored.info.step} from the {restored.tier} tier",
             job=job,
@@ -271,10 +289,10 @@ class RecoveryService:
         job, step = record.job, record.block.snapshot_step
         snapshots = SnapshotSet(self.checkpoints.settings.memory_root, job)
         record.restore_max_step = None
-        if not self.agent.cfg.checkpoint.snapshots:
+        if not self.config().checkpoint.snapshots:
             record.restored_from = None
             return env
-        every = self.agent.cfg.checkpoint.snapshot_every
+        every = self.config().checkpoint.snapshot_every
         env[ENV_SNAPSHOT_DIR] = str(snapshots.dir)
         env[ENV_SNAPSHOT_EVERY] = str(every) if every > 0 else "auto"
         if step is None:
@@ -283,9 +301,9 @@ class RecoveryService:
         snapshots.keep_only(step)
         env[ENV_SNAPSHOT_STEP] = str(step)
         record.restored_from = {"tier": "snapshot", "step": step, "path": str(snapshots.dir), "fallback": None}
-        self.agent.events.emit("restore_selected", f"job {job}: ranks restore step {step} from their snapshots in "
-                               "shared memory (the newest step every node's ranks hold)",
-                               job=job, tier="snapshot", step=step, fallback=None, settled_s=0.0)
+        self.events.emit("restore_selected", f"job {job}: ranks restore step {step} from their snapshots in "
+                         "shared memory (the newest step every node's ranks hold)",
+                         job=job, tier="snapshot", step=step, fallback=None, settled_s=0.0)
         return env
 
     def _rendezvous_checkpoint(self, record: JobRecord, env: dict[str, str]) -> dict[str, str]:
@@ -299,34 +317,34 @@ class RecoveryService:
         env[ENV_RESTORE_STEP] = str(step)
         if not record.block.restore_here:
             record.restored_from = {"tier": "other node", "step": step}
-            self.agent.events.emit("restore_selected", f"job {job}: ranks restore step {step}, sent by the ranks "
-                                   "of the node(s) that hold it", job=job, tier="other node", step=step)
+            self.events.emit("restore_selected", f"job {job}: ranks restore step {step}, sent by the ranks "
+                             "of the node(s) that hold it", job=job, tier="other node", step=step)
             return env
         try:
             restored = self.checkpoints.restore(job, max_step=step)
         except Exception as exc:  # noqa: BLE001 - the ranks then start afresh, said in the event
-            self.agent.events.emit("checkpoint_restore_failed", f"job {job}: cannot restore: {exc}", severity="error",
-                                   job=job)
+            self.events.emit("checkpoint_restore_failed", f"job {job}: cannot restore: {exc}", severity="error",
+                             job=job)
             restored = None
         if restored is None or restored.info.step != step:
             if restored is not None:
                 restored.release()
-            self.agent.events.emit("checkpoint_restore_failed", f"job {job}: the checkpoint of step {step} the "
-                                   "nodes agreed on no longer verifies here", severity="error", job=job, step=step)
+            self.events.emit("checkpoint_restore_failed", f"job {job}: the checkpoint of step {step} the "
+                             "nodes agreed on no longer verifies here", severity="error", job=job, step=step)
             return env
         self._restored[job] = restored
         env[ENV_RESTORE] = str(restored.path)
         record.restored_from = {"tier": restored.tier, "step": step, "path": str(restored.path)}
-        self.agent.events.emit("restore_selected", f"job {job}: ranks restore step {step} from the {restored.tier} "
-                               "tier, and send it to the ranks of nodes that do not hold it", job=job,
-                               tier=restored.tier, step=step)
+        self.events.emit("restore_selected", f"job {job}: ranks restore step {step} from the {restored.tier} "
+                         "tier, and send it to the ranks of nodes that do not hold it", job=job,
+                         tier=restored.tier, step=step)
         return env
 
     def _tell_snapshot_problems(self, job: str, snapshots: SnapshotSet) -> None:
         """Slots skipped as forged or damaged: one event each (the count is ``REJECTED``)."""
         for problem in snapshots.problems[:16]:
-            self.agent.events.emit("snapshot_corrupt", f"job {job}: snapshot slot skipped: {problem}",
-                                   severity="error", job=job, tier="snapshot", problem=problem)
+            self.events.emit("snapshot_corrupt", f"job {job}: snapshot slot skipped: {problem}",
+                             severity="error", job=job, tier="snapshot", problem=problem)
         snapshots.problems.clear()
 
     def _clean_staging(self, job: str) -> None:
@@ -336,9 +354,9 @@ class RecoveryService:
         keys = [k for k in memory.jobs() if k == job or k.startswith(job + PART_MARK)]
         removed = sum(memory.cleanup_job_tmp(k) for k in keys)
         if removed:
-            self.agent.events.emit("checkpoint_tmp_cleaned", f"job {job}: removed {removed} half-written memory "
-                                   "checkpoint(s) of ranks that died during a save", job=job, tier="memory",
-                                   removed=removed)
+            self.events.emit("checkpoint_tmp_cleaned", f"job {job}: removed {removed} half-written memory "
+                             "checkpoint(s) of ranks that died during a save", job=job, tier="memory",
+                             removed=removed)
 
     def _note_save_failures(self, job: str, ranks: list[Any], now: float) -> None:
         """Checkpoints the ranks could not write (they skip them and train on): one event per
@@ -346,7 +364,7 @@ class RecoveryService:
         A rank that only knows another rank failed may report first (the failing one can be rank 0,
         whose write runs in the background); its word waits ``SECONDHAND_WAIT_S`` for the cause."""
         for view in sorted(ranks, key=lambda v: v.rank):
-            for msg in self.agent.table.window(job, view.rank, 64):
+            for msg in self.table.window(job, view.rank, 64):
                 if msg.ckpt_failed is None or (key := (job, msg.ckpt_failed)) in self._failed_saves:
                     continue
                 error = msg.ckpt_error or "unknown error"
@@ -366,18 +384,18 @@ class RecoveryService:
         self._failed_saves.add((job, step))
         self._secondhand_saves.pop((job, step), None)
         self.checkpoints.status.observe_failure("memory", error)
-        self.agent.events.emit(
+        self.events.emit(
             "checkpoint_write_failed", f"job {job}: rank {rank} could not write the memory "
             f"checkpoint of step {step} ({error}); training goes on without it",
             severity="error", job=job, rank=rank, tier="memory", step=step, error=error)
 
-    def tick(self, agent: Agent, now: float) -> None:
+    def tick(self, _agent: Agent, now: float) -> None:
         try:
             self.checkpoints.poll()
         except Exception as exc:  # noqa: BLE001
             log.warning("checkpoint poll failed: %s", exc)
-        snapshot = agent.table.snapshot()
-        for record in list(agent.supervisor.jobs.values()):
+        snapshot = self.table.snapshot()
+        for record in list(self.supervisor.jobs.values()):
             job = record.job
             if record.state != JobState.RUNNING or job in self._busy:
                 if record.state.finished:
@@ -402,7 +420,7 @@ class RecoveryService:
             if finding is None and attempt_ranks:
                 lead = min(attempt_ranks, key=lambda v: v.rank)
                 # Every step since the last tick (a fast job runs many per tick; a NaN among them counts).
-                window = agent.table.window(job, lead.rank, agent.cfg.telemetry.ring)
+                window = self.table.window(job, lead.rank, self.config().telemetry.ring)
                 finding = self.losses.observe(job, [(t.step, t.loss) for t in window if t.pid == lead.pid and t.has_loss])
             if finding is not None:
                 self._handle(record, finding)
@@ -451,7 +469,7 @@ class RecoveryService:
             # The first step of the new attempt by its own clock, not this tick's: ticks are coarse.
             pids = {v.pid for v in ranks}
             lead = min(ranks, key=lambda v: v.rank)
-            window = [t for t in self.agent.table.window(job, lead.rank, 256) if t.pid in pids and t.step > restored_step]
+            window = [t for t in self.table.window(job, lead.rank, 256) if t.pid in pids and t.step > restored_step]
             first = min((t.wall_time for t in window), default=time.time())
             # The ranks' own word of where they went on: the first step they reported after the
             # restore (counted as checkpoints count steps done; the restored step + 1 when they
@@ -465,7 +483,7 @@ class RecoveryService:
             del self._failure_at[job]
             timeline = recovery_timeline(started, self._launch_at.get(job), window, first, died)
             origin = f"from step {restored_step} (restored)" if restored_step >= 0 else "from scratch"
-            self.agent.events.emit(
+            self.events.emit(
                 "job_resumed",
                 f"job {job} training again {origin}, first step reported {first_step if first_step is not None else '?'}, "
                 f"{took:.2f}s after the failure"
@@ -488,10 +506,10 @@ class RecoveryService:
         launched after that failure: the other ranks' exits, an OOM kill or a node loss are more
         word of the same failure.)"""
         with self._recovering:
-            record = self.agent.supervisor.jobs.get(job)
+            record = self.supervisor.jobs.get(job)
             relaunched = self._launch_at.get(job, 0.0) > self._failure_at.get(job, float("inf"))
             if relaunched and job not in self._busy and record is not None:
-                self._note_recovered_locked(job, record, self._attempt_ranks(record, self.agent.table.snapshot()),
+                self._note_recovered_locked(job, record, self._attempt_ranks(record, self.table.snapshot()),
                                             time.time())
             self._failure_at.setdefault(job, when if when is not None else time.time())
         key = (job, kind)
@@ -522,10 +540,6 @@ class RecoveryService:
         self.activity.forget(job)
         self._tell_secondhand(job, float("inf"))  # the job ended before the failing rank's own word came
 
-    def _count(self, job: str, action: str, cause: str) -> None:
-        key = (job, action, cause)
-        self.actions[key] = self.actions.get(key, 0) + 1
-
     def _handle(self, record: JobRecord, finding: Finding) -> None:
         job = record.job
         self.note_failure(job, finding.kind)
@@ -533,7 +547,7 @@ class RecoveryService:
             self._busy.add(job)
             threading.Thread(target=self._heal_hang, args=(record, finding), name=f"hang-{job}", daemon=True).start()
         elif finding.kind == "loss_diverged":
-            self.agent.events.emit(
+            self.events.emit(
                 "loss_diverged", f"job {job}: {finding.message}", severity="error", job=job, cause="loss_divergence", step=finding.step, **finding.evidence
             )
             self.rollback(job, finding.message, before_step=finding.step)
@@ -545,7 +559,7 @@ class RecoveryService:
             probes = probe_all(pids)
             ranks = [r for r in record.ranks if r.pid in probes]
             states = ", ".join(f"rank {r.rank} {probes[r.pid].state or 'gone'}" for r in ranks)
-            self.agent.events.emit(
+            self.events.emit(
                 "hang_detected",
                 f"job {job}: {finding.message} ({states})",
                 severity="error",
@@ -556,76 +570,15 @@ class RecoveryService:
                 processes={str(r.rank): probes[r.pid].to_dict() for r in ranks},
                 **finding.evidence,
             )
-            self._count(job, "restart", "hang")
-            self.agent.supervisor.restart(job, cause=f"hang: {finding.message}")
+            self.counts.add(job, "restart", "hang")
+            self.supervisor.restart(job, cause=f"hang: {finding.message}")
         finally:
             self._busy.discard(job)
-
-    # --- actions other modules call ------------------------------------------------------------
-    def rollback(self, job: str, reason: str, before_step: int | None = None) -> None:
-        """Restart from the newest checkpoint before ``before_step`` with the LR cut."""
-        record = self.agent.supervisor.jobs.get(job)
-        if record is None:
-            return
-        record.restore_max_step = before_step - 1 if before_step is not None else None
-        # The checkpoint this attempt started from led here: never pick it again (a damaged copy
-        # would diverge the same way every round until the crash-loop guard ends the job).
-        came_from = (record.restored_from or {}).get("step")
-        if isinstance(came_from, int):
-            self._rolled_back_from.setdefault(job, set()).add(came_from)
-        plan = self.agent.plans.get(job)
-        new_scale = max(plan.lr_scale * self.cfg.rollback_lr_factor, 1e-6)
-        self.agent.plans.update(job, {"lr_scale": new_scale, "reason": f"rollback: {reason}"})
-        self.agent.events.emit(
-            "rollback",
-            f"job {job}: rolling back to a checkpoint before step {before_step} and scaling LR to {new_scale:.3g}"
-            + (f" (not step {came_from}, which this attempt started from)" if isinstance(came_from, int) else ""),
-            severity="warning",
-            job=job,
-            cause=reason,
-            action="rollback",
-            lr_scale=new_scale,
-            excluded_steps=sorted(self._rolled_back_from.get(job, ())),
-        )
-        self._count(job, "rollback", "loss_divergence")
-        self.agent.supervisor.restart(job, cause=f"rollback: {reason}")
-
-    def exclude_rank(self, job: str, rank: int, reason: str, kind: str = "straggler") -> bool:
-        """Restart the job without one data-parallel replica (the one holding ``rank``); ``kind``
-        is what made it go (the ``cause`` label of the action counter)."""
-        record = self.agent.supervisor.jobs.get(job)
-        if record is None:
-            return False
-        spec: JobSpec = copy.deepcopy(record.spec)
-        par = dict(spec.trainer.get("parallel", {}))
-        dp, tp, pp = int(par.get("dp", spec.nproc)), int(par.get("tp", 1)), int(par.get("pp", 1))
-        if dp <= 1:
-            self.agent.events.emit(
-                "rank_exclusion_refused", f"job {job}: cannot exclude rank {rank}: dp is already 1", severity="warning", job=job, rank=rank, cause=reason
-            )
-            return False
-        par["dp"] = dp - 1
-        spec.trainer = {**spec.trainer, "parallel": par}
-        spec.nproc = (dp - 1) * tp * pp
-        self.agent.events.emit(
-            "rank_excluded",
-            f"job {job}: restarting without rank {rank}'s replica: dp {dp} -> {dp - 1}, {spec.nproc} ranks",
-            severity="warning",
-            job=job,
-            rank=rank,
-            cause=reason,
-            action="exclude",
-        )
-        self._count(job, "exclude", kind)
-        # The world shrinks: per-rank batch sizes of the old plan no longer fit.
-        self.agent.plans.update(job, {"batch_sizes": None, "reason": f"rank {rank} excluded"})
-        self.agent.supervisor.restart(job, cause=f"exclude rank {rank}: {reason}", spec=spec)
-        return True
 
     # --- reporting -----------------------------------------------------------------------------
     def metrics(self) -> Iterator[Metric]:
         actions = ACTIONS.counter()
-        for (job, action, cause), n in sorted(self.actions.items()):
+        for (job, action, cause), n in self.counts.items():
             actions.add_metric([job, action, cause], n)
         yield actions
         det = DETECTIONS.counter()

@@ -37,7 +37,7 @@ class Node:
         os.chmod(token_file, 0o600)
         self.store = BlobStore(root / "shm" / ".peer-held", key=KEY)
         self.server = ApiServer(ApiConfig(unix_socket=None, tcp="127.0.0.1:0", allow_plaintext=True, token_file=token_file),
-                                AgentControl(SimpleNamespace(blob_store=self.store)))  # type: ignore[arg-type]
+                                AgentControl(SimpleNamespace(cluster=SimpleNamespace(store=self.store))))  # type: ignore[arg-type]
         self.server.start()
         port = self.server.tcp_port
         assert port is not None

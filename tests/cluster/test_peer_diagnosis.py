@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.waiting import wait_for
+from trainguard.agent.detect.peerdiag import TAIL_BYTES, diagnose, read_tail
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
 from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.supervisor import Supervisor
-from trainguard.agent.recovery.peerdiag import TAIL_BYTES, diagnose, read_tail
 
 NODES = {"10.0.0.11": "node-a", "10.0.0.12": "node-b", "node-c": "node-c"}
 

@@ -116,10 +116,11 @@ class Scripted:
 
 def make_agent(tmp_path: Path, **trainer: Any) -> SimpleNamespace:
     cfg = {"global_batch": 8, "parallel": {"dp": 2, "tp": 1, "pp": 1}, **trainer}
-    record = SimpleNamespace(spec=SimpleNamespace(trainer=cfg), decides_here=True)
+    record = SimpleNamespace(spec=SimpleNamespace(trainer=cfg), decides_here=True, attempt=0)
     return SimpleNamespace(
         table=RankTable(), plans=PlanStore(str(tmp_path / "plans")), events=EventLog(str(tmp_path / "events"), "n1"),
-        supervisor=SimpleNamespace(jobs={JOB: record}), tick_hooks=[])
+        supervisor=SimpleNamespace(jobs={JOB: record}), tick_hooks=[], rollback=None,
+        exporter=SimpleNamespace(sources=[]))
 
 
 def events(agent: SimpleNamespace, kind: str) -> list[dict[str, Any]]:
@@ -132,7 +133,7 @@ def test_warmup_window_and_change_applied_from_the_plan_version_step(tmp_path: P
     strat = Scripted([Setting(1.0, 8), Setting(2.0, 16)])
     cfg = ControllerConfig(strategy="optuna", every_steps=10, warmup_steps=20)
     ctl = install(agent, cfg, strategy_factory=lambda c, s, j: strat)
-    assert agent.tick_hooks == [ctl.tick] and agent.controller is ctl
+    assert agent.tick_hooks == [ctl.tick] and agent.exporter.sources == [ctl]
     sim = SimJob(agent.plans, agent.table)
     sim.run(19, agent, ctl)
     assert events(agent, "controller_decision") == []  # warm-up: nothing decided
@@ -156,7 +157,7 @@ def test_warmup_window_and_change_applied_from_the_plan_version_step(tmp_path: P
 def test_divergence_rolls_back_and_cuts_lr(tmp_path: Path) -> None:
     agent = make_agent(tmp_path)
     calls: list[tuple[str, str]] = []
-    agent.rollback = lambda job, reason: calls.append((job, reason))
+    agent.rollback = lambda job, reason, before_step=None: calls.append((job, reason))
     strat = Scripted([Setting(1.0, 8), Setting(8.0, 8)])
     cfg = ControllerConfig(strategy="rl", every_steps=10, warmup_steps=10, lr_scale_max=16.0)
     ctl = install(agent, cfg, strategy_factory=lambda c, s, j: strat)

@@ -1,4 +1,4 @@
-"""The CPU-activity probe behind hang verdicts for users' commands (trainguard.agent.recovery.activity):
+"""The CPU-activity probe behind hang verdicts for users' commands (trainguard.agent.detect.activity):
 progress reported by the job spares the /proc scan, and idleness is still counted from the last step."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Iterable
 
-from trainguard.agent.recovery.activity import ActivityProbe, tree_cpu_seconds
+from trainguard.agent.detect.activity import ActivityProbe, tree_cpu_seconds
 
 
 class FakeCpu:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from trainguard.agent.recovery.detectors import HangDetector, LossDetector
+from trainguard.agent.detect.divergence import LossDetector
+from trainguard.agent.detect.hang import HangDetector
 
 
 def test_hang_needs_factor_times_median_and_floor() -> None:

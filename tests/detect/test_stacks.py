@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard.agent.recovery.stacks import RankProbe, probe, process_state, py_spy_path
+from trainguard.agent.detect.stacks import RankProbe, probe, process_state, py_spy_path
 
 
 def test_process_state_from_a_proc_tree(tmp_path: Path) -> None:

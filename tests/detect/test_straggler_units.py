@@ -299,13 +299,17 @@ class SimJob:
         return max(0.002 + (self.fixed_samples + s) * p for s, p in zip(sizes, self.per_sample, strict=True))
 
 
+def _refuse_exclusion(job: str, rank: int, reason: str) -> bool:
+    raise ValueError("dp is already 1")
+
+
 @pytest.fixture
 def sim_agent(tmp_path: Path) -> Any:
     events = EventLog(str(tmp_path / "events"), "test", fsync=False)
     agent = SimpleNamespace(
         table=RankTable(), events=events, plans=PlanStore(str(tmp_path / "plans")),
-        supervisor=SimpleNamespace(jobs={}), collectors=[], tick_hooks=[],
-        exporter=SimpleNamespace(sources=[]))
+        supervisor=SimpleNamespace(jobs={}), ebpf=None, gpu=None, tick_hooks=[], straggler=None,
+        exclude_rank=_refuse_exclusion, exporter=SimpleNamespace(sources=[]))
     yield agent
     events.close()
 
@@ -319,7 +323,7 @@ def test_service_detects_migrates_converges_and_undoes(sim_agent: Any, tmp_path:
                           settle_steps=6)
     svc = install(sim_agent, cfg, proc_root=tmp_path / "noproc", sys_root=tmp_path / "nosys")
     assert sim_agent.tick_hooks == [svc] and sim_agent.exporter.sources == [svc]
-    assert sim_agent.detection_config()["window"] == 12
+    assert sim_agent.straggler is svc and svc.detection_config()["window"] == 12
     sim = SimJob(sim_agent.table, sim_agent.plans, "sim", [0.001] * 4)
     for _ in range(10):
         sim.run(5)
@@ -417,19 +421,19 @@ def test_observe_only_reports_without_acting_and_exclusion(sim_agent: Any, tmp_p
     assert sim_agent.plans.get("obs").batch_sizes is None and not _kinds(sim_agent, "shard_migration")
     exc = _kinds(sim_agent, "rank_excluded")
     assert len(exc) == 1 and exc[0]["fields"]["action"] == "observe_only"
-    # Acting mode without an exclude hook on the agent: says so instead of pretending.
+    # Acting mode with an exclusion that fails: says so instead of pretending.
     svc.update_detection({"observe_only": False})
-    assert sim_agent.detection_config()["observe_only"] is False
+    assert svc.detection_config()["observe_only"] is False
     with pytest.raises(DetectionConfigError, match="detection.enter_score"):
-        sim_agent.update_detection({"enter_score": 2})
+        svc.update_detection({"enter_score": 2})
     sim2 = SimJob(sim_agent.table, sim_agent.plans, "act", [0.001, 0.004, 0.001, 0.001])
     asked: list[tuple[str, int]] = []
     for _ in range(12):
         sim2.run(4)
         svc.tick(sim2.t)
     exc = [e for e in _kinds(sim_agent, "rank_excluded") if e["job"] == "act"]
-    assert [e["fields"]["action"] for e in exc] == ["exclude_not_available"]
-    sim_agent.exclude_rank = lambda job, rank, reason: asked.append((job, rank))
+    assert [e["fields"]["action"] for e in exc] == ["exclude_failed: dp is already 1"]
+    svc.exclude_rank = lambda job, rank, reason: asked.append((job, rank))
     sim3 = SimJob(sim_agent.table, sim_agent.plans, "act2", [0.001, 0.001, 0.001, 0.005])
     for _ in range(12):
         sim3.run(4)

@@ -42,7 +42,7 @@ def test_visible_gpus_leave_failed_ones_out_in_the_jobs_own_order() -> None:
 
 
 def test_bad_event_fields_are_dropped_not_raised() -> None:
-    faults = GpuFaults(agent=None)
+    faults = GpuFaults(None, None, None)  # type: ignore[arg-type]  # on_event and healthy use none of them
     assert not faults.on_event("gpu_xid", {"gpu": "1", "xid": 79})
     assert not faults.on_event("gpu_xid", {"gpu": True, "xid": 79})
     assert not faults.on_event("oom_kill", {"gpu": 1})

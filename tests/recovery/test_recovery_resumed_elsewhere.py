@@ -10,6 +10,8 @@ from typing import Any
 
 from tests.helpers.events import EventRecorder
 from trainguard.agent.config import AgentConfig
+from trainguard.agent.heal.counts import ActionCounts
+from trainguard.agent.heal.rollback import Rollback
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
 from trainguard.agent.lifecycle.launcher import RankBlock
 from trainguard.agent.lifecycle.supervisor import JobRecord
@@ -41,7 +43,10 @@ def service(tmp_path: Path) -> tuple[RecoveryService, Any]:
     checkpoints = SimpleNamespace(memory=SimpleNamespace(jobs=lambda: [], cleanup_job_tmp=lambda key: 0),
                                   settings=SimpleNamespace(memory_root=str(tmp_path), memory_interval=100),
                                   poll=lambda: None, prepare_job=lambda job: None)
-    return RecoveryService(agent, checkpoints), agent  # type: ignore[arg-type]
+    counts = ActionCounts()
+    rollback = Rollback(agent.supervisor, None, agent.events, counts, lr_factor=0.5)  # type: ignore[arg-type]
+    return RecoveryService(lambda: agent.cfg, agent.events, agent.supervisor, agent.table,  # type: ignore[arg-type]
+                           checkpoints, rollback, counts), agent
 
 
 def spanning_record(pid: int, attempt: int) -> JobRecord:

@@ -55,7 +55,7 @@ class Holder:
         self.refused: list[tuple[str, str, int]] = []
         self.store = BlobStore(root / "held", key=KEY, on_refuse=lambda *a: self.refused.append(a), **store)
         self.server = ApiServer(ApiConfig(unix_socket=None, tcp="127.0.0.1:0", allow_plaintext=True, token_file=tokens),
-                                AgentControl(SimpleNamespace(blob_store=self.store)))  # type: ignore[arg-type]
+                                AgentControl(SimpleNamespace(cluster=SimpleNamespace(store=self.store))))  # type: ignore[arg-type]
         self.server.start()
         self.api = f"127.0.0.1:{self.server.tcp_port}"
 

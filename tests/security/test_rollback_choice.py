@@ -1,4 +1,4 @@
-"""The agent's restore choice (agent/recovery/service.py): a rollback after a loss divergence
+"""The agent's restore choice (agent/recovery/service.py, agent/heal/rollback.py): a rollback after a loss divergence
 never picks the checkpoint the diverged attempt started from, so a damaged copy cannot make the
 job diverge the same way round after round; a snapshot whose tensor bytes fail their crc32 is an
 event and the restore falls back to the memory tier's checkpoint."""
@@ -17,6 +17,8 @@ from tests.helpers.events import EventRecorder
 from trainguard.agent.checkpoint import CheckpointManager, CheckpointSettings
 from trainguard.agent.checkpoint.snapshots import HEADER_BYTES, SnapshotSet, read_header, slot_path
 from trainguard.agent.config import AgentConfig
+from trainguard.agent.heal.counts import ActionCounts
+from trainguard.agent.heal.rollback import Rollback
 from trainguard.agent.recovery.service import ENV_RESTORE, RecoveryService
 from trainguard.checkpoint.snapshot.writer import SnapshotWriter
 
@@ -39,10 +41,12 @@ def _service(tmp_path: Path) -> tuple[RecoveryService, CheckpointManager, Simple
                              restored_from=None)
     events = EventRecorder()
     restarts: list[str] = []
-    agent = SimpleNamespace(cfg=AgentConfig(), events=events, plans=_Plans(),
-                            supervisor=SimpleNamespace(jobs={"job": record},
-                                                       restart=lambda job, cause, **_: restarts.append(cause)))
-    return RecoveryService(agent, mgr), mgr, record, events  # type: ignore[arg-type]
+    supervisor = SimpleNamespace(jobs={"job": record}, restart=lambda job, cause, **_: restarts.append(cause))
+    counts = ActionCounts()
+    rollback = Rollback(supervisor, _Plans(), events, counts, lr_factor=0.5)  # type: ignore[arg-type]
+    cfg = AgentConfig()
+    return (RecoveryService(lambda: cfg, events, supervisor, None, mgr, rollback, counts),  # type: ignore[arg-type]
+            mgr, record, events)
 
 
 def _commit(mgr: CheckpointManager, step: int) -> None:

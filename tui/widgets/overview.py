@@ -77,6 +77,9 @@ def _attention(snapshots: Sequence[AgentSnapshot], ranks: Sequence[RankRow],
 class OverviewPanel(VerticalScroll):
     """Agents, jobs and an attention list (stragglers, dead ranks, collectors off, recent warnings)."""
 
+    _last: tuple[Sequence[AgentSnapshot], Sequence[RankRow], float, Sequence[Mapping[str, Any]]] | None = None
+    """What ``show`` was last given (None: nothing yet), drawn again when the panel is resized."""
+
     def compose(self):  # noqa: ANN201 - textual's ComposeResult
         yield Static(id="ov-agents")
         yield Static(id="ov-jobs")
@@ -84,13 +87,12 @@ class OverviewPanel(VerticalScroll):
 
     def show(self, snapshots: Sequence[AgentSnapshot], ranks: Sequence[RankRow], now: float,
              warnings: Sequence[Mapping[str, Any]]) -> None:
-        self._last: tuple[Sequence[AgentSnapshot], Sequence[RankRow], float, Sequence[Mapping[str, Any]]] | None = (
-            snapshots, ranks, now, warnings)
+        self._last = (snapshots, ranks, now, warnings)
         self._render_all()
 
     def on_resize(self) -> None:
         # Hidden tabs have no width: what was drawn there is drawn again once the panel is seen.
-        if getattr(self, "_last", None) is not None:
+        if self._last is not None:
             self._render_all()
 
     def _render_all(self) -> None:
