@@ -13,7 +13,8 @@ Tasks:
 Arms, every one from every start (x1/30 .. x30 of the good LR), each seed's runs shuffled
 together so the arms interleave in time (machine drift hits them alike):
   none          the planned warmup+cosine schedule at the starting LR, untouched;
-  evidence      the evidence controller (agent/controller/evidence.py, shipped EvidenceConfig)
+  evidence      the evidence controller (agent/controller/evidence.py, the preset of the task's
+                optimizer family: sgd for nqm_nesterov, adam for nqm_adam and gpt)
                 on the same run: moves only when its pre-registered test fires, each move
                 snapshot-protected (a state copy) and checked against a forecast;
   null          (good LR only) reads every step like the controller and never acts: overhead;
@@ -41,8 +42,10 @@ so the global batch halves), the agent's controller with strategy none and its L
 (rescale_gap_ratio: unrescaled gap to the unfaulted run / the rescaled one's).
 
     python bench/controller.py [--quick] [--seeds N] [--gpt-seeds N] [--steps N] [--jobs N]
-                               [--tasks nqm_adam,nqm_nesterov,gpt] [--out results.json] [--signals]
---signals prints the NQM ROC of the candidate LR signals (docs/controller.md) and exits.
+                               [--tasks nqm_adam,nqm_nesterov,gpt] [--out results.json] [--signals] [--fit]
+--signals prints the NQM ROC of the candidate LR signals (docs/controller.md) and exits; --fit
+prints the too-low test's grid on the Adam calibration task (nqm.ADAM_CAL, seeds 100-111), where
+the adam preset's low_start was chosen, and exits.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -72,9 +75,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from trainguard.agent.controller import ControllerConfig, install  # noqa: E402
-from trainguard.agent.controller.calibrate import MULTIPLIERS, SIGNALS, run_nqm, signal_roc  # noqa: E402
-from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController  # noqa: E402
-from trainguard.agent.controller.nqm import TASKS  # noqa: E402
+from trainguard.agent.controller.calibrate import MULTIPLIERS, SIGNALS, fit_low, run_nqm, signal_roc  # noqa: E402
+from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController, preset  # noqa: E402
+from trainguard.agent.controller.nqm import ADAM_CAL, CAL_SEEDS, TASKS  # noqa: E402
 from trainguard.agent.eventlog import EventLog  # noqa: E402
 from trainguard.agent.lifecycle.plans import PlanStore  # noqa: E402
 from trainguard.agent.ranktable import RankTable  # noqa: E402
@@ -386,7 +389,8 @@ def run_spec(spec: Spec) -> Run:
     cfg = make_cfg(spec.schedule, DEFAULT_LR * spec.mult, spec.seed, spec.cache)
     kw: dict[str, Any] = {}
     if spec.arm in ("evidence", "null"):
-        kw["evidence"] = EvidenceController(spec.schedule, EvidenceConfig(min_window=spec.min_window))
+        # The bundled GPT trains with AdamW: the adam preset, windows no shorter than the plan's.
+        kw["evidence"] = EvidenceController(spec.schedule, replace(preset("adam"), min_window=spec.min_window))
         kw["act"] = spec.arm == "evidence"
     if spec.rule:
         kw["controller"] = ControllerConfig(strategy="none", lr_batch_rule=spec.rule)  # type: ignore[arg-type]
@@ -539,6 +543,16 @@ def print_signals(seeds: int) -> None:
             print(f"{'':12s}{frac:>5.0%}" + "".join(f"{cell['fires_' + k]:+8.2f}" for k in MULTIPLIERS))
 
 
+def print_fit() -> None:
+    rows = fit_low(ADAM_CAL, CAL_SEEDS, (0.2, 0.3, 0.35, 0.4), (0.0, 0.15, 0.2, 0.25))
+    print(f"Adam calibration NQM (dims {ADAM_CAL.dims}, noise {ADAM_CAL.noise}), seeds {CAL_SEEDS.start}-"
+          f"{CAL_SEEDS.stop - 1}: the too-low test's grid")
+    print(f"{'low_threshold':>14s}{'low_start':>10s}{'silent':>8s}{'harm':>7s}{'final':>7s}  rescue low30 / low10 / low3")
+    for r in rows:
+        print(f"{r.config.low_threshold:14.2f}{r.config.low_start:10.2f}{r.silent:5d}/{len(CAL_SEEDS)}{r.harm:7.3f}"
+              f"{r.final:7.3f}  " + " / ".join(f"{v:.3f}" for v in r.rescue.values()))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run (< 2 min): few seeds, a short gpt")
@@ -549,9 +563,13 @@ def main() -> int:
     ap.add_argument("--tasks", default="nqm_adam,nqm_nesterov,gpt")
     ap.add_argument("--out", default="", help="JSON file for the per-seed results (default: a temp file)")
     ap.add_argument("--signals", action="store_true", help="print the NQM signal ROC and exit")
+    ap.add_argument("--fit", action="store_true", help="print the adam preset's calibration grid and exit")
     args = ap.parse_args()
     if args.signals:
         print_signals(args.seeds or 20)
+        return 0
+    if args.fit:
+        print_fit()
         return 0
     tasks = [t for t in args.tasks.split(",") if t]
     plans = []

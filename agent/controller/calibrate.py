@@ -11,7 +11,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController
+from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController, preset
 from trainguard.agent.controller.nqm import NQM, NQMTask
 
 MULTIPLIERS: dict[str, float] = {"low30": 1 / 30, "low10": 1 / 10, "low3": 1 / 3, "good": 1.0,
@@ -39,9 +39,10 @@ class NQMRun:
 def run_nqm(task: NQMTask, mult: float, seed: int, steps: int, *, control: bool,
             config: EvidenceConfig | None = None, budget: int | None = None) -> NQMRun:
     """One run from ``mult`` x the task's good LR: ``steps`` planned, ``budget`` executed at most
-    (default 1.5 x steps, the schedule's floor LR after its end), controlled or not."""
+    (default 1.5 x steps, the schedule's floor LR after its end), controlled (by default with the
+    preset of the task's optimizer family) or not."""
     model = NQM(task, task.good_lr * mult, steps, seed)
-    ctl = EvidenceController(steps, config or EvidenceConfig()) if control else None
+    ctl = EvidenceController(steps, config or preset(task.family)) if control else None
     out = NQMRun()
     snap = None
     for _ in range(budget or int(1.5 * steps)):
@@ -142,3 +143,42 @@ def signal_roc(task: NQMTask, seeds: int = 20, steps: int = 1000, at: tuple[floa
                         (v > cfg.low_threshold) - (v < cfg.high_threshold) for v in vals)
             out[sig][f] = cell
     return out
+
+
+def _ratio(num: float, den: float) -> float:
+    """Time ratio none / controller: 0 when the controller never reaches the target."""
+    return 0.0 if math.isinf(den) else num / den
+
+
+@dataclass(frozen=True)
+class FitRow:
+    config: EvidenceConfig
+    silent: int
+    """Seeds without a move at the good LR."""
+    harm: float
+    final: float
+    rescue: dict[str, float]
+    """Median none-at-good / controller time to target, per too-low start."""
+
+
+def fit_low(task: NQMTask, seeds: range, thresholds: tuple[float, ...], starts: tuple[float, ...],
+            steps: int = 1000) -> list[FitRow]:
+    """The too-low test's grid on a calibration task: for each (low_threshold, low_start), silence
+    and harm at the good LR and rescue from the too-low starts (the bench's target and ratios)."""
+    base = [run_nqm(task, 1.0, s, steps, control=False) for s in seeds]
+    target = statistics.median(r.losses[int(0.75 * steps) - 1] for r in base)
+    none_time = [r.to_target(target) for r in base]
+    rows = []
+    for th in thresholds:
+        for start in starts:
+            cfg = EvidenceConfig(low_threshold=th, low_start=start)
+            good = [run_nqm(task, 1.0, s, steps, control=True, config=cfg) for s in seeds]
+            rescue = {}
+            for name in ("low30", "low10", "low3"):
+                runs = [run_nqm(task, MULTIPLIERS[name], s, steps, control=True, config=cfg) for s in seeds]
+                rescue[name] = statistics.median(_ratio(t, r.to_target(target)) for t, r in zip(none_time, runs, strict=True))
+            rows.append(FitRow(
+                cfg, sum(r.moves == 0 for r in good),
+                statistics.median(_ratio(t, r.to_target(target)) for t, r in zip(none_time, good, strict=True)),
+                statistics.median(r.final_loss / b.final_loss for r, b in zip(good, base, strict=True)), rescue))
+    return rows

@@ -47,9 +47,19 @@ class NQMTask:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
 
 
+    @property
+    def family(self) -> str:
+        """The optimizer family whose evidence preset applies (evidence.PRESETS)."""
+        return "adam" if self.optimizer == "adam" else "sgd"
+
+
 ADAM = NQMTask("adam", good_lr=0.014)
 NESTEROV = NQMTask("nesterov", good_lr=0.028)
 TASKS = {"adam": ADAM, "nesterov": NESTEROV}
+ADAM_CAL = NQMTask("adam", dims=32, noise=0.5, good_lr=0.014)
+"""The Adam calibration task: another NQM instance (half the dimensions, more noise), on which the
+adam preset is fitted at seeds ``CAL_SEEDS``, so that the bench's adam task stays a check."""
+CAL_SEEDS = range(100, 112)
 
 
 @dataclass(frozen=True)
