@@ -13,8 +13,9 @@ Tasks:
 Arms, every one from every start (x1/30 .. x30 of the good LR), each seed's runs shuffled
 together so the arms interleave in time (machine drift hits them alike):
   none          the planned warmup+cosine schedule at the starting LR, untouched;
-  evidence      the evidence controller (agent/controller/evidence.py, the preset of the task's
-                optimizer family: sgd for nqm_nesterov, adam for nqm_adam and gpt)
+  evidence      the evidence controller (agent/controller/evidence.py): on the NQM tasks the preset
+                of the optimizer family (sgd for nqm_nesterov, adam for nqm_adam), on gpt the
+                agent's default (EvidenceConfig())
                 on the same run: moves only when its pre-registered test fires, each move
                 snapshot-protected (a state copy) and checked against a forecast;
   null          (good LR only) reads every step like the controller and never acts: overhead;
@@ -75,7 +76,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from trainguard.agent.controller import ControllerConfig, install  # noqa: E402
-from trainguard.agent.controller.calibrate import MULTIPLIERS, SIGNALS, fit_low, run_nqm, signal_roc  # noqa: E402
+from trainguard.agent.controller.calibrate import MULTIPLIERS, SIGNALS, fit_grid, run_nqm, signal_roc  # noqa: E402
 from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController, preset  # noqa: E402
 from trainguard.agent.controller.nqm import ADAM_CAL, CAL_SEEDS, TASKS  # noqa: E402
 from trainguard.agent.eventlog import EventLog  # noqa: E402
@@ -389,8 +390,8 @@ def run_spec(spec: Spec) -> Run:
     cfg = make_cfg(spec.schedule, DEFAULT_LR * spec.mult, spec.seed, spec.cache)
     kw: dict[str, Any] = {}
     if spec.arm in ("evidence", "null"):
-        # The bundled GPT trains with AdamW: the adam preset, windows no shorter than the plan's.
-        kw["evidence"] = EvidenceController(spec.schedule, replace(preset("adam"), min_window=spec.min_window))
+        # What the agent ships (EvidenceConfig()), not the NQM-fitted adam preset: docs/controller.md.
+        kw["evidence"] = EvidenceController(spec.schedule, EvidenceConfig(min_window=spec.min_window))
         kw["act"] = spec.arm == "evidence"
     if spec.rule:
         kw["controller"] = ControllerConfig(strategy="none", lr_batch_rule=spec.rule)  # type: ignore[arg-type]
@@ -544,13 +545,19 @@ def print_signals(seeds: int) -> None:
 
 
 def print_fit() -> None:
-    rows = fit_low(ADAM_CAL, CAL_SEEDS, (0.2, 0.3, 0.35, 0.4), (0.0, 0.15, 0.2, 0.25))
+    """The two grids the adam preset was chosen from, in order: the too-low test (threshold, first
+    raise), then the too-high threshold at the chosen too-low test."""
+    low = [EvidenceConfig(low_threshold=th, low_start=st) for th in (0.2, 0.3, 0.35, 0.4) for st in (0.0, 0.15, 0.2, 0.25)]
+    high = [replace(preset("adam"), high_threshold=th) for th in (-0.12, -0.1, -0.08, -0.06, -0.04)]
     print(f"Adam calibration NQM (dims {ADAM_CAL.dims}, noise {ADAM_CAL.noise}), seeds {CAL_SEEDS.start}-"
-          f"{CAL_SEEDS.stop - 1}: the too-low test's grid")
-    print(f"{'low_threshold':>14s}{'low_start':>10s}{'silent':>8s}{'harm':>7s}{'final':>7s}  rescue low30 / low10 / low3")
-    for r in rows:
-        print(f"{r.config.low_threshold:14.2f}{r.config.low_start:10.2f}{r.silent:5d}/{len(CAL_SEEDS)}{r.harm:7.3f}"
-              f"{r.final:7.3f}  " + " / ".join(f"{v:.3f}" for v in r.rescue.values()))
+          f"{CAL_SEEDS.stop - 1}: silence, harm and final loss at the good LR, rescue ratios")
+    for configs, starts in ((low, ("low30", "low10", "low3")), (high, ("high3", "high10", "high30"))):
+        print(f"{'low_threshold':>14s}{'low_start':>10s}{'high_thr':>9s}{'silent':>8s}{'harm':>7s}{'final':>7s}  "
+              f"rescue {' / '.join(starts)}", flush=True)
+        for r in fit_grid(ADAM_CAL, CAL_SEEDS, configs, starts):
+            c = r.config
+            print(f"{c.low_threshold:14.2f}{c.low_start:10.2f}{c.high_threshold:9.2f}{r.silent:5d}/{len(CAL_SEEDS)}"
+                  f"{r.harm:7.3f}{r.final:7.3f}  " + " / ".join(f"{v:.3f}" for v in r.rescue.values()), flush=True)
 
 
 def main() -> int:

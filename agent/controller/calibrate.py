@@ -161,24 +161,22 @@ class FitRow:
     """Median none-at-good / controller time to target, per too-low start."""
 
 
-def fit_low(task: NQMTask, seeds: range, thresholds: tuple[float, ...], starts: tuple[float, ...],
-            steps: int = 1000) -> list[FitRow]:
-    """The too-low test's grid on a calibration task: for each (low_threshold, low_start), silence
-    and harm at the good LR and rescue from the too-low starts (the bench's target and ratios)."""
+def fit_grid(task: NQMTask, seeds: range, configs: list[EvidenceConfig], starts: tuple[str, ...],
+             steps: int = 1000) -> list[FitRow]:
+    """Candidate configs on a calibration task: silence and harm at the good LR and rescue from
+    ``starts`` (the bench's target, 75 % of none's schedule at the good LR, and its ratios)."""
     base = [run_nqm(task, 1.0, s, steps, control=False) for s in seeds]
     target = statistics.median(r.losses[int(0.75 * steps) - 1] for r in base)
     none_time = [r.to_target(target) for r in base]
     rows = []
-    for th in thresholds:
-        for start in starts:
-            cfg = EvidenceConfig(low_threshold=th, low_start=start)
-            good = [run_nqm(task, 1.0, s, steps, control=True, config=cfg) for s in seeds]
-            rescue = {}
-            for name in ("low30", "low10", "low3"):
-                runs = [run_nqm(task, MULTIPLIERS[name], s, steps, control=True, config=cfg) for s in seeds]
-                rescue[name] = statistics.median(_ratio(t, r.to_target(target)) for t, r in zip(none_time, runs, strict=True))
-            rows.append(FitRow(
-                cfg, sum(r.moves == 0 for r in good),
-                statistics.median(_ratio(t, r.to_target(target)) for t, r in zip(none_time, good, strict=True)),
-                statistics.median(r.final_loss / b.final_loss for r, b in zip(good, base, strict=True)), rescue))
+    for cfg in configs:
+        good = [run_nqm(task, 1.0, s, steps, control=True, config=cfg) for s in seeds]
+        rescue = {}
+        for name in starts:
+            runs = [run_nqm(task, MULTIPLIERS[name], s, steps, control=True, config=cfg) for s in seeds]
+            rescue[name] = statistics.median(_ratio(t, r.to_target(target)) for t, r in zip(none_time, runs, strict=True))
+        rows.append(FitRow(
+            cfg, sum(r.moves == 0 for r in good),
+            statistics.median(_ratio(t, r.to_target(target)) for t, r in zip(none_time, good, strict=True)),
+            statistics.median(r.final_loss / b.final_loss for r, b in zip(good, base, strict=True)), rescue))
     return rows

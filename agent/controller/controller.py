@@ -42,7 +42,7 @@ from prometheus_client.metrics_core import Metric
 
 from trainguard.agent.controller.batch_rule import follow_batch
 from trainguard.agent.controller.config import ControllerConfig
-from trainguard.agent.controller.evidence import Action, EvidenceConfig, preset
+from trainguard.agent.controller.evidence import Action, EvidenceConfig
 from trainguard.agent.controller.evidence_plan import EvidenceDriver, event_inputs
 from trainguard.agent.controller.noise import NoiseScale
 from trainguard.agent.controller.strategy import (
@@ -207,7 +207,9 @@ class Controller:
     def __init__(self, config: ControllerConfig, *, strategy_factory: StrategyFactory | None = None,
                  evidence: EvidenceConfig | None = None) -> None:
         self.config = config
-        self.evidence_config = evidence or preset("adam")  # the embedded trainer runs AdamW
+        # The sgd preset's thresholds, though the embedded trainer runs AdamW: the adam preset's
+        # too-high threshold would fire at the GPT's default LR (docs/controller.md).
+        self.evidence_config = evidence or EvidenceConfig()
         """strategy evidence: its pre-registered tests (the shipped ones unless a caller passes others)."""
         self.strategy_factory = strategy_factory or make_strategy
         self.jobs: dict[str, JobControl] = {}

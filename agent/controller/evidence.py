@@ -77,11 +77,11 @@ class EvidenceConfig:
 
 PRESETS: dict[str, EvidenceConfig] = {
     "sgd": EvidenceConfig(),
-    "adam": EvidenceConfig(low_start=0.2),
+    "adam": EvidenceConfig(low_start=0.2, high_threshold=-0.06),
 }
 """Pre-registered configs by optimizer family. sgd's thresholds were chosen on the NQM's nesterov
-task; adam's ``low_start`` on a calibration NQM (``nqm.ADAM_CAL``, its own seeds), not on the
-bench's adam task (docs/controller.md)."""
+task; adam's ``low_start`` and ``high_threshold`` on a calibration NQM (``nqm.ADAM_CAL``, its own
+seeds), not on the bench's adam task (docs/controller.md)."""
 
 
 def preset(family: str) -> EvidenceConfig:
