@@ -43,10 +43,11 @@ so the global batch halves), the agent's controller with strategy none and its L
 (rescale_gap_ratio: unrescaled gap to the unfaulted run / the rescaled one's).
 
     python bench/controller.py [--quick] [--seeds N] [--gpt-seeds N] [--steps N] [--jobs N]
-                               [--tasks nqm_adam,nqm_nesterov,gpt] [--out results.json] [--signals] [--fit]
+                               [--tasks nqm_adam,nqm_nesterov,gpt] [--out results.json] [--signals] [--fit] [--probes]
 --signals prints the NQM ROC of the candidate LR signals (docs/controller.md) and exits; --fit
 prints the too-low test's grid on the Adam calibration task (nqm.ADAM_CAL, seeds 100-111), where
-the adam preset's low_start was chosen, and exits.
+the adam preset's low_start was chosen, and exits; --probes prints how often a budgeted branch
+probe (agent/controller/probe.py) picks LR/4 from each start on the NQM tasks, and exits.
 """
 
 from __future__ import annotations
@@ -76,9 +77,17 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from trainguard.agent.controller import ControllerConfig, install  # noqa: E402
-from trainguard.agent.controller.calibrate import MULTIPLIERS, SIGNALS, fit_grid, run_nqm, signal_roc  # noqa: E402
+from trainguard.agent.controller.calibrate import (  # noqa: E402
+    MULTIPLIERS,
+    SIGNALS,
+    fit_grid,
+    probe_table,
+    run_nqm,
+    signal_roc,
+)
 from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController, preset  # noqa: E402
 from trainguard.agent.controller.nqm import ADAM_CAL, CAL_SEEDS, TASKS  # noqa: E402
+from trainguard.agent.controller.probe import ProbeConfig  # noqa: E402
 from trainguard.agent.eventlog import EventLog  # noqa: E402
 from trainguard.agent.lifecycle.plans import PlanStore  # noqa: E402
 from trainguard.agent.ranktable import RankTable  # noqa: E402
@@ -560,6 +569,20 @@ def print_fit() -> None:
                   f"{r.harm:7.3f}{r.final:7.3f}  " + " / ".join(f"{v:.3f}" for v in r.rescue.values()), flush=True)
 
 
+def print_probes(seeds: int) -> None:
+    cfg = ProbeConfig()
+    print(f"Branch probes (budget {cfg.budget:.0%} of the run, LR/{cfg.factor:g} against the LR, paired on a fixed "
+          f"evaluation batch, keep LR/{cfg.factor:g} when better by > {cfg.z:g} SE): fraction of {seeds} seeds that lower")
+    print(f"{'steps':>6s}{'at':>5s} {'task':9s}" + "".join(f"{k:>8s}" for k in MULTIPLIERS))
+    for steps in (1000, 2000, 5000):
+        for at in (0.1, 0.2, 0.4):
+            for name, task in TASKS.items():
+                row = probe_table(task, seeds, steps, at, cfg)
+                cells = "  off: the budget does not cover a branch" if row is None else "".join(
+                    f"{row[k]:8.2f}" for k in MULTIPLIERS)
+                print(f"{steps:6d}{at:5.0%} {name:9s}{cells}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run (< 2 min): few seeds, a short gpt")
@@ -571,12 +594,16 @@ def main() -> int:
     ap.add_argument("--out", default="", help="JSON file for the per-seed results (default: a temp file)")
     ap.add_argument("--signals", action="store_true", help="print the NQM signal ROC and exit")
     ap.add_argument("--fit", action="store_true", help="print the adam preset's calibration grid and exit")
+    ap.add_argument("--probes", action="store_true", help="print the NQM branch probes' decisions and exit")
     args = ap.parse_args()
     if args.signals:
         print_signals(args.seeds or 20)
         return 0
     if args.fit:
         print_fit()
+        return 0
+    if args.probes:
+        print_probes(args.seeds or 20)
         return 0
     tasks = [t for t in args.tasks.split(",") if t]
     plans = []

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController, preset
 from trainguard.agent.controller.nqm import NQM, NQMTask
+from trainguard.agent.controller.probe import ProbeConfig, ProbeResult, compare
 
 MULTIPLIERS: dict[str, float] = {"low30": 1 / 30, "low10": 1 / 10, "low3": 1 / 3, "good": 1.0,
                                  "high3": 3.0, "high10": 10.0, "high30": 30.0}
@@ -180,3 +181,46 @@ def fit_grid(task: NQMTask, seeds: range, configs: list[EvidenceConfig], starts:
             statistics.median(_ratio(t, r.to_target(target)) for t, r in zip(none_time, good, strict=True)),
             statistics.median(r.final_loss / b.final_loss for r, b in zip(good, base, strict=True)), rescue))
     return rows
+
+
+PROBE_EVAL = 64
+"""Samples in the fixed evaluation batch a probe compares its branches' end points on."""
+
+
+def probe_nqm(task: NQMTask, mult: float, seed: int, steps: int, at: float,
+              config: ProbeConfig | None = None, evaluate: bool = True) -> ProbeResult | None:
+    """One branch probe on an uncontrolled run from ``mult`` x the good LR, at fraction ``at`` of
+    its ``steps``, compared on a fixed evaluation batch (``evaluate``) or on the cooldown's
+    minibatch losses (None: the probe's budget does not cover a branch at this length)."""
+    cfg = config or ProbeConfig()
+    scales = cfg.scales(steps)
+    if not scales:
+        return None
+    model = NQM(task, task.good_lr * mult, steps, seed)
+    for _ in range(round(at * steps)):
+        model.step()
+    snap = model.snapshot(data=True)
+    held = model.eval_batch(PROBE_EVAL, seed + 1_000_000)
+    tail = max(2, (len(scales) - int(len(scales) * (1 - cfg.cooldown))) // 2)
+    branches = []
+    for scale in (1.0, 1 / cfg.factor):
+        model.restore(snap)
+        losses = []
+        for s in scales:
+            model.lr_scale = scale * s
+            losses.append(model.step().loss)
+        branches.append(model.eval_losses(held) if evaluate else losses[-tail:])
+    return compare(cfg, branches[0], branches[1])
+
+
+def probe_table(task: NQMTask, seeds: int, steps: int, at: float = 0.2,
+                config: ProbeConfig | None = None, evaluate: bool = True) -> dict[str, float] | None:
+    """Per start: the fraction of seeds in which a probe at ``at`` of the run picks LR / factor
+    (None: probes are off at this length)."""
+    out = {}
+    for name, mult in MULTIPLIERS.items():
+        results = [probe_nqm(task, mult, s, steps, at, config, evaluate) for s in range(seeds)]
+        if results[0] is None:
+            return None
+        out[name] = statistics.fmean(r.lower for r in results if r is not None)
+    return out

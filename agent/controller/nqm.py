@@ -18,6 +18,7 @@ can report: the minibatch loss, the gradient norm, and the candidate LR-too-high
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -108,14 +109,30 @@ class NQM:
         with np.errstate(all="ignore"):
             return float(0.5 * np.dot(self.h, self.theta ** 2))
 
+    def eval_losses(self, samples: np.ndarray) -> list[float]:
+        """The loss of each row of ``samples`` (fixed draws of xi): a held-out evaluation batch."""
+        with np.errstate(all="ignore"):
+            return [float(v) for v in 0.5 * ((self.theta - samples) ** 2 @ self.h)]
+
+    def eval_batch(self, n: int, seed: int) -> np.ndarray:
+        """``n`` draws of xi from their own stream (not the training one)."""
+        rng = np.random.default_rng(seed)
+        return rng.standard_normal((n, self.task.dims)) * self.task.noise / np.sqrt(self.h)
+
     def set_ref(self) -> None:
         self.ref = self.theta.copy()
 
-    def snapshot(self) -> dict[str, Any]:
-        return {"theta": self.theta.copy(), "m": self.m.copy(), "v": self.v.copy(), "step": self.step_no,
+    def snapshot(self, data: bool = False) -> dict[str, Any]:
+        """The state; with ``data`` the data stream's position too (a branch probe replays it)."""
+        snap = {"theta": self.theta.copy(), "m": self.m.copy(), "v": self.v.copy(), "step": self.step_no,
                 "u": self.last_update.copy(), "g": self.last_grad.copy(), "ref": self.ref.copy()}
+        if data:
+            snap["rng"] = copy.deepcopy(self.rng.bit_generator.state)
+        return snap
 
     def restore(self, snap: dict[str, Any]) -> None:
+        if "rng" in snap:
+            self.rng.bit_generator.state = copy.deepcopy(snap["rng"])
         self.theta, self.m, self.v = snap["theta"].copy(), snap["m"].copy(), snap["v"].copy()
         self.step_no = snap["step"]
         self.last_update, self.last_grad, self.ref = snap["u"].copy(), snap["g"].copy(), snap["ref"].copy()
