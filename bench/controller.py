@@ -6,6 +6,10 @@ Tasks:
   nqm_adam, nqm_nesterov  the noisy quadratic model (agent/controller/nqm.py) with Adam and with
                 SGD + Nesterov momentum: known good LR, milliseconds a run, so 20 seeds are cheap.
                 Clock: steps executed (restored ones count); evaluation: the true loss L(theta).
+  mlp_nesterov  a real model with SGD + Nesterov momentum: a 2-hidden-layer MLP (32-128-128-10) on
+                a fixed random teacher's sampled labels, batch 32, a fresh minibatch stream per
+                seed, fixed val and test sets; clock: process CPU seconds with evaluation off it;
+                good LR 0.03 (--mlp-sweep); the controller runs the sgd preset.
   gpt           the trainer's bundled GPT with AdamW on the standard-library byte corpus, CPU,
                 one torch thread; clock: process CPU seconds with evaluation taken off it;
                 evaluation: a held-out val split (target, time to target) and a separate test
@@ -13,7 +17,9 @@ Tasks:
 Arms, every one from every start (x1/30 .. x30 of the good LR), each seed's runs shuffled
 together so the arms interleave in time (machine drift hits them alike):
   none          the planned warmup+cosine schedule at the starting LR, untouched;
-  evidence      the evidence controller (agent/controller/evidence.py, shipped EvidenceConfig)
+  evidence      the evidence controller (agent/controller/evidence.py): on the NQM tasks the preset
+                of the optimizer family (sgd for nqm_nesterov, adam for nqm_adam), on gpt the
+                agent's default (EvidenceConfig())
                 on the same run: moves only when its pre-registered test fires, each move
                 snapshot-protected (a state copy) and checked against a forecast;
   null          (good LR only) reads every step like the controller and never acts: overhead;
@@ -28,21 +34,24 @@ Ratios are paired per seed and summarised by their median with a 95 % bootstrap 
   T_final_loss_ratio           evidence / none loss at the schedule's end at the good LR (below 1: better);
   T_rescue_<x>_ratio           none at the good LR / evidence from start x (0: never reached);
   T_grid_<x>_ratio             the grid's time with its cost / evidence's, from start x;
-  T_null_step_ratio            none's / null's clock per step at the good LR (overhead, gpt only).
+  T_null_step_ratio            none's / null's clock per step at the good LR (overhead, mlp and gpt).
 Goals printed met / not met: do no harm (harm ratio >= 0.98, its lower bound >= 0.96, final loss
 ratio <= 1), rescue (every 3x-30x start at ratio >= 1/1.5), better than the grid at every start.
 Per-seed lines with each run's decisions and the commit go to stdout and to --out (JSON).
---quick is a smoke run (3 seeds of 600-step NQM runs, a 40-step gpt on three starts with 4-step
-windows), not a measurement.
+--quick is a smoke run (3 seeds of 600-step NQM runs, a 100-step mlp and a 40-step gpt on three
+starts, the gpt with 4-step windows), not a measurement.
 
 Healing arm (gpt): a node loss halfway through a 2-rank job (a user script's fixed per-rank batch,
 so the global batch halves), the agent's controller with strategy none and its LR rule
 (``lr_batch_rule`` sqrt) against the same loss without the rescale: val loss at the end
 (rescale_gap_ratio: unrescaled gap to the unfaulted run / the rescaled one's).
 
-    python bench/controller.py [--quick] [--seeds N] [--gpt-seeds N] [--steps N] [--jobs N]
-                               [--tasks nqm_adam,nqm_nesterov,gpt] [--out results.json] [--signals]
---signals prints the NQM ROC of the candidate LR signals (docs/controller.md) and exits.
+    python bench/controller.py [--quick] [--seeds N] [--mlp-seeds N] [--gpt-seeds N] [--steps N] [--jobs N]
+                               [--tasks nqm_adam,nqm_nesterov,mlp_nesterov,gpt] [--mlp-sweep] [--out results.json] [--signals] [--fit] [--probes]
+--signals prints the NQM ROC of the candidate LR signals (docs/controller.md) and exits; --fit
+prints the too-low test's grid on the Adam calibration task (nqm.ADAM_CAL, seeds 100-111), where
+the adam preset's low_start was chosen, and exits; --probes prints how often a budgeted branch
+probe (agent/controller/probe.py) picks LR/4 from each start on the NQM tasks, and exits.
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -72,9 +81,17 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from trainguard.agent.controller import ControllerConfig, install  # noqa: E402
-from trainguard.agent.controller.calibrate import MULTIPLIERS, SIGNALS, run_nqm, signal_roc  # noqa: E402
-from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController  # noqa: E402
-from trainguard.agent.controller.nqm import TASKS  # noqa: E402
+from trainguard.agent.controller.calibrate import (  # noqa: E402
+    MULTIPLIERS,
+    SIGNALS,
+    fit_grid,
+    probe_table,
+    run_nqm,
+    signal_roc,
+)
+from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController, preset  # noqa: E402
+from trainguard.agent.controller.nqm import ADAM_CAL, CAL_SEEDS, TASKS  # noqa: E402
+from trainguard.agent.controller.probe import ProbeConfig  # noqa: E402
 from trainguard.agent.eventlog import EventLog  # noqa: E402
 from trainguard.agent.lifecycle.plans import PlanStore  # noqa: E402
 from trainguard.agent.ranktable import RankTable  # noqa: E402
@@ -340,6 +357,105 @@ def restore_check(cache: str) -> str:
     return ""
 
 
+# --- mlp_nesterov: a real model trained with SGD + Nesterov momentum ---------------------------
+MLP_GOOD_LR = 0.03
+"""The base LR with the lowest median val loss at the schedule's end (``--mlp-sweep``)."""
+MLP_IN, MLP_HIDDEN, MLP_CLASSES, MLP_BATCH, MLP_HELD = 32, 128, 10, 32, 2048
+
+
+def mlp_teacher() -> torch.nn.Module:
+    """The fixed random network whose softmax draws the labels (its entropy is the loss floor)."""
+    torch.manual_seed(12345)
+    net = torch.nn.Sequential(torch.nn.Linear(MLP_IN, 64), torch.nn.Tanh(), torch.nn.Linear(64, MLP_CLASSES))
+    for p in net.parameters():
+        p.requires_grad_(False)
+    return net
+
+
+def mlp_draw(teacher: torch.nn.Module, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(n, MLP_IN, generator=gen)
+    with torch.no_grad():
+        probs = torch.softmax(10.0 * teacher(x), dim=1)
+    return x, torch.multinomial(probs, 1, generator=gen).squeeze(1)
+
+
+class MLPLoop:
+    """One run of a 2-hidden-layer MLP on a teacher's labels with SGD + Nesterov momentum 0.9 and
+    the NQM's schedule (2 % warm-up, cosine to a tenth): a fresh minibatch stream per seed, fixed
+    val and test sets from their own stream."""
+
+    def __init__(self, lr: float, steps: int, seed: int, evidence: EvidenceController | None, act: bool) -> None:
+        self.teacher = mlp_teacher()
+        held = torch.Generator().manual_seed(777)
+        self.val, self.test = mlp_draw(self.teacher, MLP_HELD, held), mlp_draw(self.teacher, MLP_HELD, held)
+        self.gen = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+        self.model = torch.nn.Sequential(torch.nn.Linear(MLP_IN, MLP_HIDDEN), torch.nn.ReLU(),
+                                         torch.nn.Linear(MLP_HIDDEN, MLP_HIDDEN), torch.nn.ReLU(),
+                                         torch.nn.Linear(MLP_HIDDEN, MLP_CLASSES))
+        self.params = list(self.model.parameters())
+        self.opt = torch.optim.SGD(self.params, lr=lr, momentum=0.9, nesterov=True)
+        self.lr, self.steps, self.evidence, self.act = lr, steps, evidence, act
+        self.schedule = TASKS["nesterov"]
+        self.ref: torch.Tensor | None = None
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        return tuple(float(F.cross_entropy(self.model(x), y)) for x, y in (self.val, self.test))  # type: ignore[return-value]
+
+    def run(self, out: Run, budget: int, val_every: int) -> Run:
+        clock, step, scale = 0.0, 0, 1.0
+        snap: dict[str, Any] | None = None
+        ev = self.evidence
+        for executed in range(1, budget + 1):
+            t0 = time.process_time()
+            if ev is not None and ev.window_start(step):
+                self.ref = self.flat().clone()
+            x, y = mlp_draw(self.teacher, MLP_BATCH, self.gen)
+            self.opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(self.model(x), y)
+            loss.backward()
+            traj = None
+            if ev is not None and ev.reads(step + 1) and self.ref is not None:
+                g = torch.cat([p.grad.reshape(-1) for p in self.params if p.grad is not None])
+                d = self.flat() - self.ref
+                denom = float(g.norm() * d.norm())
+                traj = float(-(g @ d)) / denom if denom > 0 else 0.0
+            for group in self.opt.param_groups:
+                group["lr"] = self.lr * scale * self.schedule.lr_at(step, self.steps)
+            self.opt.step()
+            step += 1
+            if ev is not None:
+                action = ev.observe(step, float(loss.detach()), traj)
+                if action is not None and self.act:
+                    out.decisions.append(describe(action))
+                    if action.kind == "move":
+                        snap = {"model": copy.deepcopy(self.model.state_dict()),
+                                "opt": copy.deepcopy(self.opt.state_dict()), "step": step}
+                    elif action.kind == "restore" and snap is not None:
+                        self.model.load_state_dict(snap["model"])
+                        self.opt.load_state_dict(snap["opt"])
+                        step = snap["step"]
+                    if action.kind != "move":
+                        snap = None
+                    scale = action.lr_scale
+            clock += time.process_time() - t0  # evaluation below is off the clock
+            if executed % val_every == 0 or step == self.steps or executed == budget:
+                val, test = self.evaluate()
+                out.curve.append((clock, step, val, test))
+                if step == self.steps and math.isnan(out.final_val):
+                    out.final_val, out.final_test = val, test
+                if not math.isfinite(val):
+                    break
+        out.executed, out.clock, out.final_lr_scale = executed, clock, scale
+        if math.isnan(out.final_val) and out.curve:
+            out.final_val, out.final_test = out.curve[-1][2], out.curve[-1][3]
+        return out
+
+
 # --- worker side: one spec = one run -------------------------------------------------------------
 _CORPUS: Corpus | None = None
 
@@ -383,10 +499,16 @@ def run_spec(spec: Spec) -> Run:
         out.final_lr_scale = r.final_lr_scale
         out.decisions = [describe(a) for a in r.actions]
         return out
+    if spec.task == "mlp_nesterov":
+        torch.set_num_threads(1)
+        ev = EvidenceController(spec.schedule, preset("sgd")) if spec.arm in ("evidence", "null") else None
+        return MLPLoop(MLP_GOOD_LR * spec.mult, spec.schedule, spec.seed, ev, spec.arm == "evidence").run(
+            out, spec.budget, spec.val_every)
     corpus = _corpus(spec.cache)
     cfg = make_cfg(spec.schedule, DEFAULT_LR * spec.mult, spec.seed, spec.cache)
     kw: dict[str, Any] = {}
     if spec.arm in ("evidence", "null"):
+        # What the agent ships (EvidenceConfig()), not the NQM-fitted adam preset: docs/controller.md.
         kw["evidence"] = EvidenceController(spec.schedule, EvidenceConfig(min_window=spec.min_window))
         kw["act"] = spec.arm == "evidence"
     if spec.rule:
@@ -540,19 +662,66 @@ def print_signals(seeds: int) -> None:
             print(f"{'':12s}{frac:>5.0%}" + "".join(f"{cell['fires_' + k]:+8.2f}" for k in MULTIPLIERS))
 
 
+def print_fit() -> None:
+    """The two grids the adam preset was chosen from, in order: the too-low test (threshold, first
+    raise), then the too-high threshold at the chosen too-low test."""
+    low = [EvidenceConfig(low_threshold=th, low_start=st) for th in (0.2, 0.3, 0.35, 0.4) for st in (0.0, 0.15, 0.2, 0.25)]
+    high = [replace(preset("adam"), high_threshold=th) for th in (-0.12, -0.1, -0.08, -0.06, -0.04)]
+    print(f"Adam calibration NQM (dims {ADAM_CAL.dims}, noise {ADAM_CAL.noise}), seeds {CAL_SEEDS.start}-"
+          f"{CAL_SEEDS.stop - 1}: silence, harm and final loss at the good LR, rescue ratios")
+    for configs, starts in ((low, ("low30", "low10", "low3")), (high, ("high3", "high10", "high30"))):
+        print(f"{'low_threshold':>14s}{'low_start':>10s}{'high_thr':>9s}{'silent':>8s}{'harm':>7s}{'final':>7s}  "
+              f"rescue {' / '.join(starts)}", flush=True)
+        for r in fit_grid(ADAM_CAL, CAL_SEEDS, configs, starts):
+            c = r.config
+            print(f"{c.low_threshold:14.2f}{c.low_start:10.2f}{c.high_threshold:9.2f}{r.silent:5d}/{len(CAL_SEEDS)}"
+                  f"{r.harm:7.3f}{r.final:7.3f}  " + " / ".join(f"{v:.3f}" for v in r.rescue.values()), flush=True)
+
+
+def print_probes(seeds: int) -> None:
+    cfg = ProbeConfig()
+    print(f"Branch probes (budget {cfg.budget:.0%} of the run, LR/{cfg.factor:g} against the LR, paired on a fixed "
+          f"evaluation batch, keep LR/{cfg.factor:g} when better by > {cfg.z:g} SE): fraction of {seeds} seeds that lower")
+    print(f"{'steps':>6s}{'at':>5s} {'task':9s}" + "".join(f"{k:>8s}" for k in MULTIPLIERS))
+    for steps in (1000, 2000, 5000):
+        for at in (0.1, 0.2, 0.4):
+            for name, task in TASKS.items():
+                row = probe_table(task, seeds, steps, at, cfg)
+                cells = "  off: the budget does not cover a branch" if row is None else "".join(
+                    f"{row[k]:8.2f}" for k in MULTIPLIERS)
+                print(f"{steps:6d}{at:5.0%} {name:9s}{cells}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run (< 2 min): few seeds, a short gpt")
     ap.add_argument("--seeds", type=int, default=None, help="NQM seeds (default 20; quick 3, 600-step runs)")
     ap.add_argument("--gpt-seeds", type=int, default=None, help="gpt seeds (default 10; quick 1)")
+    ap.add_argument("--mlp-seeds", type=int, default=None, help="mlp_nesterov seeds (default 10; quick 1)")
+    ap.add_argument("--mlp-sweep", action="store_true", help="print mlp_nesterov's final val loss by base LR and exit")
     ap.add_argument("--steps", type=int, default=None, help="gpt schedule length in steps (default 1000; quick 40)")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes")
-    ap.add_argument("--tasks", default="nqm_adam,nqm_nesterov,gpt")
+    ap.add_argument("--tasks", default="nqm_adam,nqm_nesterov,mlp_nesterov,gpt")
     ap.add_argument("--out", default="", help="JSON file for the per-seed results (default: a temp file)")
     ap.add_argument("--signals", action="store_true", help="print the NQM signal ROC and exit")
+    ap.add_argument("--fit", action="store_true", help="print the adam preset's calibration grid and exit")
+    ap.add_argument("--probes", action="store_true", help="print the NQM branch probes' decisions and exit")
     args = ap.parse_args()
     if args.signals:
         print_signals(args.seeds or 20)
+        return 0
+    if args.fit:
+        print_fit()
+        return 0
+    if args.probes:
+        print_probes(args.seeds or 20)
+        return 0
+    if args.mlp_sweep:
+        for lr in (0.01, 0.03, 0.1, 0.3, 1.0):
+            ends = [run_spec(Spec("mlp_nesterov", "none", "", lr / MLP_GOOD_LR, s, 1000, 1000, 1000)).final_val
+                    for s in range(args.mlp_seeds or 3)]
+            print(f"mlp_nesterov base LR {lr:g}: final val loss, median of {len(ends)} seeds, "
+                  f"{statistics.median(ends):.4f}", flush=True)
         return 0
     tasks = [t for t in args.tasks.split(",") if t]
     plans = []
@@ -560,6 +729,9 @@ def main() -> int:
         if t.startswith("nqm_"):
             plans.append(Plan(t, args.seeds or (3 if args.quick else 20), 600 if args.quick else 1000,
                               list(MULTIPLIERS), 1))
+        elif t == "mlp_nesterov":
+            starts = ["low10", "good", "high10"] if args.quick else list(MULTIPLIERS)
+            plans.append(Plan(t, args.mlp_seeds or (1 if args.quick else 10), 100 if args.quick else 1000, starts, 10))
         elif t == "gpt":
             steps = args.steps or (40 if args.quick else 1000)
             starts = ["low10", "good", "high10"] if args.quick else list(MULTIPLIERS)

@@ -11,8 +11,9 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController
+from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController, preset
 from trainguard.agent.controller.nqm import NQM, NQMTask
+from trainguard.agent.controller.probe import ProbeConfig, ProbeResult, compare
 
 MULTIPLIERS: dict[str, float] = {"low30": 1 / 30, "low10": 1 / 10, "low3": 1 / 3, "good": 1.0,
                                  "high3": 3.0, "high10": 10.0, "high30": 30.0}
@@ -39,9 +40,10 @@ class NQMRun:
 def run_nqm(task: NQMTask, mult: float, seed: int, steps: int, *, control: bool,
             config: EvidenceConfig | None = None, budget: int | None = None) -> NQMRun:
     """One run from ``mult`` x the task's good LR: ``steps`` planned, ``budget`` executed at most
-    (default 1.5 x steps, the schedule's floor LR after its end), controlled or not."""
+    (default 1.5 x steps, the schedule's floor LR after its end), controlled (by default with the
+    preset of the task's optimizer family) or not."""
     model = NQM(task, task.good_lr * mult, steps, seed)
-    ctl = EvidenceController(steps, config or EvidenceConfig()) if control else None
+    ctl = EvidenceController(steps, config or preset(task.family)) if control else None
     out = NQMRun()
     snap = None
     for _ in range(budget or int(1.5 * steps)):
@@ -141,4 +143,84 @@ def signal_roc(task: NQMTask, seeds: int = 20, steps: int = 1000, at: tuple[floa
                     cell[f"fires_{name}"] = statistics.fmean(
                         (v > cfg.low_threshold) - (v < cfg.high_threshold) for v in vals)
             out[sig][f] = cell
+    return out
+
+
+def _ratio(num: float, den: float) -> float:
+    """Time ratio none / controller: 0 when the controller never reaches the target."""
+    return 0.0 if math.isinf(den) else num / den
+
+
+@dataclass(frozen=True)
+class FitRow:
+    config: EvidenceConfig
+    silent: int
+    """Seeds without a move at the good LR."""
+    harm: float
+    final: float
+    rescue: dict[str, float]
+    """Median none-at-good / controller time to target, per too-low start."""
+
+
+def fit_grid(task: NQMTask, seeds: range, configs: list[EvidenceConfig], starts: tuple[str, ...],
+             steps: int = 1000) -> list[FitRow]:
+    """Candidate configs on a calibration task: silence and harm at the good LR and rescue from
+    ``starts`` (the bench's target, 75 % of none's schedule at the good LR, and its ratios)."""
+    base = [run_nqm(task, 1.0, s, steps, control=False) for s in seeds]
+    target = statistics.median(r.losses[int(0.75 * steps) - 1] for r in base)
+    none_time = [r.to_target(target) for r in base]
+    rows = []
+    for cfg in configs:
+        good = [run_nqm(task, 1.0, s, steps, control=True, config=cfg) for s in seeds]
+        rescue = {}
+        for name in starts:
+            runs = [run_nqm(task, MULTIPLIERS[name], s, steps, control=True, config=cfg) for s in seeds]
+            rescue[name] = statistics.median(_ratio(t, r.to_target(target)) for t, r in zip(none_time, runs, strict=True))
+        rows.append(FitRow(
+            cfg, sum(r.moves == 0 for r in good),
+            statistics.median(_ratio(t, r.to_target(target)) for t, r in zip(none_time, good, strict=True)),
+            statistics.median(r.final_loss / b.final_loss for r, b in zip(good, base, strict=True)), rescue))
+    return rows
+
+
+PROBE_EVAL = 64
+"""Samples in the fixed evaluation batch a probe compares its branches' end points on."""
+
+
+def probe_nqm(task: NQMTask, mult: float, seed: int, steps: int, at: float,
+              config: ProbeConfig | None = None, evaluate: bool = True) -> ProbeResult | None:
+    """One branch probe on an uncontrolled run from ``mult`` x the good LR, at fraction ``at`` of
+    its ``steps``, compared on a fixed evaluation batch (``evaluate``) or on the cooldown's
+    minibatch losses (None: the probe's budget does not cover a branch at this length)."""
+    cfg = config or ProbeConfig()
+    scales = cfg.scales(steps)
+    if not scales:
+        return None
+    model = NQM(task, task.good_lr * mult, steps, seed)
+    for _ in range(round(at * steps)):
+        model.step()
+    snap = model.snapshot(data=True)
+    held = model.eval_batch(PROBE_EVAL, seed + 1_000_000)
+    tail = max(2, (len(scales) - int(len(scales) * (1 - cfg.cooldown))) // 2)
+    branches = []
+    for scale in (1.0, 1 / cfg.factor):
+        model.restore(snap)
+        losses = []
+        for s in scales:
+            model.lr_scale = scale * s
+            losses.append(model.step().loss)
+        branches.append(model.eval_losses(held) if evaluate else losses[-tail:])
+    return compare(cfg, branches[0], branches[1])
+
+
+def probe_table(task: NQMTask, seeds: int, steps: int, at: float = 0.2,
+                config: ProbeConfig | None = None, evaluate: bool = True) -> dict[str, float] | None:
+    """Per start: the fraction of seeds in which a probe at ``at`` of the run picks LR / factor
+    (None: probes are off at this length)."""
+    out = {}
+    for name, mult in MULTIPLIERS.items():
+        results = [probe_nqm(task, mult, s, steps, at, config, evaluate) for s in range(seeds)]
+        if results[0] is None:
+            return None
+        out[name] = statistics.fmean(r.lower for r in results if r is not None)
     return out

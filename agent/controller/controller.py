@@ -204,6 +204,8 @@ class Controller:
     def __init__(self, config: ControllerConfig, *, strategy_factory: StrategyFactory | None = None,
                  evidence: EvidenceConfig | None = None) -> None:
         self.config = config
+        # The sgd preset's thresholds, though the embedded trainer runs AdamW: the adam preset's
+        # too-high threshold would fire at the GPT's default LR (docs/controller.md).
         self.evidence_config = evidence or EvidenceConfig()
         """strategy evidence: its pre-registered tests (the shipped ones unless a caller passes others)."""
         self.strategy_factory = strategy_factory or make_strategy

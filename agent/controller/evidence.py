@@ -4,8 +4,8 @@ It reads one figure per step besides the loss: the trajectory cosine ``cos(g_t, 
 theta_ref))`` with theta_ref the parameters at the start of the current window (Mechanic-style).
 While the LR is too low the gradient keeps pointing further along the way travelled (the mean is
 clearly positive); once it is too high the iterate bounces in the noise and the gradient points
-back (clearly negative). Thresholds are pre-registered (``EvidenceConfig``), chosen on the NQM's
-nesterov task and checked on its adam task (docs/controller.md has the ROC of every candidate).
+back (clearly negative). Thresholds are pre-registered per optimizer family (``PRESETS``), chosen
+on calibration tasks and checked on the bench's (docs/controller.md has the ROC of every candidate).
 
 A test fires when a window's mean (over its second half, where the reference is old enough)
 crosses a threshold for ``confirm`` windows in a row. Then, and only then:
@@ -35,6 +35,9 @@ class EvidenceConfig:
     min_window: int = 8
     start: float = 0.10
     """No decision before this fraction of the planned run (the warm-up and the first transient)."""
+    low_start: float = 0.0
+    """No raise before this fraction (0: ``start``). Early in an Adam run the LR that is best for the
+    whole schedule is too low locally, and its trajectory cosine reads like SGD's at a 3x-low LR."""
     stop: float = 0.50
     """No new move after this fraction (the schedule's decay owns the end of the run)."""
     high_threshold: float = -0.12
@@ -59,6 +62,7 @@ class EvidenceConfig:
             (0 < self.window <= 0.25, "window", "must be in (0, 0.25]"),
             (self.min_window >= 4, "min_window", "must be >= 4"),
             (0 <= self.start < self.stop <= 1, "stop", "must satisfy 0 <= start < stop <= 1"),
+            (0 <= self.low_start < self.stop, "low_start", "must be in [0, stop)"),
             (self.high_threshold < 0 < self.low_threshold, "low_threshold", "must be > 0 > high_threshold"),
             (self.confirm >= 1, "confirm", "must be >= 1"),
             (0 <= self.low_persist <= 1, "low_persist", "must be in [0, 1]"),
@@ -69,6 +73,23 @@ class EvidenceConfig:
         for ok, name, msg in checks:
             if not ok:
                 raise ValueError(f"evidence.{name}: {msg}")
+
+
+PRESETS: dict[str, EvidenceConfig] = {
+    "sgd": EvidenceConfig(),
+    "adam": EvidenceConfig(low_start=0.2, high_threshold=-0.06),
+}
+"""Pre-registered configs by optimizer family. sgd's thresholds were chosen on the NQM's nesterov
+task; adam's ``low_start`` and ``high_threshold`` on a calibration NQM (``nqm.ADAM_CAL``, its own
+seeds), not on the bench's adam task (docs/controller.md)."""
+
+
+def preset(family: str) -> EvidenceConfig:
+    """The pre-registered config for an optimizer family ("sgd", "adam")."""
+    try:
+        return PRESETS[family]
+    except KeyError:
+        raise ValueError(f"evidence: unknown optimizer family {family!r} (one of {', '.join(PRESETS)})") from None
 
 
 @dataclass(frozen=True)
@@ -133,6 +154,7 @@ class EvidenceController:
         c = self.config
         self.window = max(c.min_window, round(c.window * self.steps))
         self._start = max(2 * self.window, round(c.start * self.steps))
+        self._low_start = max(self._start, round(c.low_start * self.steps))
         self._stop = round(c.stop * self.steps)
         self._points: list[tuple[int, float]] = []
         """(step, loss) under the current setting since it was last changed (the forecast's data)."""
@@ -174,6 +196,9 @@ class EvidenceController:
             self._streak = direction if action.kind == "keep" and direction == trial.direction else 0
             return action
         if not self._start <= step <= self._stop or direction == 0 or direction in self.closed:
+            self._streak = 0
+            return None
+        if direction > 0 and step < self._low_start:
             self._streak = 0
             return None
         prev, self._last_mean = self._last_mean, mean

@@ -18,6 +18,7 @@ can report: the minibatch loss, the gradient norm, and the candidate LR-too-high
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -47,9 +48,19 @@ class NQMTask:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
 
 
+    @property
+    def family(self) -> str:
+        """The optimizer family whose evidence preset applies (evidence.PRESETS)."""
+        return "adam" if self.optimizer == "adam" else "sgd"
+
+
 ADAM = NQMTask("adam", good_lr=0.014)
 NESTEROV = NQMTask("nesterov", good_lr=0.028)
 TASKS = {"adam": ADAM, "nesterov": NESTEROV}
+ADAM_CAL = NQMTask("adam", dims=32, noise=0.5, good_lr=0.014)
+"""The Adam calibration task: another NQM instance (half the dimensions, more noise), on which the
+adam preset is fitted at seeds ``CAL_SEEDS``, so that the bench's adam task stays a check."""
+CAL_SEEDS = range(100, 112)
 
 
 @dataclass(frozen=True)
@@ -98,14 +109,30 @@ class NQM:
         with np.errstate(all="ignore"):
             return float(0.5 * np.dot(self.h, self.theta ** 2))
 
+    def eval_losses(self, samples: np.ndarray) -> list[float]:
+        """The loss of each row of ``samples`` (fixed draws of xi): a held-out evaluation batch."""
+        with np.errstate(all="ignore"):
+            return [float(v) for v in 0.5 * ((self.theta - samples) ** 2 @ self.h)]
+
+    def eval_batch(self, n: int, seed: int) -> np.ndarray:
+        """``n`` draws of xi from their own stream (not the training one)."""
+        rng = np.random.default_rng(seed)
+        return rng.standard_normal((n, self.task.dims)) * self.task.noise / np.sqrt(self.h)
+
     def set_ref(self) -> None:
         self.ref = self.theta.copy()
 
-    def snapshot(self) -> dict[str, Any]:
-        return {"theta": self.theta.copy(), "m": self.m.copy(), "v": self.v.copy(), "step": self.step_no,
+    def snapshot(self, data: bool = False) -> dict[str, Any]:
+        """The state; with ``data`` the data stream's position too (a branch probe replays it)."""
+        snap = {"theta": self.theta.copy(), "m": self.m.copy(), "v": self.v.copy(), "step": self.step_no,
                 "u": self.last_update.copy(), "g": self.last_grad.copy(), "ref": self.ref.copy()}
+        if data:
+            snap["rng"] = copy.deepcopy(self.rng.bit_generator.state)
+        return snap
 
     def restore(self, snap: dict[str, Any]) -> None:
+        if "rng" in snap:
+            self.rng.bit_generator.state = copy.deepcopy(snap["rng"])
         self.theta, self.m, self.v = snap["theta"].copy(), snap["m"].copy(), snap["v"].copy()
         self.step_no = snap["step"]
         self.last_update, self.last_grad, self.ref = snap["u"].copy(), snap["g"].copy(), snap["ref"].copy()
