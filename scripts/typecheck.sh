@@ -5,6 +5,7 @@
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 mypy="${MYPY:-$repo/.venv/bin/mypy}"
+case "$mypy" in /*) ;; *) mypy="$PWD/$mypy" ;; esac  # the checks run from the link tree
 tree="$(mktemp -d)"
 trap 'rm -rf "$tree"' EXIT
 mkdir "$tree/trainguard"
