@@ -54,9 +54,10 @@ from trainguard.agent.heal.rollback import Rollback
 from trainguard.agent.health import ThreadHealth, Watch
 from trainguard.agent.lifecycle.cgroups import CgroupError, JobCgroups
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
+from trainguard.agent.lifecycle.launcher import Launcher
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.rankenv import RankUser, RankUserError
+from trainguard.agent.lifecycle.ranks import LaunchContext
 from trainguard.agent.lifecycle.records import RecordStore
 from trainguard.agent.lifecycle.supervisor import Supervisor
 from trainguard.agent.lifecycle.units import under_systemd

@@ -477,7 +477,7 @@ class GangCoordinator:
     def _start_block(self, rec: JobRecordDoc, g: Gang, mine: tuple[int, int, int]) -> None:
         assert self.supervisor is not None
         from trainguard.agent.lifecycle.jobs import JobSpec
-        from trainguard.agent.lifecycle.launcher import RankBlock
+        from trainguard.agent.lifecycle.ranks import RankBlock
 
         job = rec.job
         group, offset, nproc = mine

@@ -21,7 +21,7 @@ from trainguard.agent.checkpoint.local import LocalDirTier
 from trainguard.agent.checkpoint.manager import CheckpointManager
 from trainguard.agent.checkpoint.snapshots import SnapshotSet
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.agent.lifecycle.launcher import RankBlock
+from trainguard.agent.lifecycle.ranks import RankBlock
 
 _INTS = ("rank_offset", "nproc", "world_size", "master_port", "group_rank", "attempt")
 

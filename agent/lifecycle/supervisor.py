@@ -23,8 +23,9 @@ from trainguard.agent.collectors.base import TrackedProcess
 from trainguard.agent.detect.peerdiag import diagnose, read_tail
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState, check_transition
-from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher, RankBlock, RankProcess
+from trainguard.agent.lifecycle.launcher import Launcher
 from trainguard.agent.lifecycle.plans import PlanStore
+from trainguard.agent.lifecycle.ranks import LaunchContext, RankBlock, RankProcess
 from trainguard.agent.lifecycle.records import AdoptedProcess, RecordStore, SavedJob
 from trainguard.agent.lifecycle.zygote_client import ZygoteChild
 from trainguard.agent.wire import process_start_ticks

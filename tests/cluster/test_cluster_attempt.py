@@ -13,8 +13,9 @@ from types import SimpleNamespace
 from trainguard.agent.cluster.netif import interface_for, socket_ifname
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
-from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher, RankBlock, free_port
+from trainguard.agent.lifecycle.launcher import Launcher, free_port
 from trainguard.agent.lifecycle.plans import PlanStore
+from trainguard.agent.lifecycle.ranks import LaunchContext, RankBlock
 from trainguard.agent.lifecycle.supervisor import Supervisor
 from trainguard.run.environment import RunEnvironment, plan_prefix
 

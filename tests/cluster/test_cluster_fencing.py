@@ -23,8 +23,9 @@ from trainguard.agent.cluster.service import ClusterService
 from trainguard.agent.cluster.signing import load_key
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
-from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher, RankBlock, free_port
+from trainguard.agent.lifecycle.launcher import Launcher, free_port
 from trainguard.agent.lifecycle.plans import PlanStore
+from trainguard.agent.lifecycle.ranks import LaunchContext, RankBlock
 from trainguard.agent.lifecycle.supervisor import Supervisor
 
 

@@ -14,8 +14,9 @@ from tests.helpers.waiting import wait_for
 from trainguard.agent.detect.peerdiag import TAIL_BYTES, diagnose, read_tail
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
-from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
+from trainguard.agent.lifecycle.launcher import Launcher
 from trainguard.agent.lifecycle.plans import PlanStore
+from trainguard.agent.lifecycle.ranks import LaunchContext
 from trainguard.agent.lifecycle.supervisor import Supervisor
 
 NODES = {"10.0.0.11": "node-a", "10.0.0.12": "node-b", "node-c": "node-c"}

@@ -13,8 +13,9 @@ import pytest
 from tests.helpers.waiting import wait_for
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
-from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
+from trainguard.agent.lifecycle.launcher import Launcher
 from trainguard.agent.lifecycle.plans import PlanStore
+from trainguard.agent.lifecycle.ranks import LaunchContext
 from trainguard.agent.lifecycle.records import RecordStore
 from trainguard.agent.lifecycle.supervisor import Supervisor
 

@@ -22,7 +22,7 @@ from trainguard.agent.config import AgentConfig, apply_state_dir
 from trainguard.agent.daemon import Agent
 from trainguard.agent.heal.gpu_faults import GpuFaults, failure_reason
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.agent.lifecycle.launcher import visible_gpus
+from trainguard.agent.lifecycle.ranks import visible_gpus
 
 
 def test_which_gpu_events_mean_the_gpu_is_unusable() -> None:

@@ -13,7 +13,7 @@ from trainguard.agent.config import AgentConfig
 from trainguard.agent.heal.counts import ActionCounts
 from trainguard.agent.heal.rollback import Rollback
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
-from trainguard.agent.lifecycle.launcher import RankBlock
+from trainguard.agent.lifecycle.ranks import RankBlock
 from trainguard.agent.lifecycle.supervisor import JobRecord
 from trainguard.agent.recovery.service import RecoveryService
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
+from trainguard.agent.lifecycle.launcher import Launcher
 from trainguard.agent.lifecycle.plans import PlanStore
+from trainguard.agent.lifecycle.ranks import LaunchContext
 from trainguard.agent.lifecycle.records import RankRecord, SavedJob
 from trainguard.agent.lifecycle.supervisor import Supervisor
 

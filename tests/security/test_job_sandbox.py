@@ -18,7 +18,8 @@ import pytest
 from trainguard.agent.api.client import ApiClientError
 from trainguard.agent.lifecycle.cgroups import JobCgroups
 from trainguard.agent.lifecycle.jobs import JobSpec, JobSpecError
-from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
+from trainguard.agent.lifecycle.launcher import Launcher
+from trainguard.agent.lifecycle.ranks import LaunchContext
 from trainguard.agent.lifecycle.units import (
     RANK_SANDBOX,
     env_file_text,

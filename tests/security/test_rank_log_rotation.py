@@ -10,8 +10,9 @@ import pytest
 
 from trainguard.agent.config import ConfigError, config_from_dict
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher
+from trainguard.agent.lifecycle.launcher import Launcher
 from trainguard.agent.lifecycle.ranklogs import RankLogRotator, rotate
+from trainguard.agent.lifecycle.ranks import LaunchContext
 
 CHATTY = """\
 import sys, time

@@ -19,7 +19,8 @@ import pytest
 
 from trainguard.agent.lifecycle.cgroups import CgroupError, JobCgroups
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.agent.lifecycle.launcher import LaunchContext, Launcher, RankProcess
+from trainguard.agent.lifecycle.launcher import Launcher
+from trainguard.agent.lifecycle.ranks import LaunchContext, RankProcess
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                                 reason="dropping to another user needs root and setpriv")

@@ -32,7 +32,7 @@ from typing import Any, TextIO
 
 from trainguard.agent.cluster.netif import interface_for
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.agent.lifecycle.launcher import RankBlock
+from trainguard.agent.lifecycle.ranks import RankBlock
 from trainguard.launch.forward import SignalQueue
 from trainguard.launch.forward import name as forwarded_name
 from trainguard.launch.noderanks import AgentRanks, ChildRanks, Ranks

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from trainguard.agent.api.client import ApiClientError
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.agent.lifecycle.launcher import RankBlock
+from trainguard.agent.lifecycle.ranks import RankBlock
 from trainguard.launch.resumepoint import Holdings
 from trainguard.launch.runcmd import NOTABLE, OutputFollower, job_spec
 from trainguard.launch.standalone import LocalRanks

@@ -3,7 +3,7 @@ ranks print (each line prefixed with its rank, as torchrun's ``--tee`` logs are)
 agent did (restarts, hangs), and exit with the job's exit code.
 
 The job runs the command unchanged in the caller's working directory and environment, with
-torchrun's variables set per rank (``agent.launcher.torchrun_env``). The agent restarts the whole
+torchrun's variables set per rank (``agent.lifecycle.ranks.torchrun_env``). The agent restarts the whole
 job when a rank dies, up to ``--max-restarts`` restarts without progress, and keeps every rank's
 output in ``<state>/jobs/<job>/rank<N>.log``. Ctrl-C stops the job.
 

@@ -20,7 +20,8 @@ import uuid
 from typing import IO, TextIO
 
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.agent.lifecycle.launcher import SOCKET_IFNAME_VARS, RankBlock, free_port, torchrun_env
+from trainguard.agent.lifecycle.launcher import free_port
+from trainguard.agent.lifecycle.ranks import SOCKET_IFNAME_VARS, RankBlock, torchrun_env
 from trainguard.launch.forward import SignalQueue
 from trainguard.launch.forward import name as forwarded_name
 from trainguard.launch.runcmd import Terminated, prefixed, raise_terminated
