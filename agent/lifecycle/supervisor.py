@@ -8,27 +8,26 @@ shrink) is decided by the ``recovery`` policy hook, which later healing code rep
 
 from __future__ import annotations
 
-import functools
 import os
 import select
 import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard.agent import health
 from trainguard.agent.collectors.base import TrackedProcess
 from trainguard.agent.detect.peerdiag import diagnose, read_tail
 from trainguard.agent.eventlog import EventLog
+from trainguard.agent.lifecycle import adoption
+from trainguard.agent.lifecycle.jobrecord import JobRecord, launch_attempt
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState, check_transition
 from trainguard.agent.lifecycle.launcher import Launcher
 from trainguard.agent.lifecycle.plans import PlanStore
 from trainguard.agent.lifecycle.ranks import LaunchContext, RankBlock, RankProcess
 from trainguard.agent.lifecycle.records import AdoptedProcess, RecordStore, SavedJob
 from trainguard.agent.lifecycle.zygote_client import ZygoteChild
-from trainguard.agent.wire import process_start_ticks
 
 
 def _set_logs_aside(log_dir: str) -> None:
@@ -43,100 +42,6 @@ def _set_logs_aside(log_dir: str) -> None:
                 os.replace(os.path.join(log_dir, name), os.path.join(log_dir, name + ".1"))
             except OSError:
                 pass  # a log that cannot be moved is appended to, as before
-
-
-@dataclass
-class JobRecord:
-    spec: JobSpec
-    state: JobState = JobState.STARTING
-    attempt: int = 0
-    ranks: list[RankProcess] = field(default_factory=list)
-    submitted: float = field(default_factory=time.time)
-    restarts: int = 0
-    restarts_without_progress: int = 0
-    progress_step: int = -1
-    """Highest step any rank reported (telemetry), for the crash-loop guard."""
-    step_at_last_restart: int = -1
-    reason: str = ""
-    exit_codes: dict[int, int | None] = field(default_factory=dict)
-    failure_code: int | None = None
-    """Exit status of the rank whose death caused the latest restart (128 + N for signal N)."""
-    finished_at: float | None = None
-    """When the job reached a final state (for the retention of finished jobs)."""
-    restore_max_step: int | None = None
-    """For a rollback: restore the newest checkpoint at or before this step (None: the newest)."""
-    restored_from: dict[str, Any] | None = None
-    """The checkpoint the current attempt was started from (tier, step, path)."""
-    block: RankBlock | None = None
-    """This node's ranks of a job that spans nodes (None: every rank runs here)."""
-    on_failure: Callable[[str, str], None] | None = None
-    """Set for a job that spans nodes: a failure is reported here (``(job, cause)``) and the local
-    ranks are stopped; the cluster leader restarts every node's ranks together."""
-
-    @property
-    def job(self) -> str:
-        return self.spec.job
-
-    @property
-    def exit_code(self) -> int | None:
-        """The job's exit status as a launcher reports it: 0 when it succeeded, the failing rank's
-        status when it failed (1 when it failed for another reason), 1 when it was stopped, None
-        while it runs."""
-        if not self.state.finished:
-            return None
-        if self.state == JobState.SUCCEEDED:
-            return 0
-        if self.state == JobState.FAILED:
-            return self.failure_code or 1
-        return 1
-
-    @property
-    def decides_here(self) -> bool:
-        """Job-wide judgement (stragglers, controller) belongs to the node that holds rank 0: it
-        reads the plan and sees every rank's telemetry (the other nodes forward theirs)."""
-        return self.block is None or self.block.group_rank == 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "job": self.job,
-            "state": self.state.value,
-            "attempt": self.attempt,
-            "restarts": self.restarts,
-            "nproc": self.spec.nproc,
-            "nodes": self.spec.nodes,
-            "local_ranks": [self.block.rank_offset, self.block.rank_offset + self.block.nproc - 1] if self.block else None,
-            "progress_step": self.progress_step,
-            "reason": self.reason,
-            "exit_code": self.exit_code,
-            "submitted": self.submitted,
-            "ranks": [
-                {
-                    "rank": r.rank,
-                    "pid": r.pid,
-                    "alive": r.alive,
-                    "exit_code": r.exit_code,
-                    "exit_signal": r.exit_signal,
-                    "log": r.log_path,
-                }
-                for r in self.ranks
-            ],
-            "spec": self.spec.to_dict(),
-        }
-
-
-def launch_attempt(record: JobRecord) -> int:
-    """The attempt number the next start of ``record``'s ranks runs as. A node's share of a job
-    spanning nodes takes the cluster's attempt (every node's ranks scope their rendezvous and
-    store keys by it, and a node new to the job has no local count); a job of this node alone
-    counts its own starts."""
-    if record.block is not None and record.block.attempt > 0:
-        return record.block.attempt
-    return record.attempt + 1
-
-
-def _status_text(status: int) -> str:
-    """A Popen-convention status as the rank_exit event words it (-N: signal N)."""
-    return f"signal {-status}" if status < 0 else f"code {status}"
 
 
 PEER_EXIT_GRACE_S = 0.5
@@ -283,105 +188,8 @@ class Supervisor:
     def adopt(self, saved: list[SavedJob]) -> None:
         """Take over the jobs a previous agent on this state directory left running: reattach to
         their ranks when every one is still alive, else stop what is left and start the job again
-        (from its newest checkpoint, as any restart). Says which in an event per job."""
-        for old in saved:
-            if old.state in ("succeeded", "failed", "stopped") or old.spec.get("job") in self.jobs:
-                continue
-            job = str(old.spec.get("job"))
-            try:
-                spec = JobSpec.from_dict(old.spec)
-            except (ValueError, TypeError, KeyError) as exc:
-                self.events.emit("job_not_adopted", f"job {job}: its saved spec is unusable ({exc})",
-                                 severity="error", job=job, cause=str(exc))
-                continue
-            old = self._prove_unnamed_ranks(old, job)
-            alive = [r for r in old.ranks if r.alive()]
-            # Ranks that ended while no agent ran: their warm launcher outlives the agent, reaps them
-            # and records how they ended; only a rank whose end nobody recorded is lost to us.
-            ended = {r.rank: code for r in old.ranks if r not in alive and (code := r.recorded_status()) is not None}
-            gone = [r.rank for r in old.ranks if r not in alive and r.rank not in ended]
-            if old.spans_nodes:
-                self.events.emit("job_not_adopted", f"job {job} spans nodes: the cluster leader places it again",
-                                 severity="warning", job=job, pids=[r.pid for r in alive])
-                continue
-            record = JobRecord(spec, state=JobState.RUNNING, attempt=old.attempt, restarts=old.restarts,
-                               progress_step=old.progress_step, submitted=old.submitted, restored_from=old.restored_from)
-            record.step_at_last_restart = old.progress_step
-            with self._lock:
-                self.jobs[job] = record
-            self.plans.adopt(job)
-            if self.on_submit is not None:
-                self.on_submit(job)
-            if old.state == "running" and old.ranks and not gone and len(old.ranks) == spec.nproc:
-                # Every rank runs on or ended with a recorded status: the job goes on as if this agent
-                # had watched it all along (an ended rank's status is judged at the monitor's next look).
-                record.ranks = [RankProcess(r.rank, r.local_rank,
-                                            AdoptedProcess(r, functools.partial(self._adopted_status, record)),
-                                            self.launcher.clock(), r.log_path) for r in old.ranks]
-                self._index_ranks()
-                reattach = getattr(self.launcher, "reattach_cgroup", None)
-                if reattach is not None:
-                    reattach(spec)  # its usage counts on, and it is cleaned up when the job ends
-                self._persist(record)
-                meanwhile = (f"; {len(ended)} ended meanwhile ("
-                             + ", ".join(f"rank {k} with {_status_text(v)}" for k, v in sorted(ended.items()))
-                             + ")") if ended else ""
-                self.events.emit("job_adopted", f"job {job}: adopted its {len(alive)} running ranks "
-                                 f"(attempt {old.attempt}) from the previous agent{meanwhile}", severity="warning",
-                                 job=job, attempt=old.attempt, pids=[r.pid for r in alive], action="adopt",
-                                 ended={str(k): v for k, v in ended.items()})
-                self._ranks_changed()
-                os.write(self._wake_w, b"x")
-                continue
-            if old.state == "starting" and old.attempt == 0 and not old.ranks:
-                # Accepted, but the previous agent stopped before any rank started: start it now.
-                record.state = JobState.STARTING
-                self.events.emit("job_adopted", f"job {job}: submitted but not yet started when the previous "
-                                 "agent stopped; starting it now", severity="warning", job=job, attempt=0, pids=[],
-                                 action="start", ended={})
-                threading.Thread(target=self._launch_safely, args=(record,), name=f"launch-{job}", daemon=True).start()
-                continue
-            # Ranks ended while no agent watched (their exit status is lost), or the job was
-            # between attempts: the survivors cannot go on without them.
-            for r in alive:
-                try:
-                    os.killpg(r.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            record.state = JobState.RESTARTING
-            record.restarts += 1
-            self.restart_total += 1
-            why = (f"ranks {gone} ended while no agent ran" if gone else f"it was {old.state} when the agent stopped")
-            self.events.emit("job_restart", f"job {job}: the agent restarted and {why}: restarting all ranks "
-                             f"(attempt {old.attempt + 1}) from its newest checkpoint", severity="warning", job=job,
-                             cause=f"agent restart: {why}", action="restart_after_agent_restart",
-                             gone=gone, killed=[r.pid for r in alive])
-            threading.Thread(target=self._launch_safely, args=(record,), name=f"launch-{job}", daemon=True).start()
-
-    def _prove_unnamed_ranks(self, old: SavedJob, job: str) -> SavedJob:
-        """Ranks recorded without a start time are adopted (or killed) only when the launcher proves
-        their pid is the job's; a running pid it cannot prove is someone else's, left alone."""
-        owns = getattr(self.launcher, "owns_pid", None)
-        ranks = []
-        for r in old.ranks:
-            if r.start_ticks is None and process_start_ticks(r.pid) is not None:
-                proven = r.proven(functools.partial(owns, job)) if owns is not None else None
-                if proven is None:
-                    self.events.emit("pid_not_adopted", f"job {job}: rank {r.rank}'s recorded pid {r.pid} runs, but "
-                                     "nothing proves it is the rank (no start time recorded, not in the job's cgroup): "
-                                     "left alone", severity="warning", job=job, rank=r.rank, pid=r.pid,
-                                     cause="unproven pid")
-                    ranks.append(replace(r, pid=-1))  # the rank counts as ended; the pid is never signalled
-                    continue
-                r = proven
-            ranks.append(r)
-        return replace(old, ranks=ranks)
-
-    def _adopted_status(self, record: JobRecord) -> int:
-        """The exit status of an adopted rank when no exit event brought it: 0 when the job's
-        telemetry reached its last step (an embedded-trainer job says how many), else a failure."""
-        steps = (record.spec.trainer or {}).get("steps") if not record.spec.is_command else None
-        return 0 if isinstance(steps, int) and record.progress_step + 1 >= steps else 1
+        (``adoption.adopt``)."""
+        adoption.adopt(self, saved)
 
     def signal(self, job: str, signum: int, sender: str) -> int:
         """Forward ``signum`` (what a batch system sends ahead of a step's end) to the job's running

@@ -36,8 +36,9 @@ from trainguard.agent.detect.stacks import probe_all
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.heal.counts import ActionCounts
 from trainguard.agent.heal.rollback import Rollback
+from trainguard.agent.lifecycle.jobrecord import JobRecord
 from trainguard.agent.lifecycle.jobs import JobState
-from trainguard.agent.lifecycle.supervisor import JobRecord, Supervisor
+from trainguard.agent.lifecycle.supervisor import Supervisor
 from trainguard.agent.metricspec import MetricSpec
 from trainguard.agent.paths import agent_tag
 from trainguard.agent.ranktable import RankTable

@@ -12,9 +12,9 @@ from tests.helpers.events import EventRecorder
 from trainguard.agent.config import AgentConfig
 from trainguard.agent.heal.counts import ActionCounts
 from trainguard.agent.heal.rollback import Rollback
+from trainguard.agent.lifecycle.jobrecord import JobRecord
 from trainguard.agent.lifecycle.jobs import JobSpec, JobState
 from trainguard.agent.lifecycle.ranks import RankBlock
-from trainguard.agent.lifecycle.supervisor import JobRecord
 from trainguard.agent.recovery.service import RecoveryService
 
 
