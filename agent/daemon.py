@@ -7,6 +7,7 @@ reloads the config file. Under systemd it reports READY/STATUS/WATCHDOG/STOPPING
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -18,27 +19,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainguard.agent import __version__
+from trainguard.agent import __version__, daemon_events, daemon_health, daemon_parts, rankpids
 from trainguard.agent.agent_metrics import agent_metrics
-from trainguard.agent.api.auth import TokenFileError, read_client_token
 from trainguard.agent.api.config import ApiConfig
 from trainguard.agent.api.handler import ApiError
 from trainguard.agent.api.server import ApiServer
-from trainguard.agent.api.tls import TlsConfigError, TlsFiles, client_context, server_context
 from trainguard.agent.checkpoint import CheckpointManager
 from trainguard.agent.checkpoint.objectstore import ObjectScope
 from trainguard.agent.cluster.service import ClusterService
-from trainguard.agent.collectors.base import Collector, CollectorUnavailable, TrackedProcess
+from trainguard.agent.collectors.base import Collector, TrackedProcess
 from trainguard.agent.collectors.ebpf import EbpfCollector
-from trainguard.agent.collectors.gpu import GpuCollector, Nvml
-from trainguard.agent.collectors.host import HostCollector
+from trainguard.agent.collectors.gpu import GpuCollector
 from trainguard.agent.config import AgentConfig, ConfigError, load_config, parse_host_port
 from trainguard.agent.control import AgentControl
 from trainguard.agent.controller import Controller
 from trainguard.agent.controller import install as install_controller
 from trainguard.agent.detect import StragglerService
 from trainguard.agent.detect import install as install_stragglers
-from trainguard.agent.detect.activity import descends_from
 from trainguard.agent.eventlog import EventLog
 from trainguard.agent.exporter import (
     AgentExporter,
@@ -51,18 +48,15 @@ from trainguard.agent.heal.counts import ActionCounts
 from trainguard.agent.heal.exclusion import Exclusion
 from trainguard.agent.heal.gpu_faults import GpuFaults
 from trainguard.agent.heal.rollback import Rollback
-from trainguard.agent.health import ThreadHealth, Watch
-from trainguard.agent.lifecycle.cgroups import CgroupError, JobCgroups
+from trainguard.agent.health import Watch
 from trainguard.agent.lifecycle.jobs import JobSpec
-from trainguard.agent.lifecycle.launcher import Launcher
 from trainguard.agent.lifecycle.plans import PlanStore
-from trainguard.agent.lifecycle.rankenv import RankUser, RankUserError
+from trainguard.agent.lifecycle.rankenv import RankUser
 from trainguard.agent.lifecycle.ranks import LaunchContext
 from trainguard.agent.lifecycle.records import RecordStore
 from trainguard.agent.lifecycle.supervisor import Supervisor
-from trainguard.agent.lifecycle.units import under_systemd
 from trainguard.agent.metrics_http import MetricsServerLimits
-from trainguard.agent.paths import AgentPaths, agent_tag
+from trainguard.agent.paths import AgentPaths
 from trainguard.agent.privilege import FEATURE_OFF, features_off
 from trainguard.agent.ranktable import RankTable, RankTableConfig
 from trainguard.agent.recovery.service import RecoveryService, checkpoint_settings
@@ -70,11 +64,6 @@ from trainguard.agent.sdnotify import Notifier
 from trainguard.agent.telemetry import TelemetryServer
 
 log = logging.getLogger("trainguard.agent")
-EXTERNAL_SILENCE_S = 60.0
-"""A rank of a job this agent did not start stops being tracked after this long without a step."""
-
-REPLICATE_STALE_S = 1800.0
-"""A checkpoint replicator busy with one copy longer than this is stuck (an upload that hangs)."""
 
 # A main-loop step (collect, detect, act) runs after each interval; these hooks are where the
 # detectors and healers of later modules plug in. Each gets the agent and the current time.
@@ -108,8 +97,9 @@ class Agent:
 
         # --- the agent's own health and its reports ---------------------------------------------
         self.notifier = Notifier()
-        self.health = Watch(cfg.agent.heartbeat_stale_s, on_change=self._on_thread_health,
-                            on_errors=self._on_thread_errors)
+        self.health = Watch(cfg.agent.heartbeat_stale_s,
+                            on_change=functools.partial(daemon_events.on_thread_health, self),
+                            on_errors=functools.partial(daemon_events.on_thread_errors, self))
         """The long-lived threads whose heartbeats gate the systemd watchdog (agent.health)."""
         self.events: EventLog
         """The event log every part writes to (built first by ``start()``)."""
@@ -181,7 +171,7 @@ class Agent:
         """Build the parts declared in ``__init__`` that touch the system, in dependency order, and
         start their threads; the API answers last."""
         cfg = self.cfg
-        self.rank_user = self._rank_user()
+        self.rank_user = daemon_parts.rank_user(cfg)
         self.paths.ensure(ranks_traverse=self.rank_user is not None)
         self.events = EventLog(
             self.paths.events_dir, cfg.agent.node, max_bytes=cfg.eventlog.max_bytes, keep=cfg.eventlog.keep
@@ -197,18 +187,19 @@ class Agent:
             group=self.rank_user.gid if self.rank_user is not None else None,
         )
         self.plans = PlanStore(self.paths.plans_dir)
+        launcher, self.cgroups_reason = daemon_parts.make_launcher(cfg)
         self.supervisor = Supervisor(
             self.events,
             self.plans,
-            self._make_launcher(),
+            launcher,
             self._launch_context,
             stop_grace_s=cfg.launcher.stop_grace_s,
-            on_ranks_changed=self._ranks_changed,
+            on_ranks_changed=functools.partial(rankpids.ranks_changed, self),
             # Its own jobs' telemetry is kept even with telemetry.accept_unknown_jobs = false.
             on_submit=self._register_job,
             records=RecordStore(self.paths.jobs_dir),
         )
-        self.telemetry.sender_check = self._sender_ok
+        self.telemetry.sender_check = functools.partial(rankpids.sender_ok, self)
         self.telemetry.start()
         self._start_recovery()
         self._start_collectors()
@@ -224,7 +215,7 @@ class Agent:
             host, port = parse_host_port(cfg.metrics.addr)
             limits = MetricsServerLimits(max_connections=cfg.metrics.max_connections, timeout_s=cfg.metrics.timeout_s)
             self.metrics_server, self.metrics_port = serve_metrics(self.exporter.registry, host, port, limits=limits,
-                                                                    tls=self._metrics_tls())
+                                                                    tls=daemon_parts.metrics_tls(cfg))
             _write_whole(self.paths.metrics_addr_file, f"{host}:{self.metrics_port}\n")
         # Before the API answers: whoever sees the agent up finds them in the log.
         for feature, message in features_off(euid=os.geteuid(), ebpf_wanted=cfg.collectors.ebpf,
@@ -232,7 +223,7 @@ class Agent:
                                              cgroups_reason=self.cgroups_reason):
             self.events.emit(FEATURE_OFF, message, feature=feature)
         self._start_api()
-        self._watch_threads()
+        daemon_health.watch_threads(self)
         with open(self.paths.pid_file, "w") as fh:
             fh.write(f"{os.getpid()}\n")
         self._write_discovery()
@@ -248,38 +239,7 @@ class Agent:
             self.events.emit("ranks_run_as_root", "ranks run as root without capabilities: no launcher.user is "
                              "set, so submitting a job is root-equivalent (set launcher.user to run them as a user)",
                              severity="warning", cause="launcher.user unset")
-        self.notifier.ready(self._status_line())
-
-    def _rank_user(self) -> RankUser | None:
-        """``launcher.user`` looked up (None: unset). Refused with a ConfigError naming the key: an
-        unknown user, uid 0, or a user whose group is the control socket's (the agent's own group),
-        since the telemetry socket is given to that group and the ranks must never reach the
-        control API through it."""
-        name = self.cfg.launcher.user
-        if not name:
-            return None
-        try:
-            user = RankUser.lookup(name)
-        except RankUserError as exc:
-            raise ConfigError("launcher.user", str(exc).split(": ", 1)[-1]) from None
-        if user.uid == 0:
-            raise ConfigError("launcher.user", f"{name!r} has uid 0: ranks would run as root")
-        if user.gid == os.getegid():
-            raise ConfigError("launcher.user", f"{name!r} has group {user.gid}, the control socket's group (the "
-                                               "agent's): its ranks could drive the agent; choose a user of another group")
-        return user
-
-    def _metrics_tls(self) -> Any:
-        """The /metrics server's TLS context (None: plain HTTP); a bad file is a ConfigError naming its key."""
-        m = self.cfg.metrics
-        files = TlsFiles(m.tls_cert, m.tls_key, m.tls_ca, m.tls_client_auth)
-        if not files.enabled:
-            return None
-        try:
-            return server_context(files, prefix="metrics")
-        except TlsConfigError as exc:
-            key, _, why = str(exc).partition(": ")
-            raise ConfigError(key, why) from None
+        self.notifier.ready(daemon_health.status_line(self))
 
     def _register_job(self, job: str) -> None:
         """Its telemetry is kept (even with accept_unknown_jobs off) for ranks below its world size."""
@@ -289,54 +249,14 @@ class Agent:
             world = max(record.spec.nproc, record.block.world_size if record.block is not None else 0)
         self.table.register_job(job, world)
 
-    def _watch_threads(self) -> None:
-        """Put every long-lived thread that exists now under the watchdog's check (idempotent; the
-        main loop calls it again for threads that start later, such as a gang's forwarder)."""
-        watch = self.health.watch
-        watch(self.supervisor, "rank-monitor")
-        watch(self.telemetry, "telemetry")
-        for lst in self.api._listeners:
-            watch(lst, "api-unix" if lst.is_unix else "api-tcp")
-        if self.metrics_server is not None:
-            watch(self.metrics_server, "metrics-http")
-        membership = self.cluster.membership
-        if membership is not None and membership._thread is not None:
-            watch(membership, "cluster-membership")
-        if self.cluster._thread is not None:
-            watch(self.cluster, "cluster-jobs")
-        gangs = self.cluster.gangs
-        if gangs is not None and gangs._forwarder is not None:
-            watch(gangs, "gang-telemetry")
-        if self.ebpf is not None and self.ebpf._thread is not None:
-            watch(self.ebpf, "ebpf-events")
-        watcher = self.gpu._watcher if self.gpu is not None else None
-        if watcher is not None and watcher._thread is not None:
-            watch(watcher, "gpu-xid")
-        for worker in self.checkpoints.replicator._workers:
-            if worker.thread.is_alive():
-                # An upload of a large checkpoint is one long iteration: only a hang past this is stuck.
-                watch(worker, worker.thread.name, stale_after_s=max(self.cfg.agent.heartbeat_stale_s, REPLICATE_STALE_S))
-
-    def _on_thread_health(self, th: ThreadHealth) -> None:
-        if th.healthy:
-            self.events.emit("thread_recovered", f"agent thread {th.name} beats again", thread=th.name)
-            return
-        self.events.emit("thread_unhealthy", f"agent thread {th.name} is {th.reason} (no heartbeat for {th.age_s:.1f}s): "
-                         "the systemd watchdog is no longer fed", severity="critical", cause=th.reason, thread=th.name,
-                         heartbeat_age_s=round(th.age_s, 3), last_error=th.last_error)
-
-    def _on_thread_errors(self, name: str, count: int, last_error: str) -> None:
-        self.events.emit("thread_iteration_failed", f"agent thread {name}: {count} iteration(s) failed and were "
-                         f"survived: {last_error}", severity="error", cause=last_error, thread=name, failures=count)
-
     def feed_watchdog(self) -> bool:
         """One watchdog round of the main loop: feed systemd only while every supervised thread
         beats (kubelet's PLEG check); returns whether it was fed."""
-        self._watch_threads()
+        daemon_health.watch_threads(self)
         healthy = self.health.healthy()
         fed = self.notifier.watchdog(healthy)
         if not healthy:
-            self.notifier.status(self._status_line())
+            self.notifier.status(daemon_health.status_line(self))
         return fed
 
     def _write_discovery(self) -> None:
@@ -349,24 +269,6 @@ class Agent:
             "memory_every": self.checkpoints.settings.memory_interval,
         }
         _write_whole(self.paths.discovery_file, json.dumps(body))
-
-    def _peer_token(self) -> str | None:
-        path = self.cfg.cluster.peer_token_file or self.cfg.api.token_file
-        if not path:
-            return None
-        try:
-            return read_client_token(Path(path))
-        except TokenFileError as exc:
-            # Name the key the file came from: a bad api.token_file is not a peer_token_file problem.
-            key = "cluster.peer_token_file" if self.cfg.cluster.peer_token_file else "api.token_file"
-            raise ConfigError(key, str(exc)) from None
-
-    def _cluster_event(self, kind: str, message: str, fields: dict[str, Any]) -> None:
-        fields = dict(fields)
-        severity = str(fields.pop("severity", "info"))
-        job = fields.pop("job", None)
-        cause = str(fields.pop("cause_", ""))
-        self.events.emit(kind, message, severity=severity, job=job if isinstance(job, str) else None, cause=cause, **_safe_fields(fields))
 
     def _peer_node_of(self, address: str) -> str | None:
         """The cluster member whose advertised API host (or node name) is ``address``."""
@@ -398,8 +300,8 @@ class Agent:
             self.cfg.cluster,
             node=self.cfg.agent.node,
             memory_root=settings.memory_root,
-            token=self._peer_token(),
-            emit=self._cluster_event,
+            token=daemon_parts.peer_token(self.cfg),
+            emit=functools.partial(daemon_events.on_cluster_event, self),
             on_adopt=lambda job, when: self.recovery.note_failure(job, "node_lost", when),
             tls=self._tls_contexts()[1],
         )
@@ -408,7 +310,7 @@ class Agent:
             self.telemetry.on_message = self.cluster.gangs.on_telemetry
         self.checkpoints = CheckpointManager(
             settings,
-            emit=self._on_checkpoint_event,
+            emit=functools.partial(daemon_events.on_checkpoint_event, self),
             extra_tiers=self.cluster.tiers,
             extra_intervals=self.cluster.intervals,
             extra_keep=self.cluster.keep,
@@ -433,7 +335,7 @@ class Agent:
         self.tick_hooks.append(self.recovery.tick)
         self.gpu_faults = GpuFaults(self.supervisor, self.events, self.exclude_rank, exclude=self.cfg.gpu.exclude_failed)
         self.tick_hooks.append(lambda _agent, _now: self.gpu_faults.tick())
-        self.events.subscribe(self._watch_failures)
+        self.events.subscribe(functools.partial(daemon_events.watch_failures, self))
 
     def _install_policies(self) -> None:
         """Straggler detection/migration and the LR/batch controller, as configured."""
@@ -467,22 +369,6 @@ class Agent:
             raise ApiError(409, f"job {job}: rank {rank} cannot be drained (data parallelism is already 1)")
         return {"job": job, "drained_rank": rank}
 
-    def _watch_failures(self, event: Any) -> None:
-        if event.job is None:
-            return
-        failed_exit = event.kind == "rank_exit" and event.severity == "error"
-        if failed_exit or event.kind in ("oom_kill", "gpu_xid", "gpu_lost"):
-            self.recovery.note_failure(event.job, event.kind, event.ts)
-
-    def _on_checkpoint_event(self, kind: str, fields: dict[str, Any]) -> None:
-        severity = "error" if ("failed" in kind or "corrupt" in kind or kind == "agent_dir_refused") else (
-            "warning" if kind in ("agent_dir_taken_over", "agent_dir_tightened") else "info")
-        job = fields.pop("job", None)
-        self.events.emit(kind, f"{kind.replace('_', ' ')}: {fields}", severity=severity, job=job if isinstance(job, str) else None, **_safe_fields(fields))
-        gangs = self.cluster.gangs
-        if kind == "checkpoint_committed" and gangs is not None and isinstance(job, str):
-            gangs.note_commit(job)  # a spanning job's part: its commit record is written at once
-
     def _start_api(self) -> None:
         cfg = self.cfg.api
         self.control = AgentControl(self)
@@ -501,8 +387,8 @@ class Agent:
                         "and checkpoint bytes cross the network in clear", cfg.tcp)
             self.events.emit("api_plaintext", f"the TCP API on {cfg.tcp} serves plain HTTP (api.allow_plaintext)",
                              severity="warning")
-        self.api = ApiServer(api_cfg, self.control, on_auth_failure=self._on_auth_failure,
-                             on_node_refused=self._on_node_refused)
+        self.api = ApiServer(api_cfg, self.control, on_auth_failure=functools.partial(daemon_events.on_auth_failure, self),
+                             on_node_refused=functools.partial(daemon_events.on_node_refused, self))
         self.api.start()
         tcp = self.api.tcp_address
         self.api_tcp_port = tcp[1] if tcp else None
@@ -512,72 +398,11 @@ class Agent:
                                self.cfg.controller.lr_batch_rule)
         _write_whole(os.path.join(self.cfg.agent.run_dir, "api.addr"), f"{tcp[0]}:{tcp[1]}\n" if tcp else "\n")
 
-    def _make_launcher(self) -> Launcher:
-        cfg = self.cfg
-        mode = cfg.launcher.systemd_units
-        units = mode == "on" or (mode == "auto" and under_systemd())
-        if mode == "on" and not under_systemd():
-            raise ConfigError("launcher.systemd_units", "on, but the agent does not run as a systemd service")
-        if units:
-            self.cgroups_reason = "systemd units (a slice per job)"
-            log.info("ranks run as transient systemd units, outside the agent's sandbox (warm launcher off)")
-            return Launcher(mode="cold", units=True, log_max_bytes=cfg.launcher.log_max_bytes,
-                            log_keep=cfg.launcher.log_keep)
-        return Launcher(mode="warm" if cfg.recovery.warm_launcher else "cold", cgroups=self._job_cgroups(),
-                        log_max_bytes=cfg.launcher.log_max_bytes, log_keep=cfg.launcher.log_keep)
-
-    def _job_cgroups(self) -> Any:
-        """Where job cgroups are made (None: launcher.cgroups is off, or auto and not possible here)."""
-        mode = self.cfg.launcher.cgroups
-        if mode == "off":
-            self.cgroups_reason = "off in config (launcher.cgroups)"
-            return None
-        try:
-            found = JobCgroups.detect(parent=f"trainguard-{agent_tag(self.cfg.agent.state_dir)}")
-        except CgroupError as exc:
-            if mode == "on":
-                raise ConfigError("launcher.cgroups", f"on, but {exc}") from None
-            self.cgroups_reason = f"not available: {exc}"
-            log.warning("job cgroups off: %s", exc)
-            return None
-        self.cgroups_reason = f"cgroup {found.version}"
-        return found
-
-    def _watch_cgroups(self) -> None:
-        """An OOM kill in a job's cgroup becomes an event of that job (also without eBPF)."""
-        # Every tick: only the agent's own cgroups (file reads), not a systemctl call per unit job.
-        for job, use in self.supervisor.launcher.cgroup_usage(units=False).items():
-            seen = self._oom_seen.get(job, 0)
-            if use.oom_kills > seen:
-                self.events.emit(
-                    "job_oom_kill", f"job {job}: the kernel's OOM killer ended {use.oom_kills - seen} of its "
-                    f"processes (peak {use.memory_peak_bytes / 2**20:.0f} MiB)", severity="error", job=job,
-                    cause="oom_kill", oom_kills=use.oom_kills, memory_peak_bytes=use.memory_peak_bytes,
-                    memory_limit_bytes=self.supervisor.launcher.limits(job).get("memory_max", 0.0))
-            self._oom_seen[job] = use.oom_kills
-
     def _tls_contexts(self) -> tuple[Any, Any]:
-        """(server, client) SSL contexts of the TCP API from ``[api] tls_*`` (None, None without a
-        certificate); a missing or bad file refuses the start with a ConfigError naming the key."""
+        """The TCP API's (server, client) SSL contexts, made once (``daemon_parts.api_tls``)."""
         if self._tls is None:
-            cfg = self.cfg.api
-            files = TlsFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.tls_client_auth)
-            if not files.enabled:
-                self._tls = (None, None)
-            else:
-                try:
-                    self._tls = (server_context(files), client_context(files))
-                except TlsConfigError as exc:
-                    key, _, why = str(exc).partition(": ")
-                    raise ConfigError(key, why) from None
+            self._tls = daemon_parts.api_tls(self.cfg)
         return self._tls
-
-    def _on_auth_failure(self, remote: str, path: str) -> None:
-        self.events.emit("api_auth_failed", f"API request without a valid token from {remote}", severity="warning", remote=remote, path=path)
-
-    def _on_node_refused(self, remote: str, caller: str, node: str, path: str) -> None:
-        self.events.emit("api_node_refused", f"{remote} (certificate {caller}) may not act for node {node}",
-                         severity="warning", remote=remote, caller=caller, node=node, path=path)
 
     def _adopt_jobs(self) -> None:
         """Jobs a previous agent on this state directory left: adopted or restarted (the records
@@ -591,66 +416,13 @@ class Agent:
         self.supervisor.adopt(saved)
 
     def _start_collectors(self) -> None:
-        wanted: list[tuple[str, Callable[[], Collector]]] = []
-        cfg = self.cfg.collectors
-        if cfg.host:
-            wanted.append(("host", self._make_host))
-        if cfg.ebpf:
-            wanted.append(("ebpf", self._make_ebpf))
-        if cfg.gpu:
-            wanted.append(("gpu", self._make_gpu))
-        for name, factory in wanted:
-            try:
-                collector = factory()
-                collector.start()
-            except CollectorUnavailable as exc:
-                self._collector_down(name, str(exc))
-                continue
-            except Exception as exc:  # noqa: BLE001 - a broken collector must not stop the agent
-                self._collector_down(name, f"failed to start: {type(exc).__name__}: {exc}")
-                continue
-            self.collectors.append(collector)
-            self.collector_state[name] = (True, None)
-            if isinstance(collector, EbpfCollector):
-                self.ebpf = collector
-            elif isinstance(collector, GpuCollector):
-                self.gpu = collector
-        for name in ("host", "ebpf", "gpu"):
-            if name not in self.collector_state:
-                self.collector_state[name] = (False, "disabled in config")
-
-    def _collector_down(self, name: str, reason: str) -> None:
-        self.collector_state[name] = (False, reason)
-        log.warning("collector %s is off: %s", name, reason)
-
-    def _make_host(self) -> Collector:
-        return HostCollector()
-
-    def _make_ebpf(self) -> Collector:
-        return EbpfCollector(self._on_collector_event, interval=self.cfg.agent.interval_s, print_bpf=self.print_bpf)
-
-    def _make_gpu(self) -> Collector:
-        return GpuCollector(self._on_collector_event, Nvml(module=self.nvml_module), self.cfg.gpu)
-
-    def _on_collector_event(self, kind: str, fields: dict[str, Any]) -> None:
-        pid = fields.get("pid")
-        found = self.supervisor.find_rank(pid) if isinstance(pid, int) else None
-        job = found[0].job if found else None
-        rank = found[1].rank if found else None
-        if kind == "rank_exit":
-            if found is None or not isinstance(pid, int):
-                return  # an untracked process: the kernel program filters, this is a late race
-            # The kernel saw the exit first: wake the supervisor now. It writes the rank_exit event
-            # itself (with the waitpid status), so this one is only the latency evidence.
-            exited_at = fields.get("exited_at")
-            if job is not None and (fields.get("signal") or fields.get("exit_code")) and isinstance(exited_at, float):
-                self.recovery.note_death(job, exited_at)  # before the supervisor, woken next, reports it
-            self.supervisor.on_exit_event(pid, fields)
-            kind = "process_exit_seen"
-        if kind in ("gpu_lost", "gpu_xid", "gpu_ecc"):
-            self.gpu_faults.on_event(kind, fields)
-        severity = "error" if kind in ("oom_kill", "gpu_xid", "gpu_lost") else ("debug" if kind == "process_exit_seen" else "info")
-        self.events.emit(kind, f"{kind.replace('_', ' ')}: {fields}", severity=severity, job=job, rank=rank, source="collector", **_safe_fields(fields))
+        collectors, state = daemon_parts.start_collectors(
+            self.cfg, functools.partial(daemon_events.on_collector_event, self), print_bpf=self.print_bpf,
+            nvml_module=self.nvml_module)
+        self.collectors.extend(collectors)
+        self.collector_state.update(state)
+        self.ebpf = next((c for c in collectors if isinstance(c, EbpfCollector)), None)
+        self.gpu = next((c for c in collectors if isinstance(c, GpuCollector)), None)
 
     def _forget_finished(self, now: float) -> None:
         """Finished jobs leave status and /metrics after agent.job_retention_s (their events stay)."""
@@ -664,54 +436,6 @@ class Agent:
         for job in self.supervisor.forget_finished(self.cfg.agent.job_retention_s, now, before=clear):
             self.events.emit("job_forgotten", f"job {job} ended more than {self.cfg.agent.job_retention_s:g}s ago: "
                              "removed from status and metrics", job=job)
-
-    def _track_external(self, snapshot: Any, now: float) -> None:
-        """Ranks of jobs this agent did not start but that report to it (torchrun jobs): their pids
-        go to the collectors too (per-rank eBPF), while they keep reporting."""
-        fresh = {}
-        for job, ranks in snapshot.jobs.items():
-            if job in self.supervisor.jobs:
-                continue
-            for v in ranks.values():
-                if now - v.last_seen < EXTERNAL_SILENCE_S and os.path.exists(f"/proc/{v.pid}"):
-                    fresh[v.pid] = TrackedProcess(v.pid, job, v.rank, v.local_rank)
-        if set(fresh) != set(self._external):
-            self._external = fresh
-            self._ranks_changed(self.supervisor.tracked())
-
-    def _sender_ok(self, job: str, pid: int) -> bool:
-        """On the telemetry thread: may process ``pid`` report for ``job``? A job this agent launched
-        takes telemetry only from its rank processes or their descendants (a wrapper such as
-        ``bash -c``); other jobs' senders are not checked (see telemetry.max_foreign_jobs)."""
-        pids = self._managed_pids.get(job)
-        if pids is None:
-            return True
-        if pid in pids:
-            return True
-        if pid <= 0:
-            return False
-        known = self._sender_cache.get(pid)
-        if known is not None:
-            return known == job
-        ok = descends_from(pid, pids)
-        if ok:
-            if len(self._sender_cache) > 4096:
-                self._sender_cache.clear()
-            self._sender_cache[pid] = job
-        return ok
-
-    def _ranks_changed(self, processes: dict[int, TrackedProcess]) -> None:
-        # Every rank of the current attempt, alive or not: a rank's last datagrams may still be
-        # queued when it exits. Replaced whole: the telemetry thread reads it without a lock.
-        self._managed_pids = {j: frozenset(r.pid for r in rec.ranks)
-                              for j, rec in list(self.supervisor.jobs.items()) if not rec.state.finished}
-        self._sender_cache = {}
-        processes = {**self._external, **processes}
-        for c in self.collectors:
-            try:
-                c.track(processes)
-            except Exception as exc:  # noqa: BLE001
-                log.warning("collector %s could not track ranks: %s", c.name, exc)
 
     def _launch_context(self, spec: JobSpec) -> LaunchContext:
         return LaunchContext(
@@ -744,8 +468,8 @@ class Agent:
             steps = [r.step for r in ranks.values()]
             if steps:
                 self.supervisor.note_progress(job, max(steps))
-        self._track_external(snapshot, now)
-        self._watch_cgroups()
+        rankpids.track_external(self, snapshot, now)
+        daemon_events.watch_cgroups(self)
         self._forget_finished(now)
         for hook in list(self.tick_hooks):
             try:
@@ -772,7 +496,7 @@ class Agent:
                 if now >= next_tick:
                     self.tick(time.time())
                     next_tick = now + interval
-                    self.notifier.status(self._status_line())
+                    self.notifier.status(daemon_health.status_line(self))
                 self.feed_watchdog()
                 self._stop.wait(max(0.0, min(period, next_tick - time.monotonic())))
         finally:
@@ -788,7 +512,7 @@ class Agent:
             new = load_config(self.config_path, must_exist=self.config_path is not None)
         except ConfigError as exc:
             self.events.emit("config_reload_failed", f"config not reloaded: {exc}", severity="error", cause=str(exc))
-            self.notifier.ready(self._status_line())
+            self.notifier.ready(daemon_health.status_line(self))
             return
         # Paths and sockets stay as started; the rest takes effect now.
         new.agent.state_dir, new.agent.run_dir = self.cfg.agent.state_dir, self.cfg.agent.run_dir
@@ -798,7 +522,7 @@ class Agent:
         except Exception as exc:  # noqa: BLE001
             self.events.emit("config_reload_failed", f"API tokens not reloaded: {exc}", severity="error")
         self.events.emit("config_reloaded", "configuration reloaded", path=self.config_path)
-        self.notifier.ready(self._status_line())
+        self.notifier.ready(daemon_health.status_line(self))
 
     def shutdown(self) -> None:
         """Stop every part ``start()`` built; a start that failed part-way (a ConfigError) built
@@ -840,15 +564,6 @@ class Agent:
                 pass
 
     # --- reporting --------------------------------------------------------------------------
-    def _status_line(self) -> str:
-        running = sum(1 for j in self.supervisor.jobs.values() if not j.state.finished)
-        up = [k for k, v in self.collector_state.items() if v[0]]
-        line = f"{running} job(s) running; collectors up: {', '.join(up) or 'none'}"
-        bad = [t for t in self.health.check() if not t.healthy]
-        if bad:
-            line = "UNHEALTHY: " + ", ".join(f"{t.name} {t.reason} for {t.since_s:.0f}s" for t in bad) + "; " + line
-        return line
-
     @property
     def event_counts(self) -> dict[tuple[str, str], int]:
         return dict(self.events.counts)
@@ -856,14 +571,6 @@ class Agent:
     def metrics(self) -> Any:
         """Agent-level metric families (events, restarts, jobs) for the exporter."""
         return agent_metrics(self)
-
-
-_RESERVED = {"kind", "message", "severity", "cause", "job", "rank", "source"}
-
-
-def _safe_fields(fields: dict[str, Any]) -> dict[str, Any]:
-    """Event fields that cannot collide with EventLog.emit's own parameters."""
-    return {(f"{k}_" if k in _RESERVED else k): v for k, v in fields.items()}
 
 
 def _write_whole(path: str, text: str) -> None:
