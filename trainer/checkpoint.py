@@ -1,6 +1,6 @@
 """What a checkpoint of the embedded trainer holds, and its own checkpoint directories.
 
-The state goes through the same code as any script's (``trainguard.checkpoint.tier``):
+The state goes through the same code as any script's (``trainguard.checkpoint.dcpstate``):
 
 * ``model`` / ``optim``: every local pipeline stage's parameters (``layers.3.mlp.up.weight``) and
   flattened AdamW state (``state.layers.3.mlp.up.weight.exp_avg``) by layout-independent name,
@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from trainguard.checkpoint.dcpstate import META, load, save_dir
 from trainguard.checkpoint.statedict import LearnedStateDicts
-from trainguard.checkpoint.tier import META, load, save_dir
 
 if TYPE_CHECKING:
     from trainguard.trainer.train import Trainer

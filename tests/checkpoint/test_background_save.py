@@ -18,7 +18,7 @@ from torch import nn
 import trainguard
 from tests.helpers.waiting import wait_for
 from trainguard.agent.checkpoint.memory import MemoryTier
-from trainguard.checkpoint.tier import load
+from trainguard.checkpoint.dcpstate import load
 
 
 def _env(root: Path, job: str) -> dict[str, str]:

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 from trainguard.agent.checkpoint.memory import MemoryTier  # noqa: E402
-from trainguard.checkpoint.tier import ReuseFileSystem  # noqa: E402 - the API's own writer, under test here
+from trainguard.checkpoint.dcpstate import ReuseFileSystem  # noqa: E402 - the API's own writer, under test here
 
 
 @pytest.fixture

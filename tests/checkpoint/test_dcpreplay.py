@@ -15,7 +15,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from trainguard.checkpoint.dcpreplay import ReplaySaver, object_bytes
-from trainguard.checkpoint.tier import _OPTIM_OPTS, TierWriter, _dcp_state, _resolved, _save_alone_dcp, load
+from trainguard.checkpoint.dcpstate import _OPTIM_OPTS, _dcp_state, _resolved, _save_alone_dcp, load
+from trainguard.checkpoint.tier import TierWriter
 from trainguard.run.environment import RunEnvironment
 
 

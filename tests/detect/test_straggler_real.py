@@ -23,7 +23,7 @@ from tests.helpers.jobs import trainer_spec
 from trainguard.agent.config import AgentConfig, apply_state_dir
 from trainguard.agent.daemon import Agent
 from trainguard.agent.detect import StragglerConfig, StragglerService, install
-from trainguard.agent.detect.service import step_samples
+from trainguard.agent.detect.jobview import step_samples
 from trainguard.agent.lifecycle.jobs import JobSpec
 from trainguard.demo.nodefaults import CpuCgroup, pin, start_cpu_hog
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import trainguard
 from bench.trainjobs import TelemetryCapture
-from trainguard.agent.controller.controller import by_part
-from trainguard.agent.detect.service import step_samples
+from trainguard.agent.controller.window import by_part
+from trainguard.agent.detect.jobview import step_samples
 from trainguard.agent.wire import Plan, Telemetry, write_plan_file
 from trainguard.run.stepwindow import (
     MAX_PARTS,

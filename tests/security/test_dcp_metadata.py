@@ -1,6 +1,6 @@
 """DCP metadata is read with an allow-listed unpickler (trainguard/checkpoint/dcpsafe.py): a ``.metadata``
 pickle whose ``__reduce__`` runs a command is refused before anything in it runs, through the
-loader ranks use (``trainguard.checkpoint.tier.load``); real checkpoints still load."""
+loader ranks use (``trainguard.checkpoint.dcpstate.load``); real checkpoints still load."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint.dcpsafe import SafeFileSystemReader, UnsafeMetadataError, loads_metadata
-from trainguard.checkpoint.tier import META, load
+from trainguard.checkpoint.dcpstate import META, load
 
 
 class _Exploit:

@@ -43,12 +43,12 @@ def restore(env: RunEnvironment, state: Mapping[str, Any], warn: Warn) -> Restor
     if path is None and env.memory_root and not env.launched_by_agent:
         # A job the agent did not start (torchrun's own restarts): the newest memory checkpoint.
         # Imported here, not at the top: it imports torch, which the agent never loads.
-        from trainguard.checkpoint.tier import newest_memory_checkpoint
+        from trainguard.checkpoint.dcpstate import newest_memory_checkpoint
 
         path = newest_memory_checkpoint(env.memory_root, env.job)
     if path is None:
         return Restored()
-    from trainguard.checkpoint.tier import load  # imports torch: not at the top (see above)
+    from trainguard.checkpoint.dcpstate import load  # imports torch: not at the top (see above)
 
     meta = load(path, state, rank=env.rank)
     return Restored(int(meta.get("step", 0)), "checkpoint", meta)
@@ -58,8 +58,8 @@ def _restore_shared(env: RunEnvironment, state: Mapping[str, Any], warn: Warn) -
     """A job spanning nodes in a new world: the whole checkpoint the nodes agreed on, which the
     ranks of the nodes that hold it send to the others (``trainguard.checkpoint.share``)."""
     # Imported here, not at the top: they import torch, which the agent never loads.
+    from trainguard.checkpoint.dcpstate import load
     from trainguard.checkpoint.share import ShareError, share
-    from trainguard.checkpoint.tier import load
 
     held = env.restore_path if env.restore_path and os.path.isdir(env.restore_path) else None
     try:
