@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import CPU_ISOLATION
 from tests.conftest import job_events as events
 from tests.helpers.waiting import wait_for
 from trainguard.agent.wire import applies_names
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(CPU_ISOLATION)]
 
 CONFIG = """\
 [agent]
