@@ -18,6 +18,8 @@ The repository's parts live under this namespace (``trainguard.agent``, ``traing
 them. Importing this package loads no torch (the node agent imports it too).
 """
 
+# First: from a checkout that is not installed, trainguard.agent/.trainer/.tui are found from here on.
+from trainguard import checkout  # noqa: F401, I001
 from trainguard.agent import __version__
 from trainguard.run.plan import RunPlan
 from trainguard.run.run import Run, init

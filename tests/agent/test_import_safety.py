@@ -59,6 +59,15 @@ def test_each_file_has_one_path() -> None:
                                   str(REPO / "tui" / "__init__.py")]
 
 
+def test_a_checkout_that_is_not_installed_imports_from_pythonpath_alone() -> None:
+    """``PYTHONPATH=<checkout>`` with no site packages (so no editable install): the checkout's
+    folders are trainguard's parts all the same (``trainguard.checkout``)."""
+    code = "import trainguard.agent.wire as w, trainguard.tui as t; print(w.__file__, t.__file__)"
+    res = subprocess.run([sys.executable, "-S", "-c", code], cwd="/", capture_output=True, text=True,
+                         env={**_env(), "PYTHONPATH": str(REPO)}, check=True)
+    assert res.stdout.split() == [str(REPO / "agent" / "wire.py"), str(REPO / "tui" / "__init__.py")]
+
+
 def test_importing_trainguard_loads_no_bare_names_and_no_torch() -> None:
     code = ("import sys, trainguard, trainguard.agent.daemon, trainguard.cli; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('agent', 'trainer', 'tui')]; "

@@ -81,25 +81,27 @@ def test_the_crash_loop_count_restarts_where_a_round_made_progress() -> None:
     assert node.verdict(rnd.number).failures == 5
 
 
-def agree(held: list[Holdings]) -> list[Agreed]:
+def agree(held: list[Holdings]) -> tuple[list[Agreed], list[int]]:
+    """What each node agreed, and each node's group rank (the order the nodes joined in)."""
     rdzvs = nodes(len(held), low=len(held), high=len(held))
     rounds = join_all(rdzvs)
     with ThreadPoolExecutor(len(held)) as pool:
-        return list(pool.map(lambda p: p[0].agree(p[1], p[2]), zip(rdzvs, rounds, held, strict=True)))
+        got = list(pool.map(lambda p: p[0].agree(p[1], p[2]), zip(rdzvs, rounds, held, strict=True)))
+    return got, [r.group_rank for r in rounds]
 
 
 def test_agreed_step_is_the_newest_snapshot_every_node_holds() -> None:
-    got = agree([Holdings((5, 6, 7), 3), Holdings((6, 8), None)])
+    got, _ = agree([Holdings((5, 6, 7), 3), Holdings((6, 8), None)])
     assert got == [Agreed(6, None, ())] * 2
 
 
 def test_without_a_newer_common_snapshot_the_nodes_agree_on_the_newest_whole_checkpoint() -> None:
     """A new world (no snapshot at its size): the newest checkpoint any node holds, and who holds it."""
-    got = agree([Holdings((), 100), Holdings((), None), Holdings((), 100)])
-    assert got == [Agreed(None, 100, (0, 2))] * 3
-    got = agree([Holdings((40,), 100), Holdings((40,), 50)])
-    assert got == [Agreed(None, 100, (0,))] * 2
-    assert agree([Holdings(), Holdings()]) == [Agreed(None, None, ())] * 2
+    got, groups = agree([Holdings((), 100), Holdings((), None), Holdings((), 100)])
+    assert got == [Agreed(None, 100, tuple(sorted((groups[0], groups[2]))))] * 3
+    got, groups = agree([Holdings((40,), 100), Holdings((40,), 50)])
+    assert got == [Agreed(None, 100, (groups[0],))] * 2
+    assert agree([Holdings(), Holdings()])[0] == [Agreed(None, None, ())] * 2
 
 
 def test_a_malformed_offer_in_the_store_offers_nothing() -> None:
