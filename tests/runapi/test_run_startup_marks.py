@@ -64,7 +64,8 @@ def _messages(tmp_path: Path, order: str) -> dict[int, Telemetry]:
     cap = TelemetryCapture(sock)
     try:
         port = free_port()
-        join_ranks(mp.start_processes(_ranks, args=(2, port, sock, order), nprocs=2, start_method="fork",
+        # spawned, not forked: a fork inherits the torch and thread state the worker's earlier tests left
+        join_ranks(mp.start_processes(_ranks, args=(2, port, sock, order), nprocs=2, start_method="spawn",
                                       join=False), "_ranks")
         deadline = time.monotonic() + 10
         while {m.rank for m in cap.messages} != {0, 1} and time.monotonic() < deadline:
