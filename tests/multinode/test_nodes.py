@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.events import memory_checkpoints
 from tests.helpers.waiting import wait_for
 from tests.multinode.nodes import REPO, Nodes, trainguard_run
 
@@ -180,14 +181,6 @@ def starts_of(out: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def memory_checkpoints(state: Path) -> list[int]:
-    path = state / "events" / "events.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    events = [json.loads(line) for line in lines if line.endswith("}")]
-    return [int(e["fields"]["step"]) for e in events
-            if e["kind"] == "checkpoint_committed" and e["fields"].get("tier") == "memory"]
-
-
 @pytest.mark.xdist_group("multinode")
 def test_a_node_that_joins_receives_the_checkpoint_and_every_rank_resumes_from_it(tmp_path: Path) -> None:
     """``--nnodes 1:2``: node a trains alone with a memory-tier checkpoint every 20 steps; node b
@@ -204,7 +197,7 @@ def test_a_node_that_joins_receives_the_checkpoint_and_every_rank_resumes_from_i
                  "--rdzv-conf", "last_call_timeout=1", API, str(out), str(steps))
         state_a = a.start_agent(tmp_path, memory_every=20)
         pa = trainguard_run(a, a, "--state-dir", str(state_a), *flags, log=logs[0])
-        wait_for(lambda: [s for s in memory_checkpoints(state_a) if s >= 40], 90, "a memory-tier checkpoint on node a",
+        wait_for(lambda: [s for s in memory_checkpoints([state_a / "events" / "events.jsonl"]) if s >= 40], 90, "a memory-tier checkpoint on node a",
                  interval=0.1, diagnose=tails(logs))
         state_b = b.start_agent(tmp_path, memory_every=20)
         pb = trainguard_run(b, a, "--state-dir", str(state_b), *flags, log=logs[1])

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.events import memory_checkpoints as logged_memory_checkpoints
 from tests.helpers.waiting import wait_for
 from tests.slurm.cluster import SlurmCluster
 
@@ -80,20 +81,7 @@ def memory_checkpoints(slurm: SlurmCluster, job_output: Path) -> list[int]:
     text = job_output.read_text(errors="replace") if job_output.exists() else ""
     logs = [Path(p) for p in re.findall(r"hosting one for this job \(pid \d+, state \S+, events (\S+)\)", text)]
     logs += [n.state_dir / "events" / "events.jsonl" for n in slurm.nodes.values() if slurm.agents]
-    steps = []
-    for path in logs:
-        try:
-            lines = path.read_text().splitlines()
-        except FileNotFoundError:
-            continue
-        for line in lines:
-            try:
-                e = json.loads(line)
-            except ValueError:
-                continue
-            if e["kind"] == "checkpoint_committed" and e["fields"].get("tier") == "memory":
-                steps.append(int(e["fields"]["step"]))
-    return steps
+    return logged_memory_checkpoints(logs)
 
 
 def start_job(slurm: SlurmCluster, tmp_path: Path, nnodes: str, *, sbatch: tuple[str, ...] = (),
