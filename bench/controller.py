@@ -6,10 +6,11 @@ Tasks:
   nqm_adam, nqm_nesterov  the noisy quadratic model (agent/controller/nqm.py) with Adam and with
                 SGD + Nesterov momentum: known good LR, milliseconds a run, so 20 seeds are cheap.
                 Clock: steps executed (restored ones count); evaluation: the true loss L(theta).
-  mlp_nesterov  a real model with SGD + Nesterov momentum: a 2-hidden-layer MLP (32-128-128-10) on
-                a fixed random teacher's sampled labels, batch 32, a fresh minibatch stream per
+  mlp_nesterov  a real model with SGD + Nesterov momentum: a 2-hidden-layer MLP (32-256-256-10) on
+                a fixed random teacher's sampled labels, batch 256, a fresh minibatch stream per
                 seed, fixed val and test sets; clock: process CPU seconds with evaluation off it;
-                good LR 0.03 (--mlp-sweep); the controller runs the sgd preset.
+                good LR 0.1 (--mlp-sweep); the controller runs the sgd preset, whose curvature
+                threshold was chosen on another MLP (bench/mlptask.py's MLP_CAL, --fit-sgd).
   gpt           the trainer's bundled GPT with AdamW on the standard-library byte corpus, CPU,
                 one torch thread; clock: process CPU seconds with evaluation taken off it;
                 evaluation: a held-out val split (target, time to target) and a separate test
@@ -80,6 +81,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.mlptask import MLP_CAL, MLP_CAL_SEEDS, MLP_NESTEROV, MLPLoop, describe, fit_mlp, mlp_roc  # noqa: E402
 from trainguard.agent.controller import ControllerConfig, install  # noqa: E402
 from trainguard.agent.controller.calibrate import (  # noqa: E402
     MULTIPLIERS,
@@ -89,7 +91,7 @@ from trainguard.agent.controller.calibrate import (  # noqa: E402
     run_nqm,
     signal_roc,
 )
-from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController, preset  # noqa: E402
+from trainguard.agent.controller.evidence import EvidenceConfig, EvidenceController, preset  # noqa: E402
 from trainguard.agent.controller.nqm import ADAM_CAL, CAL_SEEDS, TASKS  # noqa: E402
 from trainguard.agent.controller.probe import ProbeConfig  # noqa: E402
 from trainguard.agent.eventlog import EventLog  # noqa: E402
@@ -136,10 +138,6 @@ class Run:
 
     def clock_at(self, step: int) -> float:
         return next((t for t, s, _, _ in self.curve if s >= step), self.clock)
-
-
-def describe(a: Action) -> str:
-    return f"{a.kind}@{a.step}->x{a.lr_scale:.3g}"
 
 
 def make_cfg(steps: int, lr: float, seed: int, cache: str) -> TrainConfig:
@@ -357,105 +355,6 @@ def restore_check(cache: str) -> str:
     return ""
 
 
-# --- mlp_nesterov: a real model trained with SGD + Nesterov momentum ---------------------------
-MLP_GOOD_LR = 0.03
-"""The base LR with the lowest median val loss at the schedule's end (``--mlp-sweep``)."""
-MLP_IN, MLP_HIDDEN, MLP_CLASSES, MLP_BATCH, MLP_HELD = 32, 128, 10, 32, 2048
-
-
-def mlp_teacher() -> torch.nn.Module:
-    """The fixed random network whose softmax draws the labels (its entropy is the loss floor)."""
-    torch.manual_seed(12345)
-    net = torch.nn.Sequential(torch.nn.Linear(MLP_IN, 64), torch.nn.Tanh(), torch.nn.Linear(64, MLP_CLASSES))
-    for p in net.parameters():
-        p.requires_grad_(False)
-    return net
-
-
-def mlp_draw(teacher: torch.nn.Module, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(n, MLP_IN, generator=gen)
-    with torch.no_grad():
-        probs = torch.softmax(10.0 * teacher(x), dim=1)
-    return x, torch.multinomial(probs, 1, generator=gen).squeeze(1)
-
-
-class MLPLoop:
-    """One run of a 2-hidden-layer MLP on a teacher's labels with SGD + Nesterov momentum 0.9 and
-    the NQM's schedule (2 % warm-up, cosine to a tenth): a fresh minibatch stream per seed, fixed
-    val and test sets from their own stream."""
-
-    def __init__(self, lr: float, steps: int, seed: int, evidence: EvidenceController | None, act: bool) -> None:
-        self.teacher = mlp_teacher()
-        held = torch.Generator().manual_seed(777)
-        self.val, self.test = mlp_draw(self.teacher, MLP_HELD, held), mlp_draw(self.teacher, MLP_HELD, held)
-        self.gen = torch.Generator().manual_seed(seed)
-        torch.manual_seed(seed)
-        self.model = torch.nn.Sequential(torch.nn.Linear(MLP_IN, MLP_HIDDEN), torch.nn.ReLU(),
-                                         torch.nn.Linear(MLP_HIDDEN, MLP_HIDDEN), torch.nn.ReLU(),
-                                         torch.nn.Linear(MLP_HIDDEN, MLP_CLASSES))
-        self.params = list(self.model.parameters())
-        self.opt = torch.optim.SGD(self.params, lr=lr, momentum=0.9, nesterov=True)
-        self.lr, self.steps, self.evidence, self.act = lr, steps, evidence, act
-        self.schedule = TASKS["nesterov"]
-        self.ref: torch.Tensor | None = None
-
-    def flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.params])
-
-    @torch.no_grad()
-    def evaluate(self) -> tuple[float, float]:
-        return tuple(float(F.cross_entropy(self.model(x), y)) for x, y in (self.val, self.test))  # type: ignore[return-value]
-
-    def run(self, out: Run, budget: int, val_every: int) -> Run:
-        clock, step, scale = 0.0, 0, 1.0
-        snap: dict[str, Any] | None = None
-        ev = self.evidence
-        for executed in range(1, budget + 1):
-            t0 = time.process_time()
-            if ev is not None and ev.window_start(step):
-                self.ref = self.flat().clone()
-            x, y = mlp_draw(self.teacher, MLP_BATCH, self.gen)
-            self.opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(self.model(x), y)
-            loss.backward()
-            traj = None
-            if ev is not None and ev.reads(step + 1) and self.ref is not None:
-                g = torch.cat([p.grad.reshape(-1) for p in self.params if p.grad is not None])
-                d = self.flat() - self.ref
-                denom = float(g.norm() * d.norm())
-                traj = float(-(g @ d)) / denom if denom > 0 else 0.0
-            for group in self.opt.param_groups:
-                group["lr"] = self.lr * scale * self.schedule.lr_at(step, self.steps)
-            self.opt.step()
-            step += 1
-            if ev is not None:
-                action = ev.observe(step, float(loss.detach()), traj)
-                if action is not None and self.act:
-                    out.decisions.append(describe(action))
-                    if action.kind == "move":
-                        snap = {"model": copy.deepcopy(self.model.state_dict()),
-                                "opt": copy.deepcopy(self.opt.state_dict()), "step": step}
-                    elif action.kind == "restore" and snap is not None:
-                        self.model.load_state_dict(snap["model"])
-                        self.opt.load_state_dict(snap["opt"])
-                        step = snap["step"]
-                    if action.kind != "move":
-                        snap = None
-                    scale = action.lr_scale
-            clock += time.process_time() - t0  # evaluation below is off the clock
-            if executed % val_every == 0 or step == self.steps or executed == budget:
-                val, test = self.evaluate()
-                out.curve.append((clock, step, val, test))
-                if step == self.steps and math.isnan(out.final_val):
-                    out.final_val, out.final_test = val, test
-                if not math.isfinite(val):
-                    break
-        out.executed, out.clock, out.final_lr_scale = executed, clock, scale
-        if math.isnan(out.final_val) and out.curve:
-            out.final_val, out.final_test = out.curve[-1][2], out.curve[-1][3]
-        return out
-
-
 # --- worker side: one spec = one run -------------------------------------------------------------
 _CORPUS: Corpus | None = None
 
@@ -502,8 +401,8 @@ def run_spec(spec: Spec) -> Run:
     if spec.task == "mlp_nesterov":
         torch.set_num_threads(1)
         ev = EvidenceController(spec.schedule, preset("sgd")) if spec.arm in ("evidence", "null") else None
-        return MLPLoop(MLP_GOOD_LR * spec.mult, spec.schedule, spec.seed, ev, spec.arm == "evidence").run(
-            out, spec.budget, spec.val_every)
+        return MLPLoop(MLP_NESTEROV, MLP_NESTEROV.good_lr * spec.mult, spec.schedule, spec.seed, ev,
+                       spec.arm == "evidence").run(out, spec.budget, spec.val_every)
     corpus = _corpus(spec.cache)
     cfg = make_cfg(spec.schedule, DEFAULT_LR * spec.mult, spec.seed, spec.cache)
     kw: dict[str, Any] = {}
@@ -648,7 +547,14 @@ def heal_specs(seeds: int, schedule: int, val_every: int, cache: str, work: str)
     return out
 
 
-def print_signals(seeds: int) -> None:
+def print_signals(seeds: int, jobs: int) -> None:
+    print(f"MLP_CAL (hidden {MLP_CAL.hidden}, batch {MLP_CAL.batch}), seeds {MLP_CAL_SEEDS.start}-{MLP_CAL_SEEDS.stop - 1}: "
+          f"AUC against the good LR (1: separates in the needed direction), by window position")
+    roc = mlp_roc(MLP_CAL, MLP_CAL_SEEDS, MULTIPLIERS, jobs)
+    print(f"{'signal':12s}{'at':>5s}" + "".join(f"{k:>8s}" for k in OFF))
+    for sig, rows in roc.items():
+        for frac, cell in rows.items():
+            print(f"{sig:12s}{frac:>5.0%}" + "".join(f"{cell[k]:8.2f}" for k in OFF), flush=True)
     for name, task in TASKS.items():
         roc = signal_roc(task, seeds=seeds)
         print(f"\nNQM {name}: AUC against the good LR (1: separates in the needed direction), by window position")
@@ -676,6 +582,25 @@ def print_fit() -> None:
             c = r.config
             print(f"{c.low_threshold:14.2f}{c.low_start:10.2f}{c.high_threshold:9.2f}{r.silent:5d}/{len(CAL_SEEDS)}"
                   f"{r.harm:7.3f}{r.final:7.3f}  " + " / ".join(f"{v:.3f}" for v in r.rescue.values()), flush=True)
+
+
+def print_fit_sgd(jobs: int) -> None:
+    """The grid the sgd preset's curvature threshold was chosen from: on MLP_CAL (its own teacher,
+    width, batch and seeds) and on the NQM nesterov task, where the preset's cosine thresholds were."""
+    configs = [replace(preset("sgd"), high_curvature=th) for th in (0.1, 0.15, 0.2, 0.3, 0.45, 0.6)]
+    starts = ("high3", "high10", "high30")
+    print(f"sgd preset, high_curvature: silence, harm and final loss at the good LR, rescue "
+          f"{' / '.join(starts)}; MLP_CAL (hidden {MLP_CAL.hidden}, batch {MLP_CAL.batch}, good LR "
+          f"{MLP_CAL.good_lr:g}) seeds {MLP_CAL_SEEDS.start}-{MLP_CAL_SEEDS.stop - 1}, NQM nesterov seeds "
+          f"{CAL_SEEDS.start}-{CAL_SEEDS.stop - 1}", flush=True)
+    mlp = fit_mlp(configs, starts, MLP_CAL_SEEDS, MULTIPLIERS, jobs)
+    nqm = fit_grid(TASKS["nesterov"], CAL_SEEDS, configs, starts)
+    print(f"{'threshold':>10s} {'task':9s}{'silent':>8s}{'harm':>7s}{'final':>7s}  rescue")
+    for (cfg, silent, harm, final, rescue), row in zip(mlp, nqm, strict=True):
+        for name, s, h, f, r, n in (("mlp_cal", silent, harm, final, rescue, len(MLP_CAL_SEEDS)),
+                                    ("nqm", row.silent, row.harm, row.final, row.rescue, len(CAL_SEEDS))):
+            print(f"{cfg.high_curvature:10.2f} {name:9s}{s:5d}/{n}{h:7.3f}{f:7.3f}  "
+                  + " / ".join(f"{v:.3f}" for v in r.values()), flush=True)
 
 
 def print_probes(seeds: int) -> None:
@@ -706,9 +631,10 @@ def main() -> int:
     ap.add_argument("--signals", action="store_true", help="print the NQM signal ROC and exit")
     ap.add_argument("--fit", action="store_true", help="print the adam preset's calibration grid and exit")
     ap.add_argument("--probes", action="store_true", help="print the NQM branch probes' decisions and exit")
+    ap.add_argument("--fit-sgd", action="store_true", help="print the sgd preset's curvature grid and exit")
     args = ap.parse_args()
     if args.signals:
-        print_signals(args.seeds or 20)
+        print_signals(args.seeds or 20, args.jobs)
         return 0
     if args.fit:
         print_fit()
@@ -716,12 +642,16 @@ def main() -> int:
     if args.probes:
         print_probes(args.seeds or 20)
         return 0
+    if args.fit_sgd:
+        print_fit_sgd(args.jobs)
+        return 0
     if args.mlp_sweep:
-        for lr in (0.01, 0.03, 0.1, 0.3, 1.0):
-            ends = [run_spec(Spec("mlp_nesterov", "none", "", lr / MLP_GOOD_LR, s, 1000, 1000, 1000)).final_val
-                    for s in range(args.mlp_seeds or 3)]
-            print(f"mlp_nesterov base LR {lr:g}: final val loss, median of {len(ends)} seeds, "
-                  f"{statistics.median(ends):.4f}", flush=True)
+        for task, seeds in ((MLP_NESTEROV, range(args.mlp_seeds or 3)), (MLP_CAL, MLP_CAL_SEEDS[:args.mlp_seeds or 3])):
+            for lr in (0.01, 0.02, 0.03, 0.05, 0.1, 0.3, 1.0):
+                ends = [MLPLoop(task, lr, 1000, s, None, False).run(Run(task.name, "none", "", s, 1.0), 1000, 1000).final_val
+                        for s in seeds]
+                print(f"{task.name} base LR {lr:g}: final val loss, median of {len(ends)} seeds, "
+                      f"{statistics.median(ends):.4f}", flush=True)
         return 0
     tasks = [t for t in args.tasks.split(",") if t]
     plans = []

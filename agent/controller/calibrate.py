@@ -55,7 +55,7 @@ def run_nqm(task: NQMTask, mult: float, seed: int, steps: int, *, control: bool,
             out.final_loss = st.true_loss
         if ctl is None:
             continue
-        action = ctl.observe(st.step, st.loss, st.traj_cos)
+        action = ctl.observe(st.step, st.loss, st.traj_cos, st.gain)
         if action is None:
             continue
         out.actions.append(action)
@@ -72,13 +72,14 @@ def run_nqm(task: NQMTask, mult: float, seed: int, steps: int, *, control: bool,
     return out
 
 
-SIGNALS = ("traj_cos", "update_cos", "grad_cos", "loss_z", "grad_norm_z")
-LOW_SIGN = {"traj_cos": 1, "update_cos": 1, "grad_cos": 1, "loss_z": -1, "grad_norm_z": -1}
-"""+1: a larger value says "LR too low" (the cosines); -1: a larger value says "too high" (spikes)."""
-"""Candidate passive signals, each a window statistic: the trajectory cosine (second half of the
-window, reference at its start), the update alignment and Pflug's successive-gradient cosine
-(window means), and robust spike z-scores of the loss and of the gradient norm (the window's
-largest (x - median) / (1.4826 MAD) against the 100 steps before it)."""
+SIGNALS = ("traj_cos", "update_cos", "grad_cos", "loss_z", "grad_norm_z", "curvature")
+LOW_SIGN = {"traj_cos": 1, "update_cos": 1, "grad_cos": 1, "loss_z": -1, "grad_norm_z": -1, "curvature": -1}
+"""+1: a larger value says "LR too low" (the cosines); -1: a larger value says "too high" (spikes,
+the curvature share). The candidates are window statistics: the trajectory cosine (second half
+of the window, reference at its start), the update alignment and Pflug's successive-gradient
+cosine (window means), robust spike z-scores of the loss and of the gradient norm (the window's
+largest (x - median) / (1.4826 MAD) against the 100 steps before it), and the curvature share over
+the window's last ``curvature_reads`` steps."""
 
 
 def _robust_max_z(history: list[float], window: list[float]) -> float:
@@ -87,8 +88,14 @@ def _robust_max_z(history: list[float], window: list[float]) -> float:
     return max((x - med) / mad for x in window) if mad > 0 else 0.0
 
 
+def curvature_share(gains: list[tuple[float, float]]) -> float:
+    """1 - actual / predicted decrease over the steps' (predicted, actual) pairs."""
+    predicted, actual = sum(p for p, _ in gains), sum(a for _, a in gains)
+    return 1 - actual / predicted if predicted > 0 else math.inf
+
+
 def window_signals(task: NQMTask, mult: float, seed: int, steps: int, at: list[int],
-                   window: int) -> list[dict[str, float]]:
+                   window: int, reads: int = EvidenceConfig().curvature_reads) -> list[dict[str, float]]:
     """The candidate signals of the windows ending at the steps ``at`` of an uncontrolled run."""
     model = NQM(task, task.good_lr * mult, steps, seed)
     stats = []
@@ -106,6 +113,7 @@ def window_signals(task: NQMTask, mult: float, seed: int, steps: int, at: list[i
             "grad_cos": statistics.fmean(s.grad_cos for s in ws),
             "loss_z": _robust_max_z([s.loss for s in before], [s.loss for s in ws]),
             "grad_norm_z": _robust_max_z([s.grad_norm for s in before], [s.grad_norm for s in ws]),
+            "curvature": curvature_share([s.gain for s in ws[-reads:]]),
         })
     return out
 

@@ -1,14 +1,16 @@
 """The evidence controller: silent unless a pre-registered test fires, and every move tentative.
 
-It reads one figure per step besides the loss: the trajectory cosine ``cos(g_t, -(theta_t -
+It reads two figures besides the loss. One is the trajectory cosine ``cos(g_t, -(theta_t -
 theta_ref))`` with theta_ref the parameters at the start of the current window (Mechanic-style).
 While the LR is too low the gradient keeps pointing further along the way travelled (the mean is
 clearly positive); once it is too high the iterate bounces in the noise and the gradient points
-back (clearly negative). Thresholds are pre-registered per optimizer family (``PRESETS``), chosen
+back (clearly negative). The other, on a few steps a window, is the curvature share: how much of
+the step's first-order decrease of its own minibatch loss curvature took back. It rises with the LR
+and does not depend on the noise, so it flags a too-high LR where the cosine stays near zero. Thresholds are pre-registered per optimizer family (``PRESETS``), chosen
 on calibration tasks and checked on the bench's (docs/controller.md has the ROC of every candidate).
 
-A test fires when a window's mean (over its second half, where the reference is old enough)
-crosses a threshold for ``confirm`` windows in a row. Then, and only then:
+A test fires when a window's figure (the cosine's mean over its second half, where the reference
+is old enough; the curvature share over its last steps) crosses a threshold for ``confirm`` windows in a row. Then, and only then:
 1. a forecast of the next window's mean log-loss under the current LR is made from the last two
    windows (a local power law, log L linear in log t, with the standard error of its prediction);
 2. the caller snapshots the run (``Action.snapshot``) and applies LR x ``factor`` (or / factor);
@@ -42,6 +44,15 @@ class EvidenceConfig:
     """No new move after this fraction (the schedule's decay owns the end of the run)."""
     high_threshold: float = -0.12
     """LR too high: window mean trajectory cosine below this."""
+    high_curvature: float = 0.1
+    """LR too high: the window's curvature share above this. The share is 1 - (actual / predicted
+    decrease) of the minibatch loss over the steps measured, the loss re-evaluated on the step's own
+    minibatch after the step. It is the part of the step's first-order gain that curvature takes
+    back (about 1/2 lr * the curvature along the step; 1 at the edge of stability). It is read from
+    the first window on, not from ``start``: the warm-up does not confound it as it does the
+    cosine, and a 30x-too-high start does its damage in the first windows."""
+    curvature_reads: int = 1
+    """Steps measured for the curvature share per window (its last ones): each costs a forward pass."""
     low_threshold: float = 0.2
     """LR too low: window mean trajectory cosine above this."""
     low_persist: float = 0.0
@@ -64,6 +75,8 @@ class EvidenceConfig:
             (0 <= self.start < self.stop <= 1, "stop", "must satisfy 0 <= start < stop <= 1"),
             (0 <= self.low_start < self.stop, "low_start", "must be in [0, stop)"),
             (self.high_threshold < 0 < self.low_threshold, "low_threshold", "must be > 0 > high_threshold"),
+            (0 < self.high_curvature < 1, "high_curvature", "must be in (0, 1)"),
+            (self.curvature_reads >= 1, "curvature_reads", "must be >= 1"),
             (self.confirm >= 1, "confirm", "must be >= 1"),
             (0 <= self.low_persist <= 1, "low_persist", "must be in [0, 1]"),
             (self.factor > 1, "factor", "must be > 1"),
@@ -159,6 +172,8 @@ class EvidenceController:
         self._points: list[tuple[int, float]] = []
         """(step, loss) under the current setting since it was last changed (the forecast's data)."""
         self._cos: list[float] = []
+        self._gain = [0.0, 0.0]
+        """Sums over the window's curvature reads: predicted and actual decrease of the minibatch loss."""
         self._streak = 0
         self._trial: _Trial | None = None
         self._last_mean = 0.0
@@ -167,27 +182,45 @@ class EvidenceController:
         """True when ``step`` (the number of steps done) opens a window: the caller resets theta_ref."""
         return step % self.window == 0
 
-    def reads(self, step: int) -> bool:
-        """Whether step ``step``'s trajectory cosine is read (the second half of its window): a
-        caller may skip computing it for the other steps."""
-        offset = step % self.window
-        return offset == 0 or offset > self.window // 2
+    def _span(self, step: int) -> bool:
+        """Whether the window that step ``step`` is in can decide or check a move."""
+        return step <= self._stop + self.window
 
-    def observe(self, step: int, loss: float, traj_cos: float | None) -> Action | None:
+    def reads(self, step: int) -> bool:
+        """Whether step ``step``'s trajectory cosine is read (the second half of its window, in a
+        window that can decide on it: from the one before ``start``): a caller may skip computing
+        it for the other steps."""
+        offset = step % self.window
+        return (offset == 0 or offset > self.window // 2) and self._start - self.window < step and self._span(step)
+
+    def reads_curvature(self, step: int) -> bool:
+        """Whether step ``step``'s curvature share is read (the last ``curvature_reads`` steps of a
+        window that can decide): the caller re-evaluates that step's minibatch loss after it."""
+        offset = step % self.window
+        return (offset == 0 or offset > self.window - self.config.curvature_reads) and self._span(step)
+
+    def observe(self, step: int, loss: float, traj_cos: float | None,
+                gain: tuple[float, float] | None = None) -> Action | None:
         """Step ``step`` (1-based count of steps done on the current trajectory) ended with this
-        minibatch loss and trajectory cosine (None: not measured, left out of the window's mean).
-        Returns what to do now, or None."""
+        minibatch loss, trajectory cosine (None: not measured, left out of the window's mean) and
+        ``gain``: (predicted, actual) decrease of that minibatch's loss by the step, predicted to
+        first order (-g.u) and re-evaluated after it (None: not measured). Returns what to do now, or None."""
         self._points.append((step, loss))
         if self.reads(step) and traj_cos is not None:
             self._cos.append(traj_cos)
+        if self.reads_curvature(step) and gain is not None and all(map(math.isfinite, gain)):
+            self._gain[0] += gain[0]
+            self._gain[1] += gain[1]
         if not math.isfinite(loss) and self._trial is not None:
-            self._cos, self._streak = [], 0  # the trial window's cosines go with it
+            self._cos, self._gain, self._streak = [], [0.0, 0.0], 0  # the trial window's reads go with it
             return self._end_trial(step, math.inf)
         if step % self.window:
             return None
         cos, self._cos = self._cos, []
+        (predicted, actual), self._gain = self._gain, [0.0, 0.0]
         mean = statistics.fmean(cos) if cos else 0.0
-        direction = self._direction(mean)
+        curvature = 1 - actual / predicted if predicted > 0 else None
+        direction = self._direction(mean, curvature)
         if self._trial is not None:
             window = [math.log(v) if v > 0 else -math.inf for s, v in self._points if s > step - self.window]
             trial = self._trial
@@ -195,7 +228,9 @@ class EvidenceController:
             # A kept move whose own window still shows the same evidence counts as its first look.
             self._streak = direction if action.kind == "keep" and direction == trial.direction else 0
             return action
-        if not self._start <= step <= self._stop or direction == 0 or direction in self.closed:
+        # The curvature test may act before ``start``: it is not confounded by the warm-up.
+        early = curvature is not None and curvature > self.config.high_curvature
+        if not (self._start <= step or early) or step > self._stop or direction == 0 or direction in self.closed:
             self._streak = 0
             return None
         if direction > 0 and step < self._low_start:
@@ -206,18 +241,26 @@ class EvidenceController:
             self._streak = 1  # a too-low signal that is fading is the schedule's early phase, not a low LR
             return None
         self._streak = self._streak + direction if self._streak * direction > 0 else direction
-        if abs(self._streak) < self.config.confirm:
+        # A curvature share twice past its threshold is evidence enough in one window: a step that
+        # loses half its gain to curvature does its damage within a window or two.
+        strong = direction < 0 and curvature is not None and curvature > 2 * self.config.high_curvature
+        if abs(self._streak) < (1 if strong else self.config.confirm):
             return None
-        return self._move(step, direction, mean)
+        return self._move(step, direction, mean, curvature)
 
-    def _direction(self, mean: float) -> int:
-        return 1 if mean > self.config.low_threshold else -1 if mean < self.config.high_threshold else 0
+    def _direction(self, mean: float, curvature: float | None) -> int:
+        c = self.config
+        if mean < c.high_threshold or (curvature is not None and curvature > c.high_curvature):
+            return -1
+        return 1 if mean > c.low_threshold else 0
 
-    def _move(self, step: int, direction: int, mean: float) -> Action | None:
+    def _move(self, step: int, direction: int, mean: float, curvature: float | None) -> Action | None:
         c = self.config
         # Evidence twice past its threshold takes two steps of ``factor`` at once, on a direction's
         # first move only: later moves are near the good LR, where a double step overshoots.
         strength = mean / (c.low_threshold if direction > 0 else c.high_threshold)
+        if direction < 0 and curvature is not None:
+            strength = max(strength, curvature / c.high_curvature)
         first = not any(a.kind == "move" and a.direction == direction for a in self.log)
         factor = c.factor ** (2 if strength >= 2 and first else 1)
         target = min(c.lr_scale_max, max(c.lr_scale_min, self.lr_scale * factor ** direction))
@@ -233,8 +276,13 @@ class EvidenceController:
         self.lr_scale = target
         inputs = {"traj_cos_mean": mean, "threshold": c.low_threshold if direction > 0 else c.high_threshold,
                   "factor": factor ** direction, "forecast": forecast[0], "forecast_se": forecast[1]}
-        return self._act("move", step, direction, inputs, f"LR too {word}: window trajectory cosine {mean:+.3f} beyond "
-                         f"{c.low_threshold if direction > 0 else c.high_threshold:+g} for {c.confirm} windows; "
+        if curvature is not None:
+            inputs |= {"curvature_share": curvature, "curvature_threshold": c.high_curvature}
+        signal = (f"curvature share {curvature:.3f} above {c.high_curvature:g}"
+                  if direction < 0 and curvature is not None and curvature > c.high_curvature and mean >= c.high_threshold
+                  else f"window trajectory cosine {mean:+.3f} beyond "
+                  f"{c.low_threshold if direction > 0 else c.high_threshold:+g}")
+        return self._act("move", step, direction, inputs, f"LR too {word}: {signal} for {c.confirm} windows; "
                          f"LR x{factor ** direction:.3g} tentatively, "
                          f"forecast mean log-loss {forecast[0]:.4f} +- {forecast[1]:.4f}")
 

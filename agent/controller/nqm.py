@@ -80,6 +80,9 @@ class StepStats:
     grad_cos: float
     """cos(g_t, g_{t-1}): Pflug's stationarity statistic, negative once the iterate bounces."""
     lr: float
+    gain: tuple[float, float] = (0.0, 0.0)
+    """(predicted, actual) decrease of the step's own minibatch loss: -g.u to first order, and the
+    loss re-evaluated on the same minibatch after the step (the curvature share's inputs)."""
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> float:
@@ -165,5 +168,6 @@ class NQM:
         self.last_update, self.last_grad = update, g
         self.step_no += 1
         true = self.true_loss()
+        gain = (float(-np.dot(g, update)), loss - float(0.5 * np.dot(self.h, (self.theta - xi) ** 2)))
         return StepStats(self.step_no, loss if math.isfinite(loss) else math.inf, true if math.isfinite(true) else math.inf,
-                         float(np.linalg.norm(g)), update_cos, traj_cos, grad_cos, lr)
+                         float(np.linalg.norm(g)), update_cos, traj_cos, grad_cos, lr, gain)

@@ -185,3 +185,50 @@ def test_bad_config_is_a_one_line_error() -> None:
         EvidenceConfig(factor=1.0)
     with pytest.raises(ValueError, match="evidence.low_start: must be in"):
         EvidenceConfig(low_start=0.6)
+
+
+def feed_gain(ctl: EvidenceController, steps: range, share: float):  # type: ignore[no-untyped-def]
+    """A falling loss, a neutral cosine and, on the curvature reads, steps that lose ``share`` of
+    their predicted decrease to curvature."""
+    return [a for s in steps if (a := ctl.observe(s, 2.0 * s ** -0.3, 0.0,
+                                                  (1.0, 1.0 - share) if ctl.reads_curvature(s) else None)) is not None]
+
+
+def test_a_high_curvature_share_lowers_the_lr_before_start() -> None:
+    """Above its threshold for two windows the curvature share lowers the LR at the second window,
+    before ``start`` (it is not confounded by the warm-up); twice past it, one window is enough
+    and the first move is a double one. Below it nothing moves in the whole run."""
+    cfg = EvidenceConfig()
+    ctl = EvidenceController(1000, cfg)
+    moves = feed_gain(ctl, range(1, 41), 1.5 * cfg.high_curvature)
+    assert [(a.kind, a.step) for a in moves] == [("move", 40)] and math.isclose(ctl.lr_scale, 1 / cfg.factor)
+    assert moves[0].inputs["curvature_share"] == pytest.approx(1.5 * cfg.high_curvature)
+    assert "curvature share" in moves[0].reason
+    strong = EvidenceController(1000, cfg)
+    moves = feed_gain(strong, range(1, 21), 2.5 * cfg.high_curvature)
+    assert [(a.kind, a.step) for a in moves] == [("move", 20)] and math.isclose(strong.lr_scale, cfg.factor ** -2)
+    assert feed_gain(EvidenceController(1000, cfg), range(1, 1001), 0.5 * cfg.high_curvature) == []
+
+
+def test_curvature_reads_outside_their_steps_or_not_finite_count_for_nothing() -> None:
+    ctl = EvidenceController(1000)
+    assert not ctl.reads_curvature(5) and ctl.reads_curvature(20) and not ctl.reads_curvature(1000)
+    bad = [a for s in range(1, 101)
+           if (a := ctl.observe(s, 1.0, 0.0, (1.0, -5.0) if not ctl.reads_curvature(s) else (math.nan, 0.0)))]
+    assert bad == []
+
+
+def test_the_nqm_reports_its_own_minibatch_gain_exactly() -> None:
+    """On a quadratic the actual decrease is the predicted one less 1/2 u'Hu, so the curvature
+    share of a plain step grows with the LR."""
+    model = NQM(TASKS["nesterov"], 0.02, 1000, 0)
+    before = model.theta.copy()
+    st = model.step()
+    u = model.theta - before
+    assert st.gain[1] == pytest.approx(st.gain[0] - 0.5 * float(u @ (model.h * u)))
+    shares = []
+    for lr in (0.02, 0.2):
+        m = NQM(TASKS["nesterov"], lr, 1000, 0)
+        gains = [m.step().gain for _ in range(50)]
+        shares.append(1 - sum(a for _, a in gains) / sum(p for p, _ in gains))
+    assert 0 < shares[0] < shares[1]
