@@ -171,6 +171,7 @@ class Loop:
         self.alignment = UpdateAlignment(self.params)
         self.update_cos: float | None = None
         self.traj_cos = 0.0
+        self.gain: tuple[float, float] | None = None
         self.ref: torch.Tensor | None = None
         self.lr_scale = 1.0
         self.version = 0
@@ -209,7 +210,10 @@ class Loop:
         self.opt.load_state_dict(snap["opt"])
         return int(snap["step"])
 
-    def step(self, step: int, traj: bool = False) -> tuple[float, float, list[tuple[int, float]], float, float, float]:
+    def step(self, step: int, traj: bool = False,
+             curv: bool = False) -> tuple[float, float, list[tuple[int, float]], float, float, float]:
+        """One step over the emulated ranks; ``traj`` measures the trajectory cosine, ``curv`` the
+        step's (predicted, actual) decrease of its own batch's loss (``self.gain``)."""
         cfg = self.cfg
         idx = self.sampler.next_step(self.sizes)
         global_n = sum(self.sizes)
@@ -218,12 +222,14 @@ class Loop:
         total = [torch.zeros_like(p) for p in self.params]
         local: list[tuple[int, float]] = []
         loss_sum = 0.0
+        batches = []
         for r, n in enumerate(self.sizes):
             if n == 0:
                 local.append((0, 0.0))
                 continue
             batch = torch.from_numpy(windows(self.corpus.train, cfg.model.context, idx[r]))
             x, y = batch[:, :-1], batch[:, 1:]
+            batches.append((n, x, y))
             for p in self.params:
                 p.grad = None
             logits = self.model(x)
@@ -248,6 +254,7 @@ class Loop:
             d = self.flat() - self.ref
             denom = float(g.norm() * d.norm())
             self.traj_cos = float(-(g @ d)) / denom if denom > 0 else 0.0
+        g_before = sum(float((a * p.detach()).sum()) for p, a in zip(self.params, total, strict=True)) if curv else 0.0
         norm = math.sqrt(grad_sq)
         if cfg.optim.clip and norm > cfg.optim.clip:
             for p in self.params:
@@ -258,6 +265,15 @@ class Loop:
         if math.isfinite(norm):
             self.opt.step()
         self.update_cos = self.alignment.after_step()
+        self.gain = None
+        if curv:
+            # The unclipped reduced gradient predicts the decrease; the same batches measure it.
+            scale = (norm + 1e-6) / cfg.optim.clip if cfg.optim.clip and norm > cfg.optim.clip else 1.0
+            g_after = sum(float((p.grad * p.detach()).sum()) for p in self.params if p.grad is not None) * scale
+            with torch.no_grad():
+                after = sum(n * float(F.cross_entropy(self.model(x).reshape(-1, 256), y.reshape(-1)))
+                            for n, x, y in batches) / global_n
+            self.gain = (g_before - g_after, loss_sum / global_n - after)
         t2 = time.perf_counter()
         return loss_sum / global_n, grad_sq, local, lr, t1 - t0, t2 - t1
 
@@ -287,10 +303,11 @@ class Loop:
                 pending = None
             if ev is not None and ev.window_start(step):
                 self.ref = self.flat().clone()
-            loss, grad_sq, local, lr, compute_s, opt_s = self.step(step, ev is not None and ev.reads(step + 1))
+            loss, grad_sq, local, lr, compute_s, opt_s = self.step(step, ev is not None and ev.reads(step + 1),
+                                                                   ev is not None and ev.reads_curvature(step + 1))
             step += 1
             if ev is not None:
-                action = ev.observe(step, loss, self.traj_cos)
+                action = ev.observe(step, loss, self.traj_cos, self.gain)
                 if action is not None and self.act:
                     out.decisions.append(describe(action))
                     if action.kind == "move":
@@ -408,7 +425,8 @@ def run_spec(spec: Spec) -> Run:
     kw: dict[str, Any] = {}
     if spec.arm in ("evidence", "null"):
         # What the agent ships (EvidenceConfig()), not the NQM-fitted adam preset: docs/controller.md.
-        kw["evidence"] = EvidenceController(spec.schedule, EvidenceConfig(min_window=spec.min_window))
+        # The embedded trainer does not measure the curvature share, so the arm does not read it.
+        kw["evidence"] = EvidenceController(spec.schedule, EvidenceConfig(min_window=spec.min_window, high_curvature=0.0))
         kw["act"] = spec.arm == "evidence"
     if spec.rule:
         kw["controller"] = ControllerConfig(strategy="none", lr_batch_rule=spec.rule)  # type: ignore[arg-type]
