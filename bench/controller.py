@@ -9,8 +9,8 @@ Tasks:
   mlp_nesterov  a real model with SGD + Nesterov momentum: a 2-hidden-layer MLP (32-256-256-10) on
                 a fixed random teacher's sampled labels, batch 256, a fresh minibatch stream per
                 seed, fixed val and test sets; clock: process CPU seconds with evaluation off it;
-                good LR 0.1 (--mlp-sweep); the controller runs the sgd preset, whose curvature
-                threshold was chosen on another MLP (bench/mlptask.py's MLP_CAL, --fit-sgd).
+                good LR 0.1 (--mlp-sweep); the controller runs the sgd preset (--curvature X turns
+                its opt-in curvature test on; X = 0.1 is --fit-sgd's pick on bench/mlptask.py's MLP_CAL).
   gpt           the trainer's bundled GPT with AdamW on the standard-library byte corpus, CPU,
                 one torch thread; clock: process CPU seconds with evaluation taken off it;
                 evaluation: a held-out val split (target, time to target) and a separate test
@@ -49,6 +49,7 @@ so the global batch halves), the agent's controller with strategy none and its L
 
     python bench/controller.py [--quick] [--seeds N] [--mlp-seeds N] [--gpt-seeds N] [--steps N] [--jobs N]
                                [--tasks nqm_adam,nqm_nesterov,mlp_nesterov,gpt] [--mlp-sweep] [--out results.json] [--signals] [--fit] [--probes]
+                               [--fit-sgd] [--curvature X]
 --signals prints the NQM ROC of the candidate LR signals (docs/controller.md) and exits; --fit
 prints the too-low test's grid on the Adam calibration task (nqm.ADAM_CAL, seeds 100-111), where
 the adam preset's low_start was chosen, and exits; --probes prints how often a budgeted branch
@@ -402,6 +403,8 @@ class Spec:
     lose_rank_at: int | None = None
     min_window: int = EvidenceConfig().min_window
     """Shortest window in steps (quick: 4, so a 40-step run gets looks at all)."""
+    curvature: float = 0.0
+    """mlp_nesterov: the sgd preset's high_curvature (0: off, as the preset ships)."""
 
 
 def run_spec(spec: Spec) -> Run:
@@ -417,7 +420,8 @@ def run_spec(spec: Spec) -> Run:
         return out
     if spec.task == "mlp_nesterov":
         torch.set_num_threads(1)
-        ev = EvidenceController(spec.schedule, preset("sgd")) if spec.arm in ("evidence", "null") else None
+        cfg = replace(preset("sgd"), high_curvature=spec.curvature)
+        ev = EvidenceController(spec.schedule, cfg) if spec.arm in ("evidence", "null") else None
         return MLPLoop(MLP_NESTEROV, MLP_NESTEROV.good_lr * spec.mult, spec.schedule, spec.seed, ev,
                        spec.arm == "evidence").run(out, spec.budget, spec.val_every)
     corpus = _corpus(spec.cache)
@@ -425,8 +429,7 @@ def run_spec(spec: Spec) -> Run:
     kw: dict[str, Any] = {}
     if spec.arm in ("evidence", "null"):
         # What the agent ships (EvidenceConfig()), not the NQM-fitted adam preset: docs/controller.md.
-        # The embedded trainer does not measure the curvature share, so the arm does not read it.
-        kw["evidence"] = EvidenceController(spec.schedule, EvidenceConfig(min_window=spec.min_window, high_curvature=0.0))
+        kw["evidence"] = EvidenceController(spec.schedule, EvidenceConfig(min_window=spec.min_window))
         kw["act"] = spec.arm == "evidence"
     if spec.rule:
         kw["controller"] = ControllerConfig(strategy="none", lr_batch_rule=spec.rule)  # type: ignore[arg-type]
@@ -471,6 +474,7 @@ class Plan:
     starts: list[str]
     val_every: int
     min_window: int = EvidenceConfig().min_window
+    curvature: float = 0.0
 
 
 def specs_for(p: Plan, cache: str, work: str) -> list[Spec]:
@@ -480,7 +484,7 @@ def specs_for(p: Plan, cache: str, work: str) -> list[Spec]:
     for seed in range(p.seeds):
         runs: list[Spec] = []
         base = {"seed": seed, "schedule": p.schedule, "val_every": p.val_every, "cache": cache, "work": work,
-                "min_window": p.min_window}
+                "min_window": p.min_window, "curvature": p.curvature}
         grid_mults = {MULTIPLIERS[s] * g for s in p.starts for g in GRID} - {MULTIPLIERS[s] for s in p.starts}
         for s in p.starts:
             runs.append(Spec(p.task, "none", s, MULTIPLIERS[s], budget=budget, **base))  # type: ignore[arg-type]
@@ -650,6 +654,8 @@ def main() -> int:
     ap.add_argument("--fit", action="store_true", help="print the adam preset's calibration grid and exit")
     ap.add_argument("--probes", action="store_true", help="print the NQM branch probes' decisions and exit")
     ap.add_argument("--fit-sgd", action="store_true", help="print the sgd preset's curvature grid and exit")
+    ap.add_argument("--curvature", type=float, default=0.0,
+                    help="mlp_nesterov: turn the curvature test on at this threshold (default 0: off, as shipped)")
     args = ap.parse_args()
     if args.signals:
         print_signals(args.seeds or 20, args.jobs)
@@ -679,7 +685,8 @@ def main() -> int:
                               list(MULTIPLIERS), 1))
         elif t == "mlp_nesterov":
             starts = ["low10", "good", "high10"] if args.quick else list(MULTIPLIERS)
-            plans.append(Plan(t, args.mlp_seeds or (1 if args.quick else 10), 100 if args.quick else 1000, starts, 10))
+            plans.append(Plan(t, args.mlp_seeds or (1 if args.quick else 10), 100 if args.quick else 1000, starts, 10,
+                              curvature=args.curvature))
         elif t == "gpt":
             steps = args.steps or (40 if args.quick else 1000)
             starts = ["low10", "good", "high10"] if args.quick else list(MULTIPLIERS)

@@ -6,7 +6,8 @@ While the LR is too low the gradient keeps pointing further along the way travel
 clearly positive); once it is too high the iterate bounces in the noise and the gradient points
 back (clearly negative). The other, on a few steps a window, is the curvature share: how much of
 the step's first-order decrease of its own minibatch loss curvature took back. It rises with the LR
-and does not depend on the noise, so it flags a too-high LR where the cosine stays near zero. Thresholds are pre-registered per optimizer family (``PRESETS``), chosen
+and flags a too-high LR where the cosine stays near zero, but its value at a good LR depends on
+the batch, so the test is opt-in (``high_curvature``). Thresholds are pre-registered per optimizer family (``PRESETS``), chosen
 on calibration tasks and checked on the bench's (docs/controller.md has the ROC of every candidate).
 
 A test fires when a window's figure (the cosine's mean over its second half, where the reference
@@ -44,13 +45,15 @@ class EvidenceConfig:
     """No new move after this fraction (the schedule's decay owns the end of the run)."""
     high_threshold: float = -0.12
     """LR too high: window mean trajectory cosine below this."""
-    high_curvature: float = 0.1
-    """LR too high: the window's curvature share above this. The share is 1 - (actual / predicted
+    high_curvature: float = 0.0
+    """LR too high: the window's curvature share above this (0, the default: the test is off). The share is 1 - (actual / predicted
     decrease) of the minibatch loss over the steps measured, the loss re-evaluated on the step's own
     minibatch after the step. It is the part of the step's first-order gain that curvature takes
     back (about 1/2 lr * the curvature along the step; 1 at the edge of stability). It is read from
     the first window on, not from ``start``: the warm-up does not confound it as it does the
-    cosine, and a 30x-too-high start does its damage in the first windows. 0 turns the test off."""
+    cosine, and a 30x-too-high start does its damage in the first windows. It is opt-in: the share
+    at a good LR grows with the batch (less noise puts the good LR nearer the edge), so 0.1, chosen
+    on a batch-64 MLP, fires at the good LR of a batch-256 one (docs/controller.md)."""
     curvature_reads: int = 1
     """Steps measured for the curvature share per window (its last ones): each costs a forward pass."""
     low_threshold: float = 0.2
@@ -90,12 +93,11 @@ class EvidenceConfig:
 
 PRESETS: dict[str, EvidenceConfig] = {
     "sgd": EvidenceConfig(),
-    "adam": EvidenceConfig(low_start=0.2, high_threshold=-0.06, high_curvature=0.0),
+    "adam": EvidenceConfig(low_start=0.2, high_threshold=-0.06),
 }
 """Pre-registered configs by optimizer family. sgd's thresholds were chosen on the NQM's nesterov
 task; adam's ``low_start`` and ``high_threshold`` on a calibration NQM (``nqm.ADAM_CAL``, its own
-seeds), not on the bench's adam task. The curvature test is off for adam: Adam runs at the edge
-of stability, and the bench's GPT reads a share above sgd's threshold at its good LR (docs/controller.md)."""
+seeds), not on the bench's adam task (docs/controller.md). Neither turns the curvature test on."""
 
 
 def preset(family: str) -> EvidenceConfig:

@@ -13,7 +13,7 @@ class Recorder(EvidenceController):
     """Records the curvature reads; one forced move and restore exercise the snapshot path."""
 
     def __init__(self, steps: int) -> None:
-        super().__init__(steps, EvidenceConfig(min_window=8))
+        super().__init__(steps, EvidenceConfig(min_window=8, high_curvature=0.1))
         self.gains: list[tuple[float, float]] = []
 
     def observe(self, step, loss, traj_cos, gain=None):  # type: ignore[no-untyped-def,override]

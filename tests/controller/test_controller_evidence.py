@@ -198,7 +198,7 @@ def test_a_high_curvature_share_lowers_the_lr_before_start() -> None:
     """Above its threshold for two windows the curvature share lowers the LR at the second window,
     before ``start`` (it is not confounded by the warm-up); twice past it, one window is enough
     and the first move is a double one. Below it nothing moves in the whole run."""
-    cfg = EvidenceConfig()
+    cfg = EvidenceConfig(high_curvature=0.1)
     ctl = EvidenceController(1000, cfg)
     moves = feed_gain(ctl, range(1, 41), 1.5 * cfg.high_curvature)
     assert [(a.kind, a.step) for a in moves] == [("move", 40)] and math.isclose(ctl.lr_scale, 1 / cfg.factor)
@@ -208,10 +208,13 @@ def test_a_high_curvature_share_lowers_the_lr_before_start() -> None:
     moves = feed_gain(strong, range(1, 21), 2.5 * cfg.high_curvature)
     assert [(a.kind, a.step) for a in moves] == [("move", 20)] and math.isclose(strong.lr_scale, cfg.factor ** -2)
     assert feed_gain(EvidenceController(1000, cfg), range(1, 1001), 0.5 * cfg.high_curvature) == []
+    off = EvidenceController(1000)  # the default: the test is off and nothing is read
+    assert not any(off.reads_curvature(s) for s in range(1, 1001))
+    assert feed_gain(off, range(1, 1001), 0.9) == []
 
 
 def test_curvature_reads_outside_their_steps_or_not_finite_count_for_nothing() -> None:
-    ctl = EvidenceController(1000)
+    ctl = EvidenceController(1000, EvidenceConfig(high_curvature=0.1))
     assert not ctl.reads_curvature(5) and ctl.reads_curvature(20) and not ctl.reads_curvature(1000)
     bad = [a for s in range(1, 101)
            if (a := ctl.observe(s, 1.0, 0.0, (1.0, -5.0) if not ctl.reads_curvature(s) else (math.nan, 0.0)))]
