@@ -23,7 +23,7 @@ together so the arms interleave in time (machine drift hits them alike):
                 agent's default (EvidenceConfig())
                 on the same run: moves only when its pre-registered test fires, each move
                 snapshot-protected (a state copy) and checked against a forecast;
-  null          (good LR only) reads every step like the controller and never acts: overhead;
+  null          (good LR only) reads what the controller reads and never acts: overhead;
   grid          3 runs at the start x0.1, x1, x10 to the schedule's end, the winner by its val
                 loss there; its time = the losers' full runs + the winner's time to target.
 Every run executes 1.5x its planned steps at most (the schedule's floor after its end); nothing

@@ -159,6 +159,9 @@ class MLPLoop:
         self.opt = torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True)
         self.lr, self.steps, self.evidence, self.act = lr, steps, evidence, act
         self.ref = self.theta.clone()
+        self.d = torch.empty_like(self.theta)
+        self.dots = torch.empty(3)
+        """Preallocated: a read allocates nothing, so the arms that read share none's memory layout."""
 
     def flat_ok(self) -> bool:
         """Whether the parameters and gradients still live in the flat buffers."""
@@ -187,8 +190,11 @@ class MLPLoop:
             traj, gain = None, None
             curv = ev is not None and ev.reads_curvature(step + 1)
             if ev is not None and ev.reads(step + 1):
-                d = self.theta - self.ref
-                gd, gg, dd = torch.stack((self.grad @ d, self.grad @ self.grad, d @ d)).tolist()
+                d = torch.sub(self.theta, self.ref, out=self.d)
+                torch.dot(self.grad, d, out=self.dots[0])
+                torch.dot(self.grad, self.grad, out=self.dots[1])
+                torch.dot(d, d, out=self.dots[2])
+                gd, gg, dd = self.dots.tolist()
                 traj = -gd / math.sqrt(gg * dd) if gg * dd > 0 else 0.0
             g_before = float(self.grad @ self.theta) if curv else 0.0
             for group in self.opt.param_groups:
