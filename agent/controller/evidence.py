@@ -4,14 +4,16 @@ It reads two figures besides the loss. One is the trajectory cosine ``cos(g_t, -
 theta_ref))`` with theta_ref the parameters at the start of the current window (Mechanic-style).
 While the LR is too low the gradient keeps pointing further along the way travelled (the mean is
 clearly positive); once it is too high the iterate bounces in the noise and the gradient points
-back (clearly negative). The other, on a few steps a window, is the curvature share: how much of
-the step's first-order decrease of its own minibatch loss curvature took back. It rises with the LR
-and flags a too-high LR where the cosine stays near zero, but its value at a good LR depends on
-the batch, so the test is opt-in (``high_curvature``). Thresholds are pre-registered per optimizer family (``PRESETS``), chosen
-on calibration tasks and checked on the bench's (docs/controller.md has the ROC of every candidate).
+back (clearly negative). The other, on one step a window, is the curvature share: how much of
+the step's first-order decrease of its own minibatch loss the curvature took back. It rises with
+the LR and flags a too-high LR where the cosine stays near zero, but its value at a good LR depends
+on the batch, so that test is opt-in (``high_curvature``). Thresholds are pre-registered per
+optimizer family (``PRESETS``), chosen on calibration tasks and checked on the bench's
+(docs/controller.md has the ROC of every candidate).
 
 A test fires when a window's figure (the cosine's mean over its second half, where the reference
-is old enough; the curvature share over its last steps) crosses a threshold for ``confirm`` windows in a row. Then, and only then:
+is old enough; the curvature share over its last steps) crosses a threshold for ``confirm``
+windows in a row. Then, and only then:
 1. a forecast of the next window's mean log-loss under the current LR is made from the last two
    windows (a local power law, log L linear in log t, with the standard error of its prediction);
 2. the caller snapshots the run (``Action.snapshot``) and applies LR x ``factor`` (or / factor);
@@ -46,9 +48,9 @@ class EvidenceConfig:
     high_threshold: float = -0.12
     """LR too high: window mean trajectory cosine below this."""
     high_curvature: float = 0.0
-    """LR too high: the window's curvature share above this (0, the default: the test is off). The share is 1 - (actual / predicted
-    decrease) of the minibatch loss over the steps measured, the loss re-evaluated on the step's own
-    minibatch after the step. It is the part of the step's first-order gain that curvature takes
+    """LR too high: the window's curvature share above this (0, the default: the test is off). The
+    share is 1 - actual / predicted decrease of the minibatch loss over the steps measured, the
+    loss re-evaluated on the step's own minibatch after the step. It is the part of the step's first-order gain that curvature takes
     back (about 1/2 lr * the curvature along the step; 1 at the edge of stability). It is read from
     the first window on, not from ``start``: the warm-up does not confound it as it does the
     cosine, and a 30x-too-high start does its damage in the first windows. It is opt-in: the share
@@ -248,9 +250,10 @@ class EvidenceController:
         # A curvature share twice past its threshold is evidence enough in one window: a step that
         # loses half its gain to curvature does its damage within a window or two.
         strong = direction < 0 and curvature is not None and curvature > 2 * self.config.high_curvature > 0
-        if abs(self._streak) < (1 if strong else self.config.confirm):
+        windows = 1 if strong else self.config.confirm
+        if abs(self._streak) < windows:
             return None
-        return self._move(step, direction, mean, curvature)
+        return self._move(step, direction, mean, curvature, windows)
 
     def _direction(self, mean: float, curvature: float | None) -> int:
         c = self.config
@@ -258,7 +261,7 @@ class EvidenceController:
             return -1
         return 1 if mean > c.low_threshold else 0
 
-    def _move(self, step: int, direction: int, mean: float, curvature: float | None) -> Action | None:
+    def _move(self, step: int, direction: int, mean: float, curvature: float | None, windows: int) -> Action | None:
         c = self.config
         # Evidence twice past its threshold takes two steps of ``factor`` at once, on a direction's
         # first move only: later moves are near the good LR, where a double step overshoots.
@@ -286,7 +289,8 @@ class EvidenceController:
                   if direction < 0 and curvature is not None and curvature > c.high_curvature and mean >= c.high_threshold
                   else f"window trajectory cosine {mean:+.3f} beyond "
                   f"{c.low_threshold if direction > 0 else c.high_threshold:+g}")
-        return self._act("move", step, direction, inputs, f"LR too {word}: {signal} for {c.confirm} windows; "
+        return self._act("move", step, direction, inputs, f"LR too {word}: {signal} for {windows} "
+                         f"window{'s' if windows > 1 else ''}; "
                          f"LR x{factor ** direction:.3g} tentatively, "
                          f"forecast mean log-loss {forecast[0]:.4f} +- {forecast[1]:.4f}")
 
