@@ -71,7 +71,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -82,7 +82,17 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.mlptask import MLP_CAL, MLP_CAL_SEEDS, MLP_NESTEROV, MLPLoop, describe, fit_mlp, mlp_roc  # noqa: E402
+from bench.mlptask import (  # noqa: E402
+    MLP_CAL,
+    MLP_CAL_SEEDS,
+    MLP_NESTEROV,
+    MLPLoop,
+    MLPRun,
+    describe,
+    fit_mlp,
+    mlp_roc,
+    time_ratio,
+)
 from trainguard.agent.controller import ControllerConfig, install  # noqa: E402
 from trainguard.agent.controller.calibrate import (  # noqa: E402
     MULTIPLIERS,
@@ -118,24 +128,12 @@ BUDGET = 1.5
 
 
 @dataclass
-class Run:
+class Run(MLPRun):
     task: str
     arm: str
     start: str
     seed: int
     mult: float
-    curve: list[tuple[float, int, float, float]] = field(default_factory=list)
-    """(clock, trajectory step, val loss, test loss) at every evaluation."""
-    executed: int = 0
-    clock: float = 0.0
-    final_val: float = math.nan
-    final_test: float = math.nan
-    """Losses when the trajectory reached the schedule's last step (or at the budget's end)."""
-    final_lr_scale: float = 1.0
-    decisions: list[str] = field(default_factory=list)
-
-    def to_target(self, target: float) -> float:
-        return next((t for t, _, val, _ in self.curve if val <= target), math.inf)
 
     def clock_at(self, step: int) -> float:
         return next((t for t, s, _, _ in self.curve if s >= step), self.clock)
@@ -172,7 +170,6 @@ class Loop:
         self.alignment = UpdateAlignment(self.params)
         self.update_cos: float | None = None
         self.traj_cos = 0.0
-        self.gain: tuple[float, float] | None = None
         self.ref: torch.Tensor | None = None
         self.lr_scale = 1.0
         self.version = 0
@@ -211,10 +208,7 @@ class Loop:
         self.opt.load_state_dict(snap["opt"])
         return int(snap["step"])
 
-    def step(self, step: int, traj: bool = False,
-             curv: bool = False) -> tuple[float, float, list[tuple[int, float]], float, float, float]:
-        """One step over the emulated ranks; ``traj`` measures the trajectory cosine, ``curv`` the
-        step's (predicted, actual) decrease of its own batch's loss (``self.gain``)."""
+    def step(self, step: int, traj: bool = False) -> tuple[float, float, list[tuple[int, float]], float, float, float]:
         cfg = self.cfg
         idx = self.sampler.next_step(self.sizes)
         global_n = sum(self.sizes)
@@ -223,14 +217,12 @@ class Loop:
         total = [torch.zeros_like(p) for p in self.params]
         local: list[tuple[int, float]] = []
         loss_sum = 0.0
-        batches = []
         for r, n in enumerate(self.sizes):
             if n == 0:
                 local.append((0, 0.0))
                 continue
             batch = torch.from_numpy(windows(self.corpus.train, cfg.model.context, idx[r]))
             x, y = batch[:, :-1], batch[:, 1:]
-            batches.append((n, x, y))
             for p in self.params:
                 p.grad = None
             logits = self.model(x)
@@ -255,7 +247,6 @@ class Loop:
             d = self.flat() - self.ref
             denom = float(g.norm() * d.norm())
             self.traj_cos = float(-(g @ d)) / denom if denom > 0 else 0.0
-        g_before = sum(float((a * p.detach()).sum()) for p, a in zip(self.params, total, strict=True)) if curv else 0.0
         norm = math.sqrt(grad_sq)
         if cfg.optim.clip and norm > cfg.optim.clip:
             for p in self.params:
@@ -266,15 +257,6 @@ class Loop:
         if math.isfinite(norm):
             self.opt.step()
         self.update_cos = self.alignment.after_step()
-        self.gain = None
-        if curv:
-            # The unclipped reduced gradient predicts the decrease; the same batches measure it.
-            scale = (norm + 1e-6) / cfg.optim.clip if cfg.optim.clip and norm > cfg.optim.clip else 1.0
-            g_after = sum(float((p.grad * p.detach()).sum()) for p in self.params if p.grad is not None) * scale
-            with torch.no_grad():
-                after = sum(n * float(F.cross_entropy(self.model(x).reshape(-1, 256), y.reshape(-1)))
-                            for n, x, y in batches) / global_n
-            self.gain = (g_before - g_after, loss_sum / global_n - after)
         t2 = time.perf_counter()
         return loss_sum / global_n, grad_sq, local, lr, t1 - t0, t2 - t1
 
@@ -304,11 +286,10 @@ class Loop:
                 pending = None
             if ev is not None and ev.window_start(step):
                 self.ref = self.flat().clone()
-            loss, grad_sq, local, lr, compute_s, opt_s = self.step(step, ev is not None and ev.reads(step + 1),
-                                                                   ev is not None and ev.reads_curvature(step + 1))
+            loss, grad_sq, local, lr, compute_s, opt_s = self.step(step, ev is not None and ev.reads(step + 1))
             step += 1
             if ev is not None:
-                action = ev.observe(step, loss, self.traj_cos, self.gain)
+                action = ev.observe(step, loss, self.traj_cos)
                 if action is not None and self.act:
                     out.decisions.append(describe(action))
                     if action.kind == "move":
@@ -438,13 +419,6 @@ def run_spec(spec: Spec) -> Run:
 
 
 # --- statistics ----------------------------------------------------------------------------------
-def ratio(num: float, den: float) -> float:
-    """num / den for times: a miss (inf) in the denominator is 0, in both 1."""
-    if math.isinf(den):
-        return 1.0 if math.isinf(num) else 0.0
-    return num / den if den > 0 else math.nan
-
-
 def bootstrap(values: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """Median of ``values`` and the 2.5 / 97.5 percentiles of the medians of resamples."""
     if not values:
@@ -519,7 +493,7 @@ def report(p: Plan, runs: list[Run], result: dict[str, float], goals: list[str])
         """A grid member: the fixed-LR run at start x g (another start's none run where they coincide)."""
         return fixed[(round(MULTIPLIERS[start] * g, 9), seed)]
 
-    harm = [ratio(good_none[i], by[("evidence", "good", i)].to_target(target)) for i in seeds]
+    harm = [time_ratio(good_none[i], by[("evidence", "good", i)].to_target(target)) for i in seeds]
     h, lo, hi = bootstrap(harm)
     finals = [by[("evidence", "good", i)].final_test / by[("none", "good", i)].final_test for i in seeds]
     f, flo, fhi = bootstrap(finals)
@@ -535,17 +509,17 @@ def report(p: Plan, runs: list[Run], result: dict[str, float], goals: list[str])
         print(f"  {t} null arm: none's / null's clock per step {result[f'{t}_null_step_ratio']:.3f}")
     rescue_ok, grid_ok = True, True
     for s in [x for x in p.starts if x != "good"]:
-        rescue = [ratio(good_none[i], by[("evidence", s, i)].to_target(target)) for i in seeds]
+        rescue = [time_ratio(good_none[i], by[("evidence", s, i)].to_target(target)) for i in seeds]
         grid_ratio = []
         for i in seeds:
             members = [member(s, g, i) for g in GRID]
             winner = min(members, key=lambda r: r.final_val if math.isfinite(r.final_val) else math.inf)
             cost = sum(r.clock_at(p.schedule) for r in members if r is not winner)
-            grid_ratio.append(ratio(cost + winner.to_target(target), by[("evidence", s, i)].to_target(target)))
+            grid_ratio.append(time_ratio(cost + winner.to_target(target), by[("evidence", s, i)].to_target(target)))
         r_med, r_lo, r_hi = bootstrap(rescue)
         g_med, g_lo, g_hi = bootstrap(grid_ratio)
         result[f"{t}_rescue_{s}_ratio"], result[f"{t}_grid_{s}_ratio"] = r_med, g_med
-        none_from = statistics.median(ratio(good_none[i], by[("none", s, i)].to_target(target)) for i in seeds)
+        none_from = statistics.median(time_ratio(good_none[i], by[("none", s, i)].to_target(target)) for i in seeds)
         print(f"  {t} from {s:6s}: rescue ratio {r_med:.3f} [{r_lo:.3f}, {r_hi:.3f}] (none from there {none_from:.3f}); "
               f"grid / evidence {g_med:.3f} [{g_lo:.3f}, {g_hi:.3f}]")
         rescue_ok &= r_med >= 1 / 1.5

@@ -16,13 +16,13 @@ import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from trainguard.agent.controller.calibrate import auc
-from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController
+from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController, curvature_share
 from trainguard.agent.controller.nqm import NESTEROV
 
 MLP_IN, MLP_CLASSES, MLP_HELD = 32, 10, 2048
@@ -44,8 +44,10 @@ MLP_TASKS = {t.name: t for t in (MLP_NESTEROV, MLP_CAL)}
 MLP_CAL_SEEDS = range(100, 110)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MLPRun:
+    """What one run records (the bench's Run adds which run it was)."""
+
     curve: list[tuple[float, int, float, float]] = field(default_factory=list)
     decisions: list[str] = field(default_factory=list)
     executed: int = 0
@@ -65,28 +67,28 @@ def time_ratio(num: float, den: float) -> float:
     return num / den if den > 0 else math.nan
 
 
-def fit_run(job: tuple[MLPTask, float, int, EvidenceConfig | None]) -> MLPRun:
+def fit_run(job: tuple[MLPTask, float, int, EvidenceConfig | None, int]) -> MLPRun:
     """One calibration run (a worker's job): the task from ``mult`` x its good LR, controlled by
-    the config or not, on the step clock, 1.5x the 1000-step schedule."""
-    task, mult, seed, cfg = job
+    the config or not, on the step clock, 1.5x its ``steps``-step schedule."""
+    task, mult, seed, cfg, steps = job
     torch.set_num_threads(1)
-    ev = EvidenceController(1000, cfg) if cfg is not None else None
-    return MLPLoop(task, task.good_lr * mult, 1000, seed, ev, True, step_clock=True).run(MLPRun(), 1500, 10)
+    ev = EvidenceController(steps, cfg) if cfg is not None else None
+    return MLPLoop(task, task.good_lr * mult, steps, seed, ev, True, step_clock=True).run(MLPRun(), int(1.5 * steps), 10)
 
 
 def fit_mlp(configs: list[EvidenceConfig], starts: tuple[str, ...], seeds: range, mult: dict[str, float],
-            jobs: int) -> list[tuple[EvidenceConfig, int, float, float, dict[str, float]]]:
+            jobs: int, steps: int = 1000) -> list[tuple[EvidenceConfig, int, float, float, dict[str, float]]]:
     """Per config on ``MLP_CAL``: seeds silent at the good LR, harm and final loss ratios there,
     and the median rescue ratio from each start (the bench's target and ratios, step clock)."""
     ctx = multiprocessing.get_context("spawn")
-    work = [(MLP_CAL, 1.0, s, None) for s in seeds]
+    work: list[tuple[MLPTask, float, int, EvidenceConfig | None, int]] = [(MLP_CAL, 1.0, s, None, steps) for s in seeds]
     for cfg in configs:
-        work += [(MLP_CAL, mult[name], s, cfg) for name in ("good", *starts) for s in seeds]
+        work += [(MLP_CAL, mult[name], s, cfg, steps) for name in ("good", *starts) for s in seeds]
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
         runs = list(pool.map(fit_run, work, chunksize=1))
     n = len(seeds)
     base, runs = runs[:n], runs[n:]
-    target = statistics.median(next(v for _, st, v, _ in r.curve if st >= 750) for r in base)
+    target = statistics.median(next(v for _, st, v, _ in r.curve if st >= 0.75 * steps) for r in base)
     none_time = [r.to_target(target) for r in base]
     rows = []
     for cfg in configs:
@@ -99,16 +101,6 @@ def fit_mlp(configs: list[EvidenceConfig], starts: tuple[str, ...], seeds: range
                      statistics.median(time_ratio(t, r.to_target(target)) for t, r in zip(none_time, good, strict=True)),
                      statistics.median(r.final_test / b.final_test for r, b in zip(good, base, strict=True)), rescue))
     return rows
-
-
-class RunLike(Protocol):
-    curve: list[tuple[float, int, float, float]]
-    decisions: list[str]
-    executed: int
-    clock: float
-    final_val: float
-    final_test: float
-    final_lr_scale: float
 
 
 def describe(a: Action) -> str:
@@ -175,7 +167,7 @@ class MLPLoop:
     def evaluate(self) -> tuple[float, float]:
         return tuple(float(F.cross_entropy(self.model(x), y)) for x, y in (self.val, self.test))  # type: ignore[return-value]
 
-    def run(self, out: RunLike, budget: int, val_every: int) -> RunLike:
+    def run(self, out: MLPRun, budget: int, val_every: int) -> MLPRun:
         clock, step, scale = 0.0, 0, 1.0
         snap: dict[str, Any] | None = None
         ev = self.evidence
@@ -258,8 +250,8 @@ class WindowReader(EvidenceController):
         if gain is not None:
             self._g = gain
         if step % self.window == 0:
-            share = 1 - self._g[1] / self._g[0] if self._g and self._g[0] > 0 else math.inf
-            self.windows[step] = (statistics.fmean(self._c) if self._c else 0.0, share)
+            share = curvature_share(*self._g) if self._g else None
+            self.windows[step] = (statistics.fmean(self._c) if self._c else 0.0, math.inf if share is None else share)
             self._c, self._g = [], None
         return None
 

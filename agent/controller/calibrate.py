@@ -11,7 +11,13 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController, preset
+from trainguard.agent.controller.evidence import (
+    Action,
+    EvidenceConfig,
+    EvidenceController,
+    curvature_share,
+    preset,
+)
 from trainguard.agent.controller.nqm import NQM, NQMTask
 from trainguard.agent.controller.probe import ProbeConfig, ProbeResult, compare
 
@@ -88,10 +94,9 @@ def _robust_max_z(history: list[float], window: list[float]) -> float:
     return max((x - med) / mad for x in window) if mad > 0 else 0.0
 
 
-def curvature_share(gains: list[tuple[float, float]]) -> float:
-    """1 - actual / predicted decrease over the steps' (predicted, actual) pairs."""
-    predicted, actual = sum(p for p, _ in gains), sum(a for _, a in gains)
-    return 1 - actual / predicted if predicted > 0 else math.inf
+def _share(gains: list[tuple[float, float]]) -> float:
+    share = curvature_share(sum(p for p, _ in gains), sum(a for _, a in gains))
+    return math.inf if share is None else share
 
 
 def window_signals(task: NQMTask, mult: float, seed: int, steps: int, at: list[int],
@@ -113,7 +118,7 @@ def window_signals(task: NQMTask, mult: float, seed: int, steps: int, at: list[i
             "grad_cos": statistics.fmean(s.grad_cos for s in ws),
             "loss_z": _robust_max_z([s.loss for s in before], [s.loss for s in ws]),
             "grad_norm_z": _robust_max_z([s.grad_norm for s in before], [s.grad_norm for s in ws]),
-            "curvature": curvature_share([s.gain for s in ws[-reads:]]),
+            "curvature": _share([s.gain for s in ws[-reads:]]),
         })
     return out
 

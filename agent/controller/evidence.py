@@ -133,6 +133,12 @@ class _Trial:
     forecast_se: float
 
 
+def curvature_share(predicted: float, actual: float) -> float | None:
+    """1 - actual / predicted decrease of the minibatch loss (summed over the steps read); None
+    when nothing was predicted to decrease."""
+    return 1 - actual / predicted if predicted > 0 else None
+
+
 def loglog_forecast(points: list[tuple[int, float]], at: list[int]) -> tuple[float, float] | None:
     """Fit log L = a + b log t to ``points`` (step, loss) and forecast the mean log-loss over the
     steps ``at``: (mean, standard error of that mean, prediction noise of its own window included)."""
@@ -225,7 +231,7 @@ class EvidenceController:
         cos, self._cos = self._cos, []
         (predicted, actual), self._gain = self._gain, [0.0, 0.0]
         mean = statistics.fmean(cos) if cos else 0.0
-        curvature = 1 - actual / predicted if predicted > 0 else None
+        curvature = curvature_share(predicted, actual)
         direction = self._direction(mean, curvature)
         if self._trial is not None:
             window = [math.log(v) if v > 0 else -math.inf for s, v in self._points if s > step - self.window]
