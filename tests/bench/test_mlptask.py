@@ -1,11 +1,14 @@
 """The controller bench's MLP task: parameters and gradients stay in their flat buffers through
-training, a move and a restore, and the curvature share it measures rises with the LR."""
+training, a move and a restore, the curvature share it measures rises with the LR, and its fit
+grid and ROC (``--fit-sgd``, ``--signals``) run in their smallest configuration."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from bench.mlptask import MLP_CAL, MLPLoop, MLPRun
+from bench.mlptask import MLP_CAL, MLPLoop, MLPRun, fit_mlp, mlp_roc
 from trainguard.agent.controller.evidence import Action, EvidenceConfig, EvidenceController
 
 
@@ -58,3 +61,15 @@ def test_flat_buffers_survive_a_move_and_a_restore() -> None:
     assert run.curve[-1][1] == 20  # 30 executed, 10 of them undone
     assert loop.flat_ok()
     assert loop.theta.data_ptr() == next(loop.model.parameters()).data_ptr()
+
+
+def test_the_fit_grid_and_the_roc_run_in_their_smallest_configuration() -> None:
+    """Two seeds of 100-step runs in one worker: every row and cell is there and in range."""
+    mult = {"good": 1.0, "high30": 30.0}
+    rows = fit_mlp([EvidenceConfig(high_curvature=0.1)], ("high30",), range(100, 102), mult, jobs=1, steps=100)
+    [(cfg, silent, harm, final, rescue)] = rows
+    assert cfg.high_curvature == 0.1 and 0 <= silent <= 2 and set(rescue) == {"high30"}
+    assert all(math.isfinite(v) and v >= 0 for v in (harm, final, rescue["high30"]))
+    roc = mlp_roc(MLP_CAL, range(100, 102), mult, jobs=1, steps=100, at=(0.2,))
+    assert set(roc) == {"traj_cos", "curvature"}
+    assert all(0 <= roc[sig][0.2]["high30"] <= 1 for sig in roc)
